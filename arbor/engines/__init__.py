@@ -1,0 +1,1 @@
+"""Rollout engines: SGLang (GPU) or arbor's embedded engine, both behind SGLang's native API."""

@@ -1,0 +1,47 @@
+"""Records exchanged with rollout engines, in token ids (never text).
+
+They mirror SGLang's native ``/generate`` API (ALGORITHMS.md §5): the HTTP client turns
+a :class:`GenerateRequest` into ``{"input_ids", "sampling_params", "return_logprob"}``
+and the response's ``output_ids`` / ``meta_info`` into :class:`GenerateOutput`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+
+@dataclass
+class SamplingParams:
+    max_new_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1 = no top-k (SGLang's convention)
+    n: int = 1  # continuations of the same prefix; the radix cache computes the prefix once
+    stop_token_ids: list[int] = field(default_factory=list)
+    seed: int | None = None  # per-request sampling seed (reproducible trees)
+
+
+@dataclass
+class GenerateRequest:
+    input_ids: list[int]  # prompt + every token generated so far on this path
+    sampling: SamplingParams
+    # Requests with the same key go to the same server so its radix cache hits
+    # (e.g. one key per rollout tree). None: any server.
+    affinity_key: str | None = None
+
+
+@dataclass
+class GenerateOutput:
+    output_ids: list[int]  # new tokens only
+    logprobs: list[float]  # behaviour log-probability of each output token
+    finish_reason: str  # "stop" (EOS / stop token) | "length" | "abort"
+    prompt_tokens: int
+    cached_tokens: int  # prompt tokens served from the radix cache
+    weight_version: str  # the engine's weights when it sampled this
+
+
+class RolloutEngine(Protocol):
+    """What the sampler needs from an engine: one request in, ``n`` outputs back."""
+
+    async def generate(self, request: GenerateRequest) -> list[GenerateOutput]: ...
