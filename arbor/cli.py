@@ -1,0 +1,94 @@
+"""The ``arbor`` command.
+
+    arbor train configs/math.yaml [section.key=value ...]   # RL with tree rollouts
+    arbor config configs/math.yaml loss.clip_high=0.3       # validate, print the resolved config
+    arbor serve --model PATH [--host H] [--port P]          # embedded engine, SGLang's native API
+
+Every command that takes a config validates it (and its overrides) before any work
+starts; a bad key exits with status 2 and a message naming it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Callable
+
+from arbor.config import Config, dump_config, load_config
+from arbor.errors import ConfigError
+
+# Subcommand -> (module, function, one-line help, takes a config). Modules are imported
+# only when their command runs, so `arbor --help` stays fast and light.
+COMMANDS: dict[str, tuple[str, str, str, bool]] = {
+    "train": ("arbor.trainer", "main", "run RL post-training (TreePO tree rollouts)", True),
+    "sft": ("arbor.sft", "main", "supervised fine-tuning on conversations or trees", True),
+    "eval": ("arbor.evaluate", "main", "pass@k / maj@k of a model on a jsonl set", True),
+    "config": ("arbor.cli", "print_config", "validate a config and print its resolved form", True),
+    "serve": ("arbor.engines.server", "main", "serve the embedded engine behind SGLang's API", False),
+    "view": ("arbor.viewer", "main", "render a saved rollout tree as a self-contained HTML page", False),
+}
+
+
+def print_config(cfg: Config) -> int:
+    print(dump_config(cfg), end="")
+    return 0
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="arbor",
+        description="RL post-training for LLMs whose rollouts are trees.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (_, _, help_text, takes_config) in COMMANDS.items():
+        p = sub.add_parser(name, help=help_text, add_help=takes_config)
+        if takes_config:
+            p.add_argument("config", help="YAML config file")
+            p.add_argument("overrides", nargs="*", metavar="section.key=value")
+            p.add_argument(
+                "--dry-run",
+                action="store_true",
+                help="validate the config, print its resolved form and stop",
+            )
+    return parser
+
+
+def _resolve(command: str) -> Callable[..., int]:
+    module_name, func, _, _ = COMMANDS[command]
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as e:
+        if e.name != module_name:
+            raise
+        raise SystemExit(f"arbor {command}: not available in this version ({module_name} is missing)") from None
+    return getattr(module, func)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = _parser()
+    if argv and argv[0] in COMMANDS and not COMMANDS[argv[0]][3]:
+        # Commands with their own flags (serve, view) parse their arguments themselves.
+        return _resolve(argv[0])(argv[1:])
+    # Overrides may come before or after flags (`train c.yaml --dry-run a.b=1`).
+    args, extra = parser.parse_known_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    for item in extra:
+        if item.startswith("-"):
+            parser.error(f"unrecognized argument: {item}")
+    args.overrides += extra
+    try:
+        cfg = load_config(args.config, args.overrides)
+    except ConfigError as e:
+        print(f"arbor {args.command}: config error: {e}", file=sys.stderr)
+        return 2
+    if args.dry_run:
+        return print_config(cfg)
+    return _resolve(args.command)(cfg)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

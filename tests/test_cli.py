@@ -1,0 +1,42 @@
+"""The `arbor` command: help, config validation, exit codes (run as a real subprocess)."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def arbor(*args: str, cwd: Path = REPO) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "arbor", *args], cwd=cwd, capture_output=True, text=True, timeout=120
+    )
+
+
+def test_help_lists_subcommands():
+    out = arbor("--help")
+    assert out.returncode == 0
+    for command in ("train", "sft", "eval", "serve", "view", "config"):
+        assert command in out.stdout
+
+
+def test_typo_exits_nonzero_naming_the_key(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text((REPO / "configs/math.yaml").read_text().replace("clip_high:", "clip_hihg:"))
+    out = arbor("train", str(bad))
+    assert out.returncode != 0
+    assert "clip_hihg" in out.stderr
+    out = arbor("train", "configs/math.yaml", "loss.clip_hihg=0.3")
+    assert out.returncode != 0 and "clip_hihg" in out.stderr
+
+
+def test_good_config_prints_resolved_form():
+    out = arbor("train", "configs/math.yaml", "--dry-run", "loss.clip_high=0.3")
+    assert out.returncode == 0, out.stderr
+    resolved = yaml.safe_load(out.stdout)
+    assert resolved["loss"]["clip_high"] == 0.3
+    assert resolved["rollout"]["segment_tokens"] == 512
+    out = arbor("config", "configs/math.yaml")
+    assert out.returncode == 0 and yaml.safe_load(out.stdout)["learner"]["zero_stage"] == 3

@@ -1,0 +1,134 @@
+"""Config loading: types, unknown keys, combinations, overrides, round-trip."""
+
+from pathlib import Path
+
+import pytest
+
+from arbor.config import Config, ConfigError, dump_config, load_config
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    return path
+
+
+def test_defaults_are_valid_and_round_trip(tmp_path):
+    cfg = load_config(None)
+    again = load_config(write(tmp_path, dump_config(cfg)))
+    assert again == cfg
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in (REPO / "configs").glob("*.yaml")))
+def test_shipped_configs_load_and_round_trip(tmp_path, name):
+    cfg = load_config(REPO / "configs" / name)
+    assert load_config(write(tmp_path, dump_config(cfg))) == cfg
+
+
+def test_math_config_is_the_paper_setting():
+    cfg = load_config(REPO / "configs" / "math.yaml")
+    assert (cfg.rollout.max_depth, cfg.rollout.segment_tokens, cfg.rollout.width) == (14, 512, 16)
+    assert cfg.engine.kind == "sglang" and cfg.learner.zero_stage == 3
+    assert cfg.rollout.max_response_tokens == 14 * 512
+
+
+def test_typo_names_key_file_and_line(tmp_path):
+    path = write(tmp_path, "run:\n  steps: 3\nloss:\n  clip_low: 0.2\n  clip_hihg: 0.3\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    msg = str(err.value)
+    assert "clip_hihg" in msg and f"{path}:5" in msg and "clip_high" in msg  # suggestion
+
+
+def test_unknown_section(tmp_path):
+    with pytest.raises(ConfigError, match="unknown key 'trainer'"):
+        load_config(write(tmp_path, "trainer:\n  lr: 1\n"))
+
+
+@pytest.mark.parametrize(
+    "override, key",
+    [
+        ("loss.clip_high=abc", "loss.clip_high must be a number"),
+        ("run.steps=2.5", "run.steps must be an integer"),
+        ("learner.zero_stage=true", "learner.zero_stage must be an integer"),
+        ("run.resume=1", "run.resume must be true or false"),
+        ("rollout.mode=beam", "rollout.mode must be one of 'tree', 'independent'"),
+        ("optim.betas=0.9", "optim.betas must be a list"),
+        ("reward.functions=[{fn: a:b, weight: x}]", "reward.functions[0].weight must be a number"),
+        ("model=3", "model must be a mapping"),
+    ],
+)
+def test_wrong_types_name_the_key(override, key):
+    with pytest.raises(ConfigError) as err:
+        load_config(None, [override])
+    assert key in str(err.value)
+    assert f"override {override!r}" in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "overrides, key",
+    [
+        (["rollout.branch=32"], "rollout.branch"),
+        (["rollout.width=0"], "rollout.width"),
+        (["rollout.top_p=0"], "rollout.top_p"),
+        (["rollout.init_divergence=1"], "rollout.init_divergence"),
+        (["loss.clip_low=1.5"], "loss.clip_low"),
+        (["engine.kind=external"], "engine.urls"),
+        (["engine.urls=[http://x:1]"], "engine.urls"),
+        (["learner.backend=torch", "learner.num_ranks=2"], "learner.num_ranks"),
+        (["learner.zero_stage=4"], "learner.zero_stage"),
+        (["learner.pack_tokens=100"], "learner.pack_tokens"),
+        (["learner.device=cpu", "engine.kind=sglang"], "engine.kind"),
+        (["run.eval_every=5"], "run.eval_every"),
+        (["reward.functions=[]"], "reward.functions"),
+        (["reward.functions=[{fn: nocolon}]"], "reward.functions[0].fn"),
+        (["algorithm.minibatches=64", "data.prompts_per_step=8"], "algorithm.minibatches"),
+    ],
+)
+def test_invalid_combinations_name_the_key(overrides, key):
+    with pytest.raises(ConfigError) as err:
+        load_config(None, overrides)
+    assert key in str(err.value)
+
+
+def test_overrides_apply_and_widen_ints():
+    cfg = load_config(
+        None,
+        ["loss.clip_high=1", "engine.kind=external", "engine.urls=[http://a:1, http://b:2]",
+         "ray.address=auto", "model.ref_path=null", "data.eval_path=x.jsonl", "run.eval_every=3"],
+    )
+    assert cfg.loss.clip_high == 1.0 and isinstance(cfg.loss.clip_high, float)
+    assert cfg.engine.urls == ["http://a:1", "http://b:2"]
+    assert cfg.ray.address == "auto" and cfg.model.ref_path is None
+
+
+def test_nested_reward_terms(tmp_path):
+    path = write(
+        tmp_path,
+        "reward:\n  functions:\n    - fn: rewards/math.py:boxed_accuracy\n      weight: 1\n"
+        "    - fn: rewards/math.py:boxed_format\n      weight: 0.1\n",
+    )
+    cfg = load_config(path)
+    assert [t.weight for t in cfg.reward.functions] == [1.0, 0.1]
+    assert cfg.source == str(path.resolve())
+
+
+@pytest.mark.parametrize("bad", ["loss", "=3", "loss.=3", "loss.clip_high.x=3"])
+def test_malformed_overrides(bad):
+    with pytest.raises(ConfigError):
+        load_config(None, [bad])
+
+
+def test_bad_files(tmp_path):
+    with pytest.raises(ConfigError, match="cannot read config file"):
+        load_config(tmp_path / "missing.yaml")
+    with pytest.raises(ConfigError, match="invalid YAML"):
+        load_config(write(tmp_path, "run: [unclosed\n"))
+    with pytest.raises(ConfigError, match="top level must be a mapping"):
+        load_config(write(tmp_path, "- a\n- b\n"))
+
+
+def test_empty_file_is_the_defaults(tmp_path):
+    assert load_config(write(tmp_path, "")) == Config()
