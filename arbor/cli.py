@@ -17,6 +17,7 @@ from collections.abc import Callable
 
 from arbor.config import Config, dump_config, load_config
 from arbor.errors import ConfigError
+from arbor.plugins import default_search_dirs
 
 # Subcommand -> (module, function, one-line help, takes a config). Modules are imported
 # only when their command runs, so `arbor --help` stays fast and light.
@@ -28,6 +29,14 @@ COMMANDS: dict[str, tuple[str, str, str, bool]] = {
     "serve": ("arbor.engines.server", "main", "serve the embedded engine behind SGLang's API", False),
     "view": ("arbor.viewer", "main", "render a saved rollout tree as a self-contained HTML page", False),
 }
+
+
+def check_extensions(cfg: Config) -> None:
+    """Resolve the config's extension points once, so a bad name fails before any work."""
+    from arbor.rewards import RewardTerm, load_reward_terms  # imports math-verify: only here
+
+    terms = [RewardTerm(t.fn, t.weight) for t in cfg.reward.functions]
+    load_reward_terms(terms, search_dirs=default_search_dirs(cfg.source))
 
 
 def print_config(cfg: Config) -> int:
@@ -82,6 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     args.overrides += extra
     try:
         cfg = load_config(args.config, args.overrides)
+        check_extensions(cfg)
     except ConfigError as e:
         print(f"arbor {args.command}: config error: {e}", file=sys.stderr)
         return 2

@@ -40,3 +40,15 @@ def test_good_config_prints_resolved_form():
     assert resolved["rollout"]["segment_tokens"] == 512
     out = arbor("config", "configs/math.yaml")
     assert out.returncode == 0 and yaml.safe_load(out.stdout)["learner"]["zero_stage"] == 3
+
+
+def test_bad_reward_function_name_fails_naming_the_key():
+    out = arbor("config", "configs/math.yaml", "reward.functions=[{fn: rewards/math.py:boxd_accuracy}]")
+    assert out.returncode == 2
+    assert "reward.functions[0].fn" in out.stderr and "boxd_accuracy" in out.stderr
+
+
+def test_reward_specs_resolve_from_another_directory(tmp_path):
+    # Relative specs are looked up beside the config file too, not only in the cwd.
+    out = arbor("config", str(REPO / "configs/math.yaml"), cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
