@@ -315,16 +315,17 @@ class RolloutTree:
         node, pos = self.root, 0
         limit = len(response) - 1
         while pos < limit:
-            child = next((c for c in node.children if c.token_ids[:1] == [response[pos]]), None)
+            # Several children may start with the same token (a leaf that cannot be
+            # extended, e.g. [5] beside [5, 6, 7]): follow the one that matches longest,
+            # preferring one matched in full (no split needed).
+            child, best = None, (0, False)
+            for c in node.children:
+                m = self._radix_match(c, response, pos, limit)
+                if m > 0 and (m, m == len(c.token_ids)) > best:
+                    child, best = c, (m, m == len(c.token_ids))
             if child is None:
                 break
-            # A leaf keeps at least one token of its own, so it stays a leaf.
-            room = len(child.token_ids) - (1 if child.is_leaf else 0)
-            n = 0
-            while n < room and pos + n < limit and child.token_ids[n] == response[pos + n]:
-                n += 1
-            if n == 0:
-                break
+            n = best[0]
             if n < len(child.token_ids):
                 node = self._split(child, n)
                 pos += n
@@ -332,6 +333,16 @@ class RolloutTree:
             node, pos = child, pos + n
         rest_lp = None if lps is None else lps[pos:]
         return self._new_node(node, response[pos:], rest_lp, None)
+
+    @staticmethod
+    def _radix_match(child: Node, response: list[int], pos: int, limit: int) -> int:
+        """Tokens of ``child`` that ``response[pos:limit]`` may share with it."""
+        # A leaf keeps at least one token of its own, so it stays a leaf.
+        room = len(child.token_ids) - (1 if child.is_leaf else 0)
+        n = 0
+        while n < room and pos + n < limit and child.token_ids[n] == response[pos + n]:
+            n += 1
+        return n
 
     def _split(self, node: Node, n: int) -> Node:
         """Split ``node`` after its first ``n`` tokens; return the new upper node.
