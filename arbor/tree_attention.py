@@ -1,0 +1,151 @@
+"""Tree attention for Hugging Face causal LMs (Qwen2, Llama, ...), three implementations.
+
+Token q may attend to token k iff ``k <= q < subtree_end[k]`` (k is an ancestor of q or
+q itself). The model code is untouched: the packed structure reaches attention through
+``attention_mask`` / ``position_ids`` or an attention function registered with
+transformers' ``AttentionInterface``.
+
+- ``dense``: a [1, 1, N, N] boolean mask with SDPA. O(N²) memory and work; the reference.
+- ``blocks`` (CPU default): each attention block (a chain of nodes contiguous in packed
+  order) attends to its ancestors' keys plus itself causally, one SDPA call per block.
+  Non-ancestor pairs are never computed, so the cost approaches the ideal.
+- ``flex`` (CUDA): FlexAttention with a BlockMask built from the same rule; block-sparse,
+  no N² memory. FlexAttention has no backward on CPU, so it is for CUDA training.
+
+    logits = packed_logits(model, pack, rows, attention="auto")   # [len(rows), V]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any, Literal
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface, PreTrainedModel
+
+from arbor.packing import AttentionBlock, PackedBatch
+
+Attention = Literal["auto", "dense", "blocks", "flex"]
+BLOCKS_IMPL = "arbor_tree_blocks"
+
+
+def dense_tree_mask(pack: PackedBatch) -> torch.Tensor:
+    """[1, 1, N, N] bool, True where query (row) may attend key (column)."""
+    idx = torch.arange(pack.num_tokens)
+    q, k = idx[:, None], idx[None, :]
+    return ((k <= q) & (q < pack.subtree_end[None, :]))[None, None]
+
+
+def flex_block_mask(pack: PackedBatch, device: torch.device | str) -> Any:
+    """FlexAttention BlockMask of the tree rule (block-sparse: no N² tensor is built)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    end = pack.subtree_end.to(device)
+
+    def tree_rule(b: Any, h: Any, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+        return (k <= q) & (q < end[k])
+
+    n = pack.num_tokens
+    return create_block_mask(tree_rule, B=None, H=None, Q_LEN=n, KV_LEN=n, device=device)
+
+
+def block_tree_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,  # [1, H, N, D]
+    key: torch.Tensor,  # [1, H_kv, N, D]
+    value: torch.Tensor,  # [1, H_kv, N, D]
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    arbor_blocks: list[AttentionBlock] | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """Attention over ancestor blocks only. Returns ([1, N, H, D], None) like HF's SDPA path."""
+    if arbor_blocks is None:
+        raise ValueError(f"{BLOCKS_IMPL} attention needs the pack's blocks (arbor_blocks=...)")
+    if dropout:
+        raise ValueError("tree attention is for training RL policies: attention dropout must be 0")
+    gqa = query.shape[1] != key.shape[1]
+    outputs = []
+    for block in arbor_blocks:
+        s, e = block.start, block.end
+        q = query[:, :, s:e]
+        n_ctx = len(block.context)
+        if n_ctx:
+            ctx = block.context.to(key.device)
+            k = torch.cat([key.index_select(2, ctx), key[:, :, s:e]], dim=2)
+            v = torch.cat([value.index_select(2, ctx), value[:, :, s:e]], dim=2)
+            # Context keys are all visible; the block's own keys causally.
+            own = torch.ones(e - s, e - s, dtype=torch.bool, device=query.device).tril()
+            mask = torch.cat([own.new_ones(e - s, n_ctx), own], dim=1)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling, enable_gqa=gqa)
+        else:
+            k, v = key[:, :, s:e], value[:, :, s:e]
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling, enable_gqa=gqa)
+        outputs.append(out)
+    return torch.cat(outputs, dim=2).transpose(1, 2).contiguous(), None
+
+
+AttentionInterface.register(BLOCKS_IMPL, block_tree_attention)
+
+
+@contextmanager
+def attention_implementation(model: PreTrainedModel, name: str) -> Iterator[None]:
+    """Temporarily switch the model's attention implementation."""
+    previous = model.config._attn_implementation
+    model.config._attn_implementation = name
+    try:
+        yield
+    finally:
+        model.config._attn_implementation = previous
+
+
+def resolve_attention(attention: Attention, device: torch.device) -> Attention:
+    if attention == "auto":
+        return "flex" if device.type == "cuda" else "blocks"
+    if attention == "flex" and device.type != "cuda" and torch.is_grad_enabled():
+        raise ValueError("attention='flex' trains on CUDA only (FlexAttention has no CPU backward)")
+    return attention
+
+
+def packed_logits(
+    model: PreTrainedModel,
+    pack: PackedBatch,
+    rows: torch.Tensor,  # [M] int64 packed positions whose next-token logits are needed
+    attention: Attention = "auto",
+) -> torch.Tensor:
+    """Logits [M, V] at ``rows`` of one forward pass over the packed trees."""
+    device = next(model.parameters()).device
+    attention = resolve_attention(attention, device)
+    input_ids = pack.input_ids.to(device)[None]
+    position_ids = pack.position_ids.to(device)[None]
+    rows = rows.to(device)
+    if attention == "dense":
+        if model.config._attn_implementation not in ("sdpa", "eager"):
+            raise ValueError(f"dense tree masks need sdpa or eager attention, not {model.config._attn_implementation}")
+        mask = dense_tree_mask(pack).to(device)
+        if model.config._attn_implementation == "eager":  # eager wants an additive float mask
+            dtype = next(model.parameters()).dtype
+            mask = torch.zeros(mask.shape, dtype=dtype, device=device).masked_fill(~mask, torch.finfo(dtype).min)
+        out = model(
+            input_ids=input_ids, position_ids=position_ids, attention_mask=mask, logits_to_keep=rows,
+            use_cache=False,
+        )
+    elif attention == "blocks":
+        with attention_implementation(model, BLOCKS_IMPL):
+            out = model(
+                input_ids=input_ids, position_ids=position_ids, logits_to_keep=rows,
+                arbor_blocks=pack.blocks, use_cache=False,
+            )
+    elif attention == "flex":
+        with attention_implementation(model, "flex_attention"):
+            mask = flex_block_mask(pack, device)
+            out = model(
+                input_ids=input_ids, position_ids=position_ids, attention_mask=mask,
+                logits_to_keep=rows, use_cache=False,
+            )
+    else:
+        raise ValueError(f"attention must be auto, dense, blocks or flex, got {attention!r}")
+    return out.logits[0]

@@ -1,0 +1,84 @@
+"""Pure loss functions with hand-worked numbers (ALGORITHMS.md §4)."""
+
+import math
+
+import pytest
+import torch
+
+from arbor.loss import (
+    LossSums,
+    clipped_objective,
+    combine,
+    kl_penalty,
+    logprobs_and_entropy,
+    token_sums,
+)
+
+
+def t(*xs):
+    return torch.tensor(xs, dtype=torch.float64)
+
+
+def test_clipped_objective_hand_numbers():
+    # ratios [1.5, 0.5, 1.1]; clip to [0.8, 1.28]
+    logp = torch.log(t(1.5, 0.5, 1.1))
+    old = t(0.0, 0.0, 0.0)
+    # token 0: A = +2 → 2 · min(1.5, 1.28) = 2.56 (clipped)
+    # token 1: A = -1 → -1 · max(0.5, 0.8) = -0.8 (clipped)
+    # token 2: one leaf +1, one leaf -1 → 1.1 - 1.1 = 0 (inside the range)
+    obj, ratio = clipped_objective(logp, old, t(2.0, 0.0, 1.0), t(0.0, -1.0, -1.0), 0.2, 0.28)
+    assert obj.tolist() == pytest.approx([2.56, -0.8, 0.0])
+    assert ratio.tolist() == pytest.approx([1.5, 0.5, 1.1])
+
+
+def test_unclipped_side_keeps_gradient():
+    # A > 0 with r < 1 - clip_low: min(rA, clip(r)A) = rA, the gradient flows (DAPO/PPO).
+    logp = torch.log(t(0.5)).requires_grad_()
+    obj, _ = clipped_objective(logp, t(0.0), t(1.0), t(0.0), 0.2, 0.28)
+    obj.sum().backward()
+    assert obj.item() == pytest.approx(0.5) and logp.grad.item() == pytest.approx(0.5)  # d(e^x)/dx = r
+
+
+def test_kl_estimators():
+    logp, ref = torch.log(t(0.5)), torch.log(t(0.25))
+    # log r = log 2 = 0.693147; k3 = 1/r - 1 + log r = 0.5 - 1 + 0.693147 = 0.193147
+    assert kl_penalty(logp, ref, "k1").item() == pytest.approx(math.log(2))
+    assert kl_penalty(logp, ref, "k3").item() == pytest.approx(0.5 - 1 + math.log(2))
+    with pytest.raises(ValueError, match="kl_estimator"):
+        kl_penalty(logp, ref, "k2")
+
+
+def test_logprobs_and_entropy():
+    logits = torch.zeros(2, 4, dtype=torch.float64)  # uniform over 4 tokens
+    logits[1] = torch.tensor([0.0, 0.0, -math.inf, -math.inf])  # uniform over 2
+    logp, entropy = logprobs_and_entropy(logits, torch.tensor([3, 1]))
+    assert logp.tolist() == pytest.approx([-math.log(4), -math.log(2)])
+    assert entropy[0].item() == pytest.approx(math.log(4))
+
+
+def test_token_sums_and_metrics_by_hand():
+    # Two tokens: the first shared by 3 leaves (2 with A>0, 1 with A<0), ratio 1.5 → the
+    # two positive leaves are clipped; the second (1 leaf, A<0), ratio 1.0 → not clipped.
+    logp = torch.log(t(1.5, 1.0))
+    sums = token_sums(
+        logp, t(0.7, 0.1), t(0.0, 0.0), None, weight=t(3.0, 1.0), adv_pos=t(2.0, 0.0),
+        adv_neg=t(-1.0, -0.5), leaf_count=t(3.0, 1.0), n_pos=t(2.0, 0.0), n_neg=t(1.0, 1.0),
+        clip_low=0.2, clip_high=0.28, kl_estimator="k3",
+    )
+    # objective = 2·1.28 + (-1)·1.5 + (-0.5)·1.0 = 0.56
+    assert sums.objective.item() == pytest.approx(0.56)
+    m = sums.metrics()
+    assert m["clip_fraction"] == pytest.approx(2 / 4)
+    assert m["entropy"] == pytest.approx((3 * 0.7 + 0.1) / 4)
+    assert m["logprob_gap"] == pytest.approx(3 * math.log(1.5) / 4)
+    assert m["approx_kl"] == pytest.approx(3 * 0.5 * math.log(1.5) ** 2 / 4)
+    assert (m["tokens"], m["linearised_tokens"]) == (2, 4)
+    # loss = (-0.56 + 0 - 0.1 · (3·0.7 + 0.1)) / 4
+    assert combine(sums, 4.0, kl_coef=0.5, entropy_coef=0.1).item() == pytest.approx((-0.56 - 0.22) / 4)
+
+
+def test_sums_add_across_packs():
+    a = LossSums(t(1.0)[0], t(0.0)[0], t(2.0)[0], clipped=1, tokens=2, linearised_tokens=3)
+    b = LossSums(t(0.5)[0], t(1.0)[0], t(1.0)[0], clipped=2, tokens=1, linearised_tokens=1)
+    c = a + b
+    assert (c.objective.item(), c.clipped, c.tokens, c.linearised_tokens) == (1.5, 3, 3, 4)

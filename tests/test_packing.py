@@ -1,0 +1,114 @@
+"""Tree packing: DFS serialisation, parents, subtree ends, weights, partitioning, rank balance."""
+
+import pytest
+import torch
+
+from arbor.packing import assign_to_ranks, loss_denominator, pack_trees
+from arbor.tree import RolloutTree
+
+
+def fork_tree() -> RolloutTree:
+    # prompt [1, 2]; a = [3, 4] → b = [5] (A=+1), c = [6, 7] (A=-2, loss mask 0,1)
+    tree = RolloutTree([1, 2], problem={"id": "fork"})
+    a = tree.add_segment(tree.root, [3, 4], logprobs=[-0.1, -0.2])
+    tree.add_segment(a, [5], logprobs=[-0.3])
+    tree.add_segment(a, [6, 7], logprobs=[-0.4, -0.5], loss_mask=[0, 1])
+    return tree
+
+
+def test_layout_by_hand():
+    (pack,) = pack_trees([fork_tree()], [[1.0, -2.0]])
+    assert pack.input_ids.tolist() == [1, 2, 3, 4, 5, 6, 7]
+    assert pack.position_ids.tolist() == [0, 1, 2, 3, 4, 4, 5]
+    assert pack.parent.tolist() == [-1, 0, 1, 2, 3, 3, 5]  # 5 and 6 are both predicted by row 3
+    assert pack.subtree_end.tolist() == [7, 7, 7, 7, 5, 7, 7]
+    assert pack.trained.tolist() == [False, False, True, True, True, False, True]
+    assert pack.old_logprobs.tolist() == [0, 0, -0.1, -0.2, -0.3, 0, -0.5]
+    # a's tokens are on both leaves' paths: count 2, +1 and -2 advantage mass.
+    assert pack.leaf_count.tolist() == [0, 0, 2, 2, 1, 1, 1]
+    assert pack.adv_pos.tolist() == [0, 0, 1, 1, 1, 0, 0]
+    assert pack.adv_neg.tolist() == [0, 0, -2, -2, 0, -2, -2]
+    assert pack.n_pos.tolist() == [0, 0, 1, 1, 1, 0, 0]
+    # Blocks: prompt + a + b causally; then c attends to its ancestors (prompt + a).
+    assert [(b.start, b.end, b.context.tolist()) for b in pack.blocks] == [(0, 5, []), (5, 7, [0, 1, 2, 3])]
+
+
+def test_sequence_weights_and_denominators():
+    tree = fork_tree()
+    # T_b: leaf b = 2 + 1 = 3 trainable, leaf c = 2 + 1 = 3 (one masked token).
+    assert loss_denominator([tree], "token") == 6 and loss_denominator([tree], "sequence") == 2
+    (pack,) = pack_trees([tree], [[1.0, -2.0]], normalize="sequence")
+    assert pack.weight.tolist() == pytest.approx([0, 0, 2 / 3, 2 / 3, 1 / 3, 1 / 3, 1 / 3])
+    assert pack.adv_neg.tolist() == pytest.approx([0, 0, -2 / 3, -2 / 3, 0, -2 / 3, -2 / 3])
+
+
+def test_per_token_advantages():
+    tree = fork_tree()
+    per_token = [[1.0, 2.0, 3.0], [-1.0, 1.0, -4.0, 5.0]]  # leaf b: 3 tokens, leaf c: 4
+    (pack,) = pack_trees([tree], [per_token])
+    assert pack.adv_pos.tolist() == [0, 0, 1, 3, 3, 0, 5]
+    assert pack.adv_neg.tolist() == [0, 0, -1, 0, 0, -4, 0]
+    with pytest.raises(ValueError, match="3 response tokens but 2 per-token advantages"):
+        pack_trees([tree], [[[1.0, 2.0], [0.0] * 4]])
+
+
+def test_several_trees_share_a_pack_block_diagonally():
+    t1, t2 = fork_tree(), RolloutTree.from_sequences([9], [[8, 8]], logprobs=[[-1, -1]])
+    (pack,) = pack_trees([t1, t2], [[1.0, -1.0], [0.5]])
+    assert pack.input_ids.tolist() == [1, 2, 3, 4, 5, 6, 7, 9, 8, 8]
+    assert pack.parent.tolist()[7:] == [-1, 7, 8] and pack.subtree_end.tolist()[:7] == [7, 7, 7, 7, 5, 7, 7]
+    assert pack.position_ids.tolist()[7:] == [0, 1, 2]
+    assert pack.blocks[-1].start == 7 and pack.blocks[-1].context.numel() == 0
+
+
+def test_partitioned_tree_trains_every_token_once():
+    tree = RolloutTree([1, 2, 3])
+    a = tree.add_segment(tree.root, [4, 5, 6], logprobs=[-1.0] * 3)
+    for k in range(4):
+        tree.add_segment(a, [10 + k] * 3, logprobs=[-1.0] * 3)
+    packs = pack_trees([tree], [[1.0, 2.0, 3.0, 4.0]], pack_tokens=10)
+    assert len(packs) > 1 and all(p.num_tokens <= 10 for p in packs)
+    # Every response token is trained in exactly one pack, with its whole-tree weights.
+    trained = [(o, float(p.adv_pos[i])) for p in packs for i, o in enumerate(p.origin) if p.trained[i]]
+    assert len(trained) == tree.stats().unique_response_tokens == 15
+    assert len({o for o, _ in trained}) == 15
+    assert {w for (_, node, _), w in trained if node == a.id} == {10.0}
+    # Context re-enters untrained: each pack starts with the prompt.
+    assert all(p.input_ids[:3].tolist() == [1, 2, 3] for p in packs)
+
+
+def test_path_longer_than_budget_names_problem():
+    tree = RolloutTree.from_sequences([1, 2], [[3] * 20], logprobs=[[-1.0] * 20], problem={"id": "long-7"})
+    with pytest.raises(ValueError, match="problem 'long-7': a path of 22 tokens"):
+        pack_trees([tree], [[1.0]], pack_tokens=16)
+
+
+def test_missing_logprobs_named():
+    tree = RolloutTree.from_sequences([1], [[2, 3]], problem={"id": "nolp"})
+    with pytest.raises(ValueError, match="problem 'nolp': node .* no logprobs"):
+        pack_trees([tree], [[1.0]])
+    assert pack_trees([tree], [[1.0]], require_logprobs=False)[0].trained.sum() == 2
+
+
+def test_assign_to_ranks_balances_cost():
+    sizes = (40, 30, 20, 10, 10, 35, 25, 15)
+    trees = [RolloutTree.from_sequences([1], [[2] * n], logprobs=[[-1.0] * n]) for n in sizes]
+    packs = pack_trees(trees, [[0.0]] * len(trees), pack_tokens=45)
+    ranks = assign_to_ranks(packs, 3)
+    assert sorted(i for r in ranks for i in r) == list(range(len(packs)))
+    cost = [p.num_tokens * 64 + p.attention_cost() for p in packs]
+    loads = [sum(cost[i] for i in r) for r in ranks]
+    # Greedy longest-first: the spread never exceeds the largest single pack.
+    assert max(loads) - min(loads) <= max(cost)
+    assert max(loads) <= 1.34 * sum(cost) / 3 + max(cost) / 3
+    assert assign_to_ranks(packs, 3) == ranks  # deterministic
+
+
+def test_dense_mask_matches_rule():
+    from arbor.tree_attention import dense_tree_mask
+
+    (pack,) = pack_trees([fork_tree()], [[0.0, 0.0]])
+    mask = dense_tree_mask(pack)[0, 0]
+    # Token 5 (leaf c's first) sees prompt + a and itself, not leaf b's token 4.
+    assert mask[5].tolist() == [True, True, True, True, False, True, False]
+    assert torch.equal(mask, mask & torch.ones(7, 7, dtype=torch.bool).tril())

@@ -1,0 +1,93 @@
+"""The three tree-attention paths give the same logits as running each leaf on its own."""
+
+import random
+
+import pytest
+import torch
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+from arbor.packing import pack_trees
+from arbor.tree import RolloutTree
+from arbor.tree_attention import dense_tree_mask, flex_block_mask, packed_logits
+
+
+def model_and_trees(attn="sdpa", dtype=torch.float64):
+    torch.manual_seed(0)
+    cfg = Qwen2Config(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                      intermediate_size=64, vocab_size=40, attn_implementation=attn)
+    rng = random.Random(1)
+    trees = []
+    for i in range(2):
+        stem = [rng.randrange(40) for _ in range(5)]
+        responses = [stem[: rng.randint(1, 5)] + [rng.randrange(40) for _ in range(4)] for _ in range(4)]
+        trees.append(RolloutTree.from_sequences([1 + i, 2, 3], responses, problem={"id": i}))
+    return Qwen2ForCausalLM(cfg).to(dtype).eval(), trees
+
+
+def per_leaf_reference(model, tree, leaf):
+    ids = torch.tensor([tree.full_ids(leaf)])
+    return model(input_ids=ids).logits[0]  # [T, V]
+
+
+@pytest.mark.parametrize("attention", ["dense", "blocks", "flex"])
+def test_packed_logits_equal_each_leaf_alone(attention):
+    # FlexAttention on CPU runs forward only, compiled, in float32.
+    dtype, tol = (torch.float32, 1e-4) if attention == "flex" else (torch.float64, 1e-9)
+    model, trees = model_and_trees(dtype=dtype)
+    (pack,) = pack_trees(trees, require_logprobs=False)
+    rows = torch.arange(pack.num_tokens)
+    with torch.no_grad():
+        logits = packed_logits(model, pack, rows, attention=attention)
+        for t, tree in enumerate(trees):
+            for leaf in tree.leaves():
+                ref = per_leaf_reference(model, tree, leaf)
+                # Packed indices of this leaf's path, in order: prompt, then its nodes' tokens.
+                path_ids = {0} | {n.id for n in tree.path(leaf)}
+                idx = [i for i, (ti, node, _) in enumerate(pack.origin) if ti == t and node in path_ids]
+                assert pack.input_ids[idx].tolist() == tree.full_ids(leaf)
+                torch.testing.assert_close(logits[idx], ref, rtol=tol, atol=tol)
+
+
+def test_eager_attention_gets_an_additive_mask():
+    model, trees = model_and_trees(attn="eager")
+    (pack,) = pack_trees(trees, require_logprobs=False)
+    rows = torch.arange(pack.num_tokens)
+    with torch.no_grad():
+        eager = packed_logits(model, pack, rows, attention="dense")
+        model.config._attn_implementation = "sdpa"
+        sdpa = packed_logits(model, pack, rows, attention="dense")
+    torch.testing.assert_close(eager, sdpa)
+
+
+def test_flex_block_mask_matches_dense_rule():
+    _, trees = model_and_trees()
+    (pack,) = pack_trees(trees, require_logprobs=False)
+    dense = dense_tree_mask(pack)[0, 0]
+    block_mask = flex_block_mask(pack, "cpu")
+    n = pack.num_tokens
+    q = torch.arange(n)[:, None].expand(n, n)
+    k = torch.arange(n)[None, :].expand(n, n)
+    zero = torch.zeros((), dtype=torch.long)
+    assert torch.equal(block_mask.mask_mod(zero, zero, q, k), dense)
+
+
+def test_flex_refuses_cpu_training():
+    model, trees = model_and_trees()
+    (pack,) = pack_trees(trees, require_logprobs=False)
+    with pytest.raises(ValueError, match="CUDA only"):
+        packed_logits(model, pack, torch.arange(3), attention="flex")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="FlexAttention training needs CUDA")
+def test_flex_trains_on_cuda_like_dense():
+    model, trees = model_and_trees(dtype=torch.float32)
+    model = model.cuda().train()
+    (pack,) = pack_trees(trees, require_logprobs=False)
+    rows = torch.arange(pack.num_tokens)
+    grads = {}
+    for attention in ("dense", "flex"):
+        model.zero_grad()
+        packed_logits(model, pack, rows, attention=attention).float().logsumexp(-1).sum().backward()
+        grads[attention] = [p.grad.clone() for p in model.parameters()]
+    for a, b in zip(grads["dense"], grads["flex"]):
+        torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-4)
