@@ -196,7 +196,7 @@ def pack_loss(
 # -- linear mode (the reference: every leaf its own padded sequence) ---------------------------
 
 
-def _linear_tokens(
+def linear_token_logprobs(
     model: PreTrainedModel, trees: Sequence[RolloutTree]
 ) -> tuple[torch.Tensor, torch.Tensor, list[tuple[int, int, list[int]]]]:
     """Forward every leaf as its own right-padded sequence.
@@ -234,7 +234,7 @@ def _linear_tokens(
     return logp, entropy, index
 
 
-def _linear_fields(
+def linear_token_fields(
     trees: Sequence[RolloutTree], advantages: Advantages, normalize: Normalize, require_logprobs: bool = True
 ) -> dict[str, list[float]]:
     """Per response token of every leaf (flat, leaf by leaf): mask, old logp, weights, advantages."""
@@ -260,8 +260,8 @@ def _linear_sums(
     model: PreTrainedModel, trees: Sequence[RolloutTree], advantages: Advantages, normalize: Normalize,
     ref_model: PreTrainedModel | None, **kw: float | str,
 ) -> LossSums:
-    logp, entropy, _ = _linear_tokens(model, trees)
-    f = _linear_fields(trees, advantages, normalize)
+    logp, entropy, _ = linear_token_logprobs(model, trees)
+    f = linear_token_fields(trees, advantages, normalize)
     sel = torch.tensor(f["mask"], dtype=torch.bool, device=logp.device)
 
     def t(name: str) -> torch.Tensor:
@@ -270,7 +270,7 @@ def _linear_sums(
     ref_logp = None
     if ref_model is not None and kw.get("kl_coef"):
         with torch.no_grad():
-            ref_logp = _linear_tokens(ref_model, trees)[0].to(logp.dtype)[sel]
+            ref_logp = linear_token_logprobs(ref_model, trees)[0].to(logp.dtype)[sel]
     return token_sums(
         logp[sel], entropy[sel], t("old"), ref_logp, t("weight"), t("pos"), t("neg"),
         torch.ones(int(sel.sum()), dtype=logp.dtype, device=logp.device), t("npos"), t("nneg"),
