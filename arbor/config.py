@@ -149,6 +149,9 @@ class LearnerConfig:
     device: Literal["auto", "cpu", "cuda"] = "auto"
     dtype: Dtype = "auto"  # training dtype: auto = bfloat16 on CUDA, float32 on CPU
     pack_tokens: int = 16384  # token budget of one tree pack (one forward/backward)
+    # Tree attention: auto = flex (FlexAttention) on CUDA, blocks (ancestor blocks) on CPU;
+    # dense = an N x N mask with SDPA, the reference.
+    attention: Literal["auto", "blocks", "dense", "flex"] = "auto"
     offload_optimizer: bool = False
     offload_params: bool = False
     sync_bucket_mb: int = 512  # weight-sync gather bucket
@@ -433,6 +436,11 @@ def validate(cfg: Config, where: str = "<config>") -> None:
         "sglang needs GPUs; with learner.device: cpu use engine.kind: embedded or auto",
     )
     need(not (cfg.ray.colocate and le.device == "cpu"), "ray.colocate", "is a GPU memory mode; unset it on CPU")
+    need(
+        not (le.attention == "flex" and le.device == "cpu"),
+        "learner.attention",
+        "flex needs CUDA (FlexAttention has no backward on CPU); use blocks or auto",
+    )
 
     need(cfg.data.prompts_per_step >= 1, "data.prompts_per_step", "must be ≥ 1")
     need(cfg.data.max_prompt_tokens >= 1, "data.max_prompt_tokens", "must be ≥ 1")

@@ -82,6 +82,7 @@ def test_wrong_types_name_the_key(override, key):
         (["learner.pack_tokens=100"], "learner.pack_tokens"),
         (["learner.device=cpu", "engine.kind=sglang"], "engine.kind"),
         (["run.eval_every=5"], "run.eval_every"),
+        (["learner.device=cpu", "learner.attention=flex"], "learner.attention"),
         (["reward.functions=[]"], "reward.functions"),
         (["reward.functions=[{fn: nocolon}]"], "reward.functions[0].fn"),
         (["algorithm.minibatches=64", "data.prompts_per_step=8"], "algorithm.minibatches"),
