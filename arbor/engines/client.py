@@ -1,0 +1,339 @@
+"""Async client for SGLang's native HTTP API, in token ids (also serves `arbor serve`).
+
+    async with SGLangClient(["http://127.0.0.1:30000"]) as client:
+        outs = await client.generate(GenerateRequest(prompt_ids, SamplingParams(64, n=4, seed=0)))
+        outs[0].output_ids, outs[0].logprobs, outs[0].cached_tokens, outs[0].weight_version
+
+- ``/generate`` gets ``{"input_ids", "sampling_params", "return_logprob": true}``;
+  ``logprob_start_len`` stays at its default (asking for prompt logprobs disables prefix reuse).
+- Several servers: requests with the same ``affinity_key`` (one per rollout tree) always
+  go to the same server (rendezvous hashing: adding a server moves only the keys it wins),
+  so that server's radix cache holds the tree; requests without a key go round-robin.
+- Connection errors, timeouts and 5xx are retried with exponential backoff; a 4xx raises
+  :class:`EngineError` at once with the server's message (retrying cannot fix it).
+- Control calls (weights, cache, memory, health) go to every server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import itertools
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+import aiohttp
+
+from arbor.engines.types import GenerateOutput, GenerateRequest
+
+T = TypeVar("T")
+
+
+class EngineError(RuntimeError):
+    """A request an engine refused (4xx) or that kept failing after retries."""
+
+    def __init__(self, message: str, *, url: str, status: int | None = None) -> None:
+        super().__init__(f"{url}: {message}" + (f" (HTTP {status})" if status else ""))
+        self.url, self.status, self.message = url, status, message
+
+
+class _Retryable(Exception):
+    """A 5xx: worth another try."""
+
+
+class SGLangClient:
+    """Implements :class:`~arbor.engines.types.RolloutEngine` over one or more servers."""
+
+    def __init__(
+        self,
+        urls: list[str] | str,
+        *,
+        timeout_s: float = 600.0,
+        max_retries: int = 3,
+        backoff_s: float = 0.5,
+        max_concurrency: int = 256,
+    ) -> None:
+        urls = [urls] if isinstance(urls, str) else list(urls)
+        if not urls:
+            raise ValueError("SGLangClient needs at least one server URL")
+        self.urls = [u.rstrip("/") for u in urls]
+        self.timeout_s = timeout_s
+        self.max_retries = max_retries
+        self.backoff_s = backoff_s
+        self.max_concurrency = max_concurrency
+        self._round_robin = itertools.cycle(range(len(self.urls)))
+        self._session: aiohttp.ClientSession | None = None
+        self._semaphore: asyncio.Semaphore | None = None
+
+    async def __aenter__(self) -> SGLangClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    # -- generation -------------------------------------------------------------------
+
+    async def generate(self, request: GenerateRequest) -> list[GenerateOutput]:
+        """``request.sampling.n`` continuations (a list even for ``n = 1``)."""
+        url = self.server_for(request.affinity_key)
+        body = await self._call(url, "POST", "/generate", generate_payload(request))
+        items = body if isinstance(body, list) else [body]
+        if len(items) != request.sampling.n:
+            raise EngineError(f"asked n={request.sampling.n}, got {len(items)} outputs", url=url)
+        return [parse_output(item) for item in items]
+
+    async def generate_many(self, requests: list[GenerateRequest]) -> list[list[GenerateOutput]]:
+        """All requests concurrently (bounded by ``max_concurrency``), results in order."""
+        return list(await asyncio.gather(*(self.generate(r) for r in requests)))
+
+    def server_for(self, affinity_key: str | None) -> str:
+        """The server a request goes to: rendezvous hash of the key, else round-robin."""
+        if affinity_key is None or len(self.urls) == 1:
+            return self.urls[next(self._round_robin)]
+
+        def score(url: str) -> bytes:
+            return hashlib.blake2b(f"{affinity_key}|{url}".encode(), digest_size=8).digest()
+
+        return max(self.urls, key=score)
+
+    # -- control calls (every server) -------------------------------------------------
+
+    async def update_weights_from_disk(
+        self, model_path: str, weight_version: str | None = None
+    ) -> list[Any]:
+        payload: dict[str, Any] = {"model_path": model_path}
+        if weight_version is not None:
+            payload["weight_version"] = weight_version
+        return await self._all("POST", "/update_weights_from_disk", payload, check_success=True)
+
+    async def init_weights_update_group(
+        self,
+        master_address: str,
+        master_port: int,
+        world_size: int,
+        *,
+        group_name: str = "weight_update_group",
+        backend: str = "gloo",
+        ranks_per_server: int = 1,
+    ) -> list[Any]:
+        """Server i joins as ranks ``1 + i * ranks_per_server ...`` (the learner is rank 0).
+
+        Blocks on the servers until the learner opens its side of the group too: run the
+        learner's ``open_group(..., rank=0)`` concurrently with this call.
+        """
+
+        def payload(index: int) -> dict[str, Any]:
+            return {
+                "master_address": master_address,
+                "master_port": master_port,
+                "rank_offset": 1 + index * ranks_per_server,
+                "world_size": world_size,
+                "group_name": group_name,
+                "backend": backend,
+            }
+
+        calls = [
+            self._call(url, "POST", "/init_weights_update_group", payload(i), retries=0)
+            for i, url in enumerate(self.urls)
+        ]
+        return [_check_success(r, url) for r, url in zip(await asyncio.gather(*calls), self.urls)]
+
+    async def update_weights_from_distributed(
+        self,
+        names: list[str],
+        dtypes: list[str],
+        shapes: list[list[int]],
+        *,
+        group_name: str = "weight_update_group",
+        flush_cache: bool = True,
+        weight_version: str | None = None,
+    ) -> list[Any]:
+        """Servers receive the tensors the learner then broadcasts (run both concurrently)."""
+        payload: dict[str, Any] = {
+            "names": names,
+            "dtypes": dtypes,
+            "shapes": shapes,
+            "group_name": group_name,
+            "flush_cache": flush_cache,
+        }
+        if weight_version is not None:
+            payload["weight_version"] = weight_version
+        # Never retried: a half-received broadcast cannot be replayed.
+        return await self._all(
+            "POST", "/update_weights_from_distributed", payload, check_success=True, retries=0
+        )
+
+    async def flush_cache(self) -> None:
+        await self._all("POST", "/flush_cache", {})
+
+    async def release_memory_occupation(self) -> None:
+        await self._all("POST", "/release_memory_occupation", {})
+
+    async def resume_memory_occupation(self) -> None:
+        await self._all("POST", "/resume_memory_occupation", {})
+
+    async def model_info(self) -> list[dict[str, Any]]:
+        """``/model_info`` of each server (``/get_model_info`` on older SGLang)."""
+        try:
+            return await self._all("GET", "/model_info", None, retries=0)
+        except EngineError as exc:
+            if exc.status != 404:
+                raise
+            return await self._all("GET", "/get_model_info", None)
+
+    async def get_weight_version(self) -> list[str]:
+        return [r["weight_version"] for r in await self._all("GET", "/get_weight_version", None)]
+
+    async def health(self) -> bool:
+        """True when every server answers ``/health`` with 200 (no retries)."""
+        try:
+            await self._all("GET", "/health", None, retries=0)
+        except (EngineError, aiohttp.ClientError, asyncio.TimeoutError):
+            return False
+        return True
+
+    async def wait_healthy(self, timeout_s: float = 300.0, poll_s: float = 0.5) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not await self.health():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"servers {self.urls} not healthy after {timeout_s:.0f} s")
+            await asyncio.sleep(poll_s)
+
+    # -- transport --------------------------------------------------------------------
+
+    async def _all(
+        self,
+        method: str,
+        path: str,
+        payload: Any,
+        *,
+        check_success: bool = False,
+        retries: int | None = None,
+    ) -> list[Any]:
+        calls = [self._call(url, method, path, payload, retries=retries) for url in self.urls]
+        results = await asyncio.gather(*calls)
+        if check_success:
+            results = [_check_success(r, url) for r, url in zip(results, self.urls)]
+        return list(results)
+
+    async def _call(
+        self, url: str, method: str, path: str, payload: Any, *, retries: int | None = None
+    ) -> Any:
+        """One HTTP call with retries; returns the decoded JSON (or text) body."""
+        retries = self.max_retries if retries is None else retries
+        if self._semaphore is None:
+            self._semaphore = asyncio.Semaphore(self.max_concurrency)
+        async with self._semaphore:
+            return await _with_retries(
+                lambda: self._once(url, method, path, payload), retries, self.backoff_s, url + path
+            )
+
+    async def _once(self, url: str, method: str, path: str, payload: Any) -> Any:
+        if self._session is None or self._session.closed:
+            self._session = aiohttp.ClientSession(
+                timeout=aiohttp.ClientTimeout(total=self.timeout_s)
+            )
+        async with self._session.request(method, url + path, json=payload) as response:
+            text = await response.text()
+            if response.status >= 500:
+                raise _Retryable(f"HTTP {response.status}: {text[:500]}")
+            if response.status >= 400:
+                raise EngineError(_error_message(text), url=url + path, status=response.status)
+            if response.content_type == "application/json":
+                return await response.json()
+            return text
+
+
+async def _with_retries(
+    attempt: Callable[[], Awaitable[T]], retries: int, backoff_s: float, where: str
+) -> T:
+    for tries in itertools.count():
+        try:
+            return await attempt()
+        except (_Retryable, aiohttp.ClientConnectionError, asyncio.TimeoutError) as exc:
+            if tries >= retries:
+                reason = str(exc) or type(exc).__name__
+                raise EngineError(
+                    f"failed after {tries + 1} attempts: {reason}", url=where
+                ) from exc
+            await asyncio.sleep(backoff_s * 2**tries)
+    raise AssertionError("unreachable")
+
+
+def generate_payload(request: GenerateRequest) -> dict[str, Any]:
+    """The ``/generate`` body SGLang expects for one request."""
+    sp = request.sampling
+    params: dict[str, Any] = {
+        "max_new_tokens": sp.max_new_tokens,
+        "temperature": sp.temperature,
+        "top_p": sp.top_p,
+        "top_k": sp.top_k,
+        "n": sp.n,
+    }
+    if sp.stop_token_ids:
+        params["stop_token_ids"] = list(sp.stop_token_ids)
+    if sp.seed is not None:
+        params["sampling_seed"] = sp.seed
+    return {"input_ids": list(request.input_ids), "sampling_params": params, "return_logprob": True}
+
+
+def parse_output(item: dict[str, Any]) -> GenerateOutput:
+    """One ``/generate`` result object -> :class:`GenerateOutput`."""
+    meta = item.get("meta_info", {})
+    token_logprobs = meta.get("output_token_logprobs") or []
+    output_ids = item.get("output_ids")
+    if output_ids is None:  # older servers: the ids only inside the logprob triples
+        output_ids = [entry[1] for entry in token_logprobs]
+    finish = meta.get("finish_reason")
+    reason = finish.get("type", "abort") if isinstance(finish, dict) else (finish or "abort")
+    logprobs = [float(entry[0]) for entry in token_logprobs]
+    if len(logprobs) != len(output_ids):
+        raise ValueError(f"{len(output_ids)} output ids but {len(logprobs)} logprobs")
+    return GenerateOutput(
+        output_ids=list(output_ids),
+        logprobs=logprobs,
+        finish_reason=reason,
+        prompt_tokens=int(meta.get("prompt_tokens", 0)),
+        cached_tokens=int(meta.get("cached_tokens", 0)),
+        weight_version=str(meta.get("weight_version", "default")),
+    )
+
+
+def _error_message(text: str) -> str:
+    import json
+
+    try:
+        body = json.loads(text)
+    except json.JSONDecodeError:
+        return text[:1000]
+    if isinstance(body, dict):
+        error = body.get("error")
+        if isinstance(error, dict) and "message" in error:
+            return str(error["message"])
+        if "message" in body:
+            return str(body["message"])
+    return text[:1000]
+
+
+def _check_success(result: Any, url: str) -> Any:
+    if isinstance(result, dict) and result.get("success") is False:
+        raise EngineError(str(result.get("message", "request failed")), url=url)
+    return result
+
+
+def run_sync(
+    make_call: Callable[[SGLangClient], Awaitable[T]], urls: list[str] | str, **kw: Any
+) -> T:
+    """Scripts: ``run_sync(lambda c: c.generate(req), urls)`` with a fresh client and loop."""
+
+    async def main() -> T:
+        async with SGLangClient(urls, **kw) as client:
+            return await make_call(client)
+
+    return asyncio.run(main())

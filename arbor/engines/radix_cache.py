@@ -1,0 +1,158 @@
+"""Radix (token-trie) KV cache for the embedded engine.
+
+Each trie edge holds a run of token ids and the keys/values the model computed for
+exactly those tokens, per layer. A prompt's longest cached prefix is found by walking
+the trie; its KV is the concatenation of the edges' slices along the path, so a request
+whose prefix is cached computes only the rest (SGLang's radix cache, in miniature).
+
+    cache = RadixKVCache(max_tokens=100_000)
+    cache.insert([5, 6, 7], keys, values)      # keys[l]: [H_kv, 3, D]
+    hit = cache.match([5, 6, 9])               # hit.length == 2, hit.keys[l]: [H_kv, 2, D]
+
+Matching copies the prefix KV out (``torch.cat``), so a request never holds a reference
+into the trie: every node is evictable at any time and eviction needs no reference
+counts. The bound counts cached tokens (one token = its K and V in every layer);
+least-recently-used leaves are evicted first.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class _Node:
+    tokens: tuple[int, ...]  # the edge's token ids, [T]
+    keys: list[torch.Tensor]  # per layer [H_kv, T, D]
+    values: list[torch.Tensor]  # per layer [H_kv, T, D]
+    parent: _Node | None
+    children: dict[int, _Node] = field(default_factory=dict)  # first token -> child
+    last_used: int = 0
+
+
+@dataclass
+class PrefixHit:
+    length: int  # number of leading prompt tokens found in the cache
+    keys: list[torch.Tensor]  # per layer [H_kv, length, D] (fresh tensors, not views)
+    values: list[torch.Tensor]  # per layer [H_kv, length, D]
+
+
+class RadixKVCache:
+    """Token trie of cached prefixes with per-layer K/V and LRU eviction."""
+
+    def __init__(self, max_tokens: int) -> None:
+        if max_tokens < 0:
+            raise ValueError(f"max_tokens must be >= 0, got {max_tokens}")
+        self.max_tokens = max_tokens
+        self._clock = itertools.count(1)
+        self.flush()
+
+    def flush(self) -> None:
+        """Drop every cached prefix (after new weights the old KV is wrong)."""
+        self._root = _Node(tokens=(), keys=[], values=[], parent=None)
+        self.num_tokens = 0
+
+    def match(self, tokens: list[int]) -> PrefixHit:
+        """Longest cached prefix of ``tokens``; marks the path as recently used."""
+        node, pos = self._root, 0
+        key_parts: list[list[torch.Tensor]] = []
+        value_parts: list[list[torch.Tensor]] = []
+        now = next(self._clock)
+        while pos < len(tokens):
+            child = node.children.get(tokens[pos])
+            if child is None:
+                break
+            common = _common_length(child.tokens, tokens, pos)
+            child.last_used = now
+            key_parts.append([k[:, :common] for k in child.keys])
+            value_parts.append([v[:, :common] for v in child.values])
+            pos += common
+            if common < len(child.tokens):
+                break
+            node = child
+        if pos == 0:
+            return PrefixHit(0, [], [])
+        num_layers = len(key_parts[0])
+        keys = [
+            torch.cat([part[layer] for part in key_parts], dim=1) for layer in range(num_layers)
+        ]
+        values = [
+            torch.cat([part[layer] for part in value_parts], dim=1) for layer in range(num_layers)
+        ]
+        return PrefixHit(pos, keys, values)
+
+    def insert(
+        self, tokens: list[int], keys: list[torch.Tensor], values: list[torch.Tensor]
+    ) -> None:
+        """Cache ``tokens`` with their KV (per layer ``[H_kv, len(tokens), D]``), then evict."""
+        if not tokens or self.max_tokens == 0:
+            return
+        if keys[0].shape[1] != len(tokens):
+            raise ValueError(f"KV covers {keys[0].shape[1]} tokens, got {len(tokens)} token ids")
+        node, pos = self._root, 0
+        now = next(self._clock)
+        while pos < len(tokens):
+            child = node.children.get(tokens[pos])
+            if child is None:
+                # Clone: a slice would keep the whole batch's KV tensor alive.
+                leaf = _Node(
+                    tokens=tuple(tokens[pos:]),
+                    keys=[k[:, pos:].clone() for k in keys],
+                    values=[v[:, pos:].clone() for v in values],
+                    parent=node,
+                    last_used=now,
+                )
+                node.children[tokens[pos]] = leaf
+                self.num_tokens += len(leaf.tokens)
+                break
+            common = _common_length(child.tokens, tokens, pos)
+            if common < len(child.tokens):
+                child = self._split(child, common)
+            child.last_used = now
+            node, pos = child, pos + common
+        self._evict()
+
+    def _split(self, node: _Node, at: int) -> _Node:
+        """Cut ``node``'s edge after ``at`` tokens; returns the new upper node."""
+        assert node.parent is not None
+        upper = _Node(
+            tokens=node.tokens[:at],
+            keys=[k[:, :at] for k in node.keys],
+            values=[v[:, :at] for v in node.values],
+            parent=node.parent,
+            last_used=node.last_used,
+        )
+        node.parent.children[node.tokens[0]] = upper
+        node.tokens = node.tokens[at:]
+        node.keys = [k[:, at:] for k in node.keys]
+        node.values = [v[:, at:] for v in node.values]
+        node.parent = upper
+        upper.children[node.tokens[0]] = node
+        return upper
+
+    def _evict(self) -> None:
+        while self.num_tokens > self.max_tokens:
+            leaves = [n for n in self._nodes() if not n.children]
+            victim = min(leaves, key=lambda n: n.last_used)
+            assert victim.parent is not None
+            del victim.parent.children[victim.tokens[0]]
+            self.num_tokens -= len(victim.tokens)
+
+    def _nodes(self) -> list[_Node]:
+        out, stack = [], list(self._root.children.values())
+        while stack:
+            node = stack.pop()
+            out.append(node)
+            stack.extend(node.children.values())
+        return out
+
+
+def _common_length(edge: tuple[int, ...], tokens: list[int], start: int) -> int:
+    n = min(len(edge), len(tokens) - start)
+    i = 0
+    while i < n and edge[i] == tokens[start + i]:
+        i += 1
+    return i

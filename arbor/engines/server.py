@@ -1,0 +1,393 @@
+"""`arbor serve`: the embedded engine behind the subset of SGLang's native HTTP API arbor uses.
+
+Run:  python -m arbor.engines.server --model PATH [--host 127.0.0.1] [--port 30000]
+      (``arbor serve --model PATH`` calls :func:`main`.)
+
+Endpoints (request / response fields as SGLang 0.5 names them):
+- ``POST /generate`` ``{"input_ids": [..] | [[..], ..], "text": str | [str], "sampling_params":
+  {max_new_tokens, temperature, top_p, top_k, n, stop_token_ids, sampling_seed},
+  "return_logprob"}`` -> one object, or a list for batches / ``n > 1`` (prompt-major).
+  ``max_new_tokens: 0`` commits the prompt into the radix cache and returns no tokens.
+- ``POST /update_weights_from_disk`` ``{model_path, weight_version?}``;
+  ``POST /init_weights_update_group`` ``{master_address, master_port, rank_offset, world_size,
+  group_name, backend}`` + ``POST /update_weights_from_distributed`` ``{names, dtypes, shapes,
+  group_name, flush_cache, weight_version?}`` (the learner is rank 0 and broadcasts each tensor);
+- ``POST /flush_cache``, ``/release_memory_occupation``, ``/resume_memory_occupation``;
+- ``GET /model_info`` (= ``/get_model_info``), ``/get_weight_version``, ``/get_server_info``
+  (engine counters), ``/health``, ``/health_generate``.
+Malformed requests get ``400 {"error": {"message": ...}}`` and the server keeps serving.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import socket
+import threading
+import time
+from typing import Any
+
+import torch
+from aiohttp import web
+
+from arbor.engines.distributed import WeightUpdateGroup
+from arbor.engines.local import EngineReleased, LocalEngine
+from arbor.engines.types import GenerateOutput, GenerateRequest, SamplingParams
+
+DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's default
+
+
+class BadRequest(ValueError):
+    """A request the server refuses with a 4xx and a message."""
+
+
+def _error(status: int, message: str) -> web.Response:
+    body = {"error": {"message": message, "code": status}}
+    return web.json_response(body, status=status)
+
+
+async def _json_body(request: web.Request) -> dict[str, Any]:
+    raw = await request.read()
+    if not raw:
+        raise BadRequest("empty request body: expected a JSON object")
+    try:
+        body = json.loads(raw)
+    except json.JSONDecodeError as exc:
+        raise BadRequest(f"body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise BadRequest(f"body must be a JSON object, got {type(body).__name__}")
+    return body
+
+
+def _int(value: Any, name: str, *, minimum: int | None = None) -> int:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise BadRequest(f"{name} must be an integer, got {value!r}")
+    if minimum is not None and value < minimum:
+        raise BadRequest(f"{name} must be >= {minimum}, got {value}")
+    return value
+
+
+def _float(value: Any, name: str) -> float:
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        raise BadRequest(f"{name} must be a number, got {value!r}")
+    return float(value)
+
+
+def parse_sampling_params(raw: Any) -> SamplingParams:
+    """SGLang's ``sampling_params`` object -> :class:`SamplingParams` (unknown keys are ignored)."""
+    raw = {} if raw is None else raw
+    if not isinstance(raw, dict):
+        raise BadRequest(f"sampling_params must be an object, got {type(raw).__name__}")
+    max_new = raw.get("max_new_tokens", DEFAULT_MAX_NEW_TOKENS)
+    stop_ids = raw.get("stop_token_ids") or []
+    if not isinstance(stop_ids, list):
+        raise BadRequest("sampling_params.stop_token_ids must be a list of integers")
+    seed = raw.get("sampling_seed")
+    return SamplingParams(
+        max_new_tokens=_int(max_new, "sampling_params.max_new_tokens", minimum=0),
+        temperature=_float(raw.get("temperature", 1.0), "sampling_params.temperature"),
+        top_p=_float(raw.get("top_p", 1.0), "sampling_params.top_p"),
+        top_k=_int(raw.get("top_k", -1), "sampling_params.top_k"),
+        n=_int(raw.get("n", 1), "sampling_params.n", minimum=1),
+        stop_token_ids=[_int(t, "sampling_params.stop_token_ids[]") for t in stop_ids],
+        seed=None if seed is None else _int(seed, "sampling_params.sampling_seed"),
+    )
+
+
+def _prompts(body: dict[str, Any], tokenizer: Any) -> tuple[list[list[int]], bool]:
+    """The prompts as token ids, and whether the request was a batch."""
+    if "input_ids" in body and body["input_ids"] is not None:
+        ids = body["input_ids"]
+        if not isinstance(ids, list) or not ids:
+            raise BadRequest("input_ids must be a non-empty list of token ids (or of lists)")
+        batch = isinstance(ids[0], list)
+        prompts = ids if batch else [ids]
+        for prompt in prompts:
+            if not isinstance(prompt, list) or not prompt:
+                raise BadRequest("every prompt in input_ids must be a non-empty list")
+            for token in prompt:
+                _int(token, "input_ids[]")
+        return prompts, batch
+    if "text" in body and body["text"] is not None:
+        text = body["text"]
+        batch = isinstance(text, list)
+        texts = text if batch else [text]
+        if not texts or not all(isinstance(t, str) for t in texts):
+            raise BadRequest("text must be a string or a non-empty list of strings")
+        if tokenizer is None:
+            raise BadRequest("this server has no tokenizer: send input_ids")
+        return [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts], batch
+    raise BadRequest("give input_ids or text")
+
+
+class ServerState:
+    """What the handlers share: the engine, its tokenizer, the weight-update group."""
+
+    def __init__(self, engine: LocalEngine, tokenizer: Any) -> None:
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.group = WeightUpdateGroup()
+
+    def to_json(self, out: GenerateOutput, return_logprob: bool, latency: float) -> dict[str, Any]:
+        finish: dict[str, Any] = {"type": out.finish_reason}
+        if out.finish_reason == "stop" and out.output_ids:
+            finish["matched"] = out.output_ids[-1]
+        elif out.finish_reason == "length":
+            finish["length"] = len(out.output_ids)
+        meta: dict[str, Any] = {
+            "finish_reason": finish,
+            "prompt_tokens": out.prompt_tokens,
+            "completion_tokens": len(out.output_ids),
+            "cached_tokens": out.cached_tokens,
+            "weight_version": out.weight_version,
+            "e2e_latency": latency,
+        }
+        if return_logprob:
+            meta["output_token_logprobs"] = [
+                [lp, tok, None] for lp, tok in zip(out.logprobs, out.output_ids)
+            ]
+        text = self.tokenizer.decode(out.output_ids) if self.tokenizer is not None else ""
+        return {"text": text, "output_ids": out.output_ids, "meta_info": meta}
+
+
+def build_app(engine: LocalEngine, tokenizer: Any = None) -> web.Application:
+    state = ServerState(engine, tokenizer)
+    app = web.Application(client_max_size=1 << 28)
+    routes = web.RouteTableDef()
+
+    def handler(fn):
+        """Turn BadRequest / ValueError into 400 and a released engine into 409."""
+
+        async def wrapped(request: web.Request) -> web.StreamResponse:
+            try:
+                return await fn(request)
+            except (BadRequest, ValueError, TypeError, KeyError) as exc:
+                return _error(400, str(exc))
+            except EngineReleased as exc:
+                return _error(409, str(exc))
+
+        return wrapped
+
+    @routes.post("/generate")
+    @handler
+    async def generate(request: web.Request) -> web.Response:
+        body = await _json_body(request)
+        if body.get("stream"):
+            raise BadRequest("stream is not supported by arbor serve")
+        prompts, batch = _prompts(body, state.tokenizer)
+        raw_params = body.get("sampling_params")
+        params = (
+            [parse_sampling_params(p) for p in raw_params] if isinstance(raw_params, list) else None
+        )
+        if params is not None and len(params) != len(prompts):
+            raise BadRequest(f"{len(params)} sampling_params for {len(prompts)} prompts")
+        if params is None:
+            params = [parse_sampling_params(raw_params)] * len(prompts)
+        requests = [GenerateRequest(p, sp) for p, sp in zip(prompts, params)]
+        for r in requests:
+            engine.validate(r)
+        start = time.perf_counter()
+        results = await asyncio.gather(*(engine.generate(r) for r in requests))
+        latency = time.perf_counter() - start
+        return_logprob = bool(body.get("return_logprob", False))
+        items = [state.to_json(o, return_logprob, latency) for outs in results for o in outs]
+        if not batch and len(items) == 1:
+            return web.json_response(items[0])
+        return web.json_response(items)
+
+    @routes.post("/update_weights_from_disk")
+    @handler
+    async def update_from_disk(request: web.Request) -> web.Response:
+        body = await _json_body(request)
+        path = body.get("model_path")
+        if not isinstance(path, str):
+            raise BadRequest("model_path must be a string")
+        version = body.get("weight_version")
+        loop = asyncio.get_running_loop()
+        try:
+            await loop.run_in_executor(None, engine.load_weights, path, version)
+        except (OSError, ValueError) as exc:
+            return web.json_response({"success": False, "message": str(exc)}, status=400)
+        return web.json_response(
+            {"success": True, "message": f"loaded {path}", "num_paused_requests": 0}
+        )
+
+    @routes.post("/init_weights_update_group")
+    @handler
+    async def init_group(request: web.Request) -> web.Response:
+        body = await _json_body(request)
+        loop = asyncio.get_running_loop()
+        message = await loop.run_in_executor(None, state.group.init_from_request, body)
+        return web.json_response({"success": True, "message": message})
+
+    @routes.post("/destroy_weights_update_group")
+    @handler
+    async def destroy_group(request: web.Request) -> web.Response:
+        state.group.destroy()
+        return web.json_response({"success": True, "message": "destroyed"})
+
+    @routes.post("/update_weights_from_distributed")
+    @handler
+    async def update_distributed(request: web.Request) -> web.Response:
+        body = await _json_body(request)
+        loop = asyncio.get_running_loop()
+        tensors = await loop.run_in_executor(None, state.group.receive, body)
+        flush = bool(body.get("flush_cache", True))
+        version = body.get("weight_version")
+        await loop.run_in_executor(None, lambda: engine.load_weights(tensors, version, flush=flush))
+        return web.json_response({"success": True, "message": f"updated {len(tensors)} tensors"})
+
+    @routes.route("*", "/flush_cache")
+    @handler
+    async def flush_cache(request: web.Request) -> web.Response:
+        engine.flush_cache()
+        return web.Response(text="Cache flushed.\n")
+
+    @routes.post("/release_memory_occupation")
+    @handler
+    async def release(request: web.Request) -> web.Response:
+        engine.release_memory()
+        return web.json_response({"success": True})
+
+    @routes.post("/resume_memory_occupation")
+    @handler
+    async def resume(request: web.Request) -> web.Response:
+        engine.resume_memory()
+        return web.json_response({"success": True})
+
+    async def model_info(request: web.Request) -> web.Response:
+        return web.json_response(
+            {
+                "model_path": engine.model_path,
+                "tokenizer_path": engine.model_path if tokenizer is not None else None,
+                "is_generation": True,
+                "weight_version": engine.weight_version,
+                "vocab_size": engine.vocab_size,
+                "max_context_length": engine.max_context,
+                "eos_token_ids": sorted(engine.eos_token_ids),
+            }
+        )
+
+    routes.get("/model_info")(model_info)
+    routes.get("/get_model_info")(model_info)
+
+    @routes.get("/get_weight_version")
+    async def weight_version(request: web.Request) -> web.Response:
+        return web.json_response({"weight_version": engine.weight_version})
+
+    @routes.get("/get_server_info")
+    async def server_info(request: web.Request) -> web.Response:
+        stats = engine.stats
+        return web.json_response(
+            {
+                "engine": "arbor",
+                "model_path": engine.model_path,
+                "weight_version": engine.weight_version,
+                "cached_tokens_in_cache": engine.cache.num_tokens,
+                "max_cached_tokens": engine.cache.max_tokens,
+                "prefill_tokens": stats.prefill_tokens,
+                "cached_tokens": stats.cached_tokens,
+                "decode_tokens": stats.decode_tokens,
+                "requests": stats.requests,
+            }
+        )
+
+    @routes.get("/health")
+    async def health(request: web.Request) -> web.Response:
+        return web.Response(text="")
+
+    @routes.get("/health_generate")
+    @handler
+    async def health_generate(request: web.Request) -> web.Response:
+        await engine.generate(GenerateRequest([0], SamplingParams(max_new_tokens=1)))
+        return web.Response(text="")
+
+    app.add_routes(routes)
+    return app
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def load_engine(args: argparse.Namespace) -> tuple[LocalEngine, Any]:
+    torch.manual_seed(args.seed)
+    engine = LocalEngine(
+        args.model,
+        device=args.device,
+        dtype=args.dtype,
+        max_cached_tokens=args.max_cached_tokens,
+        seed=args.seed,
+    )
+    try:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(args.model)
+    except (OSError, ValueError):  # a model directory without a tokenizer: ids only
+        tokenizer = None
+    return engine, tokenizer
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="arbor serve", description=__doc__.splitlines()[0])
+    parser.add_argument("--model", "--model-path", dest="model", required=True)
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=30000)
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--max-cached-tokens", type=int, default=1 << 20)
+    parser.add_argument("--seed", type=int, default=0)
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    engine, tokenizer = load_engine(args)
+    app = build_app(engine, tokenizer)
+    print(f"arbor serve: {args.model} on http://{args.host}:{args.port}", flush=True)
+    web.run_app(app, host=args.host, port=args.port, print=None, handle_signals=True)
+    engine.shutdown()
+    return 0
+
+
+class ServerThread:
+    """Serve an engine on a free port from a background thread (tests, notebooks).
+
+    with ServerThread(LocalEngine(path), tokenizer) as url:  # "http://127.0.0.1:PORT"
+        ...
+    """
+
+    def __init__(self, engine: LocalEngine, tokenizer: Any = None, host: str = "127.0.0.1"):
+        self.engine, self.tokenizer, self.host = engine, tokenizer, host
+        self.port = free_port(host)
+        self.url = f"http://{host}:{self.port}"
+        self._loop = asyncio.new_event_loop()
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        runner = web.AppRunner(build_app(self.engine, self.tokenizer))
+        self._loop.run_until_complete(runner.setup())
+        self._loop.run_until_complete(web.TCPSite(runner, self.host, self.port).start())
+        self._runner = runner
+        self._ready.set()
+        self._loop.run_forever()
+        self._loop.run_until_complete(runner.cleanup())
+
+    def __enter__(self) -> str:
+        self._thread.start()
+        if not self._ready.wait(30):
+            raise RuntimeError("arbor server thread did not start within 30 s")
+        return self.url
+
+    def __exit__(self, *exc: object) -> None:
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=10)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
