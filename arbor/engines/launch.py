@@ -1,0 +1,218 @@
+"""Start (or connect to) rollout engines and hand back their URLs.
+
+    with launch_engines("embedded", model_path="path/to/model", num_engines=1) as handle:
+        handle.wait_healthy(timeout_s=120)
+        client = SGLangClient(handle.urls)
+
+Kinds:
+- ``sglang``: ``python -m sglang.launch_server --model-path M --port P`` per engine (one GPU
+  each, via ``CUDA_VISIBLE_DEVICES``); needs the ``sglang`` package and CUDA;
+- ``embedded``: ``python -m arbor.engines.server --model M --port P`` (``arbor serve``);
+- ``auto``: ``sglang`` where it can run, else ``embedded``;
+- ``external``: the given ``urls``, only health-checked; nothing is started or stopped.
+
+Each process writes ``<log_dir>/engine-<i>.log``; a server that dies or is not healthy
+within ``startup_timeout_s`` raises with the tail of its log. ``shutdown()`` terminates,
+then kills, every process it started (also at interpreter exit, so no orphans).
+"""
+
+from __future__ import annotations
+
+import atexit
+import importlib.util
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from arbor.engines.server import free_port
+
+KINDS = ("auto", "sglang", "embedded", "external")
+
+
+class EngineLaunchError(RuntimeError):
+    """An engine could not be started or never became healthy."""
+
+
+def sglang_available() -> bool:
+    """sglang can run here: the package is installed and a CUDA GPU is visible."""
+    if importlib.util.find_spec("sglang") is None:
+        return False
+    import torch
+
+    return torch.cuda.is_available()
+
+
+@dataclass
+class EngineHandle:
+    """Running (or external) engines; a context manager that shuts them down."""
+
+    kind: str  # "sglang" | "embedded" | "external" (auto resolved)
+    urls: list[str]
+    processes: list[subprocess.Popen] = field(default_factory=list)
+    log_files: list[Path] = field(default_factory=list)
+
+    def wait_healthy(self, timeout_s: float = 300.0, poll_s: float = 0.5) -> None:
+        """Block until every URL answers ``GET /health`` with 200."""
+        deadline = time.monotonic() + timeout_s
+        pending = list(range(len(self.urls)))
+        while pending:
+            for index in list(pending):
+                self._check_alive(index)
+                if _healthy(self.urls[index]):
+                    pending.remove(index)
+            if not pending:
+                return
+            if time.monotonic() > deadline:
+                bad = ", ".join(self.urls[i] for i in pending)
+                raise EngineLaunchError(
+                    f"{self.kind} engine(s) {bad} not healthy after {timeout_s:.0f} s"
+                    + self._log_tails(pending)
+                )
+            time.sleep(poll_s)
+
+    def shutdown(self, grace_s: float = 10.0) -> None:
+        """SIGTERM each server's process group (SGLang forks workers), SIGKILL after grace."""
+        for process in self.processes:
+            _signal_group(process, signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        for process in self.processes:
+            try:
+                process.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                _signal_group(process, signal.SIGKILL)
+                process.wait()
+            # Workers may outlive a leader that exited on SIGTERM.
+            _signal_group(process, signal.SIGKILL)
+        self.processes = []
+
+    def __enter__(self) -> EngineHandle:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+    def _check_alive(self, index: int) -> None:
+        if index < len(self.processes) and self.processes[index].poll() is not None:
+            code = self.processes[index].returncode
+            raise EngineLaunchError(
+                f"{self.kind} engine {self.urls[index]} exited with code {code}"
+                + self._log_tails([index])
+            )
+
+    def _log_tails(self, indices: list[int], lines: int = 30) -> str:
+        out = []
+        for i in indices:
+            if i < len(self.log_files) and self.log_files[i].exists():
+                tail = self.log_files[i].read_text(errors="replace").splitlines()[-lines:]
+                out.append(f"\n--- last lines of {self.log_files[i]} ---\n" + "\n".join(tail))
+        return "".join(out)
+
+
+def launch_engines(
+    kind: str = "auto",
+    *,
+    model_path: str | None = None,
+    num_engines: int = 1,
+    urls: list[str] | None = None,
+    host: str = "127.0.0.1",
+    dtype: str | None = None,
+    extra_args: list[str] | None = None,
+    log_dir: str | Path | None = None,
+    startup_timeout_s: float = 600.0,
+    wait: bool = True,
+) -> EngineHandle:
+    """Start ``num_engines`` servers of ``kind`` (or adopt ``urls``) and wait until healthy."""
+    if kind not in KINDS:
+        raise ValueError(f"engine kind must be one of {KINDS}, got {kind!r}")
+    if kind == "external":
+        if not urls:
+            raise ValueError("engine kind 'external' needs urls")
+        handle = EngineHandle("external", [u.rstrip("/") for u in urls])
+    else:
+        if model_path is None:
+            raise ValueError(f"engine kind {kind!r} needs model_path")
+        if num_engines < 1:
+            raise ValueError(f"num_engines must be >= 1, got {num_engines}")
+        if kind == "auto":
+            kind = "sglang" if sglang_available() else "embedded"
+        elif kind == "sglang" and not sglang_available():
+            raise EngineLaunchError(
+                "engine kind 'sglang' needs the sglang package (pip install 'arbor[sglang]') "
+                "and a CUDA GPU; use kind 'embedded' (arbor serve) on CPU machines"
+            )
+        log_root = Path(log_dir) if log_dir else Path(tempfile.mkdtemp(prefix="arbor-engines-"))
+        log_root.mkdir(parents=True, exist_ok=True)
+        handle = EngineHandle(kind, [])
+        atexit.register(handle.shutdown)
+        for index in range(num_engines):
+            port = free_port(host)
+            command = _command(kind, model_path, host, port, dtype, extra_args or [])
+            env = dict(os.environ)
+            if kind == "sglang":
+                env["CUDA_VISIBLE_DEVICES"] = _gpu_for(index, env)
+            log_file = log_root / f"engine-{index}.log"
+            with open(log_file, "wb") as log:
+                process = subprocess.Popen(
+                    command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+                )
+            handle.processes.append(process)
+            handle.log_files.append(log_file)
+            handle.urls.append(f"http://{host}:{port}")
+    if wait:
+        try:
+            handle.wait_healthy(startup_timeout_s)
+        except BaseException:
+            handle.shutdown()
+            raise
+    return handle
+
+
+def _command(
+    kind: str, model_path: str, host: str, port: int, dtype: str | None, extra: list[str]
+) -> list[str]:
+    if kind == "sglang":
+        command = [sys.executable, "-m", "sglang.launch_server", "--model-path", model_path]
+    else:
+        command = [sys.executable, "-m", "arbor.engines.server", "--model", model_path]
+    command += ["--host", host, "--port", str(port)]
+    if dtype:
+        command += ["--dtype", dtype]
+    return command + list(extra)
+
+
+def _gpu_for(index: int, env: dict[str, str]) -> str:
+    """Engine i gets the i-th visible GPU (one GPU per engine)."""
+    visible = env.get("CUDA_VISIBLE_DEVICES")
+    devices = visible.split(",") if visible else [str(i) for i in range(_cuda_count())]
+    if index >= len(devices):
+        raise EngineLaunchError(f"engine {index} needs a GPU, only {len(devices)} visible")
+    return devices[index]
+
+
+def _cuda_count() -> int:
+    import torch
+
+    return torch.cuda.device_count()
+
+
+def _signal_group(process: subprocess.Popen, sig: int) -> None:
+    """Signal the process group the server leads (it was started in a new session)."""
+    try:
+        os.killpg(process.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass  # already gone
+
+
+def _healthy(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url + "/health", timeout=5) as response:
+            return response.status == 200
+    except (urllib.error.URLError, OSError):
+        return False
