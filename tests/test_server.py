@@ -1,0 +1,206 @@
+"""`arbor serve` HTTP surface: SGLang's request/response shapes, errors, weight transfer.
+
+The server runs in a thread of the test process (``ServerThread``) so tests can look at
+the engine directly; the subprocess path is covered by test_client_contract.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+import textwrap
+
+import aiohttp
+import pytest
+import torch
+from tiny_model import build_tiny_model_dir
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from arbor.engines.client import SGLangClient
+from arbor.engines.local import LocalEngine
+from arbor.engines.server import ServerThread, free_port, parse_args
+
+PROMPT = [17, 42, 99, 5, 63, 120, 7, 88]
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    root = tmp_path_factory.mktemp("server")
+    model_a = build_tiny_model_dir(root / "a", seed=0)
+    model_b = build_tiny_model_dir(root / "b", seed=1)
+    engine = LocalEngine(model_a)
+    with ServerThread(engine, AutoTokenizer.from_pretrained(model_a)) as url:
+        yield url, engine, model_b
+    engine.shutdown()
+
+
+def call(url: str, method: str, path: str, body=None, raw: bytes | None = None):
+    """(status, decoded body) of one HTTP call."""
+
+    async def main():
+        async with aiohttp.ClientSession() as session:
+            data = raw if raw is not None else (None if body is None else json.dumps(body))
+            headers = {"Content-Type": "application/json"}
+            async with session.request(method, url + path, data=data, headers=headers) as resp:
+                text = await resp.text()
+                try:
+                    return resp.status, json.loads(text)
+                except json.JSONDecodeError:
+                    return resp.status, text
+
+    return asyncio.run(main())
+
+
+def test_generate_shapes_single_n_and_batch(served):
+    url = served[0]
+    status, one = call(url, "POST", "/generate", {"input_ids": PROMPT, "return_logprob": True})
+    assert status == 200 and isinstance(one, dict)
+    meta = one["meta_info"]
+    assert meta["completion_tokens"] == len(one["output_ids"]) <= 128
+    assert [t for _, t, _ in meta["output_token_logprobs"]] == one["output_ids"]
+    assert meta["finish_reason"]["type"] in ("stop", "length")
+    assert isinstance(one["text"], str)
+
+    params = {"max_new_tokens": 3, "n": 2, "sampling_seed": 1}
+    status, forks = call(url, "POST", "/generate", {"input_ids": PROMPT, "sampling_params": params})
+    assert (
+        status == 200 and len(forks) == 2 and "output_token_logprobs" not in forks[0]["meta_info"]
+    )
+
+    batch = {"input_ids": [PROMPT, PROMPT[:3]], "sampling_params": params}
+    status, items = call(url, "POST", "/generate", batch)
+    assert status == 200 and [i["meta_info"]["prompt_tokens"] for i in items] == [8, 8, 3, 3]
+
+    per_prompt = [{"max_new_tokens": 1}, {"max_new_tokens": 4, "temperature": 0}]
+    status, items = call(
+        url, "POST", "/generate", {"input_ids": [PROMPT, PROMPT], "sampling_params": per_prompt}
+    )
+    assert status == 200 and [len(i["output_ids"]) for i in items][0] == 1
+
+
+def test_text_prompts_are_tokenised_server_side(served):
+    url = served[0]
+    tokenizer = AutoTokenizer.from_pretrained(served[1].model_path)
+    body = {"text": "the answer is 4", "sampling_params": {"max_new_tokens": 0}}
+    status, out = call(url, "POST", "/generate", body)
+    assert status == 200 and out["output_ids"] == []
+    assert out["meta_info"]["prompt_tokens"] == len(tokenizer("the answer is 4")["input_ids"])
+    # The commit put the prompt in the cache: the same text now hits it.
+    body["sampling_params"] = {"max_new_tokens": 2}
+    status, out = call(url, "POST", "/generate", body)
+    assert out["meta_info"]["cached_tokens"] == out["meta_info"]["prompt_tokens"] - 1
+    status, outs = call(
+        url, "POST", "/generate", {"text": ["a b", "c"], "sampling_params": body["sampling_params"]}
+    )
+    assert status == 200 and len(outs) == 2
+
+
+@pytest.mark.parametrize(
+    ("raw", "fragment"),
+    [
+        (b"", "empty"),
+        (b"{not json", "JSON"),
+        (b"[1, 2]", "object"),
+        (b'{"input_ids": [1, -2]}', "outside"),
+        (b'{"input_ids": [[1, 2], []]}', "non-empty"),
+        (b'{"input_ids": [1, 2.5]}', "integer"),
+        (b'{"input_ids": [1], "sampling_params": {"n": 0}}', "n must"),
+        (b'{"input_ids": [1], "sampling_params": {"top_k": 0}}', "top_k"),
+        (b'{"input_ids": [1], "sampling_params": {"stop_token_ids": 3}}', "stop_token_ids"),
+        (b'{"input_ids": [1], "sampling_params": [{}, {}]}', "2 sampling_params"),
+        (b'{"input_ids": [1], "stream": true}', "stream"),
+        (b'{"text": 5}', "text"),
+        (b'{"sampling_params": {}}', "input_ids or text"),
+    ],
+)
+def test_malformed_generate_is_400_with_a_message(served, raw, fragment):
+    status, body = call(served[0], "POST", "/generate", raw=raw)
+    assert status == 400, body
+    assert fragment in body["error"]["message"]
+    assert call(served[0], "GET", "/health")[0] == 200
+
+
+def test_info_endpoints(served):
+    url, engine, _ = served
+    status, info = call(url, "GET", "/model_info")
+    assert status == 200 and info["model_path"] == engine.model_path and info["is_generation"]
+    assert call(url, "GET", "/get_model_info")[1] == info
+    assert call(url, "GET", "/get_weight_version")[1] == {"weight_version": engine.weight_version}
+    assert call(url, "GET", "/health_generate")[0] == 200
+    status, stats = call(url, "GET", "/get_server_info")
+    assert stats["prefill_tokens"] > 0 and stats["decode_tokens"] > 0
+    assert call(url, "POST", "/update_weights_from_disk", {"model_path": 3})[0] == 400
+    assert call(url, "GET", "/no_such_endpoint")[0] == 404
+
+
+def test_release_resume_and_flush(served):
+    url, engine, _ = served
+    call(url, "POST", "/generate", {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 0}})
+    assert engine.cache.num_tokens > 0
+    assert call(url, "POST", "/flush_cache")[0] == 200 and engine.cache.num_tokens == 0
+    assert call(url, "POST", "/release_memory_occupation", {})[0] == 200
+    status, body = call(url, "POST", "/generate", {"input_ids": PROMPT})
+    assert status == 409 and "released" in body["error"]["message"]
+    assert call(url, "POST", "/resume_memory_occupation", {})[0] == 200
+    assert call(url, "POST", "/generate", {"input_ids": PROMPT})[0] == 200
+
+
+LEARNER = textwrap.dedent(
+    """
+    import sys
+    from transformers import AutoModelForCausalLM
+    from arbor.engines.distributed import broadcast, open_group
+    port, model_dir = int(sys.argv[1]), sys.argv[2]
+    state = AutoModelForCausalLM.from_pretrained(model_dir).state_dict()
+    group = open_group("127.0.0.1", port, rank=0, world_size=2)
+    for name, tensor in state.items():  # the same order the server was told
+        broadcast(group, tensor.contiguous())
+    print("sent", len(state))
+    """
+)
+
+
+def test_update_weights_from_distributed_with_a_learner_process(served):
+    url, engine, model_b = served
+    state_b = AutoModelForCausalLM.from_pretrained(model_b).state_dict()
+    names = list(state_b)
+    port = free_port()
+    learner = subprocess.Popen(
+        [sys.executable, "-c", LEARNER, str(port), str(model_b)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+    async def main():
+        async with SGLangClient([url]) as client:
+            await client.init_weights_update_group("127.0.0.1", port, world_size=2)
+            await client.update_weights_from_distributed(
+                names,
+                [str(state_b[n].dtype) for n in names],
+                [list(state_b[n].shape) for n in names],
+                weight_version="dist-1",
+            )
+            return await client.get_weight_version()
+
+    try:
+        versions = asyncio.run(main())
+        out, _ = learner.communicate(timeout=60)
+    finally:
+        if learner.poll() is None:
+            learner.kill()
+    assert learner.returncode == 0, out
+    assert versions == ["dist-1"]
+    served_state = engine.model.state_dict()
+    for name in names:
+        assert torch.equal(served_state[name], state_b[name]), name
+    assert call(url, "POST", "/destroy_weights_update_group", {})[0] == 200
+
+
+def test_cli_arguments():
+    args = parse_args(["--model", "m", "--port", "5", "--max-cached-tokens", "7"])
+    assert (args.model, args.port, args.max_cached_tokens, args.host) == ("m", 5, 7, "127.0.0.1")
+    with pytest.raises(SystemExit):
+        parse_args(["--port", "5"])  # --model is required
