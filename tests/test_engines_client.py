@@ -1,0 +1,213 @@
+"""SGLangClient transport: retries, 4xx, timeouts, prefix affinity, fan-out, parsing.
+
+A small fake SGLang server (aiohttp, in the test's event loop) fails on purpose.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+
+import pytest
+from aiohttp import web
+
+from arbor.engines.client import EngineError, SGLangClient, generate_payload, parse_output
+from arbor.engines.server import free_port
+from arbor.engines.types import GenerateRequest, SamplingParams
+
+
+def sglang_item(ids: list[int], cached: int = 0) -> dict:
+    return {
+        "text": "",
+        "output_ids": ids,
+        "meta_info": {
+            "finish_reason": {"type": "length", "length": len(ids)},
+            "prompt_tokens": 3,
+            "cached_tokens": cached,
+            "output_token_logprobs": [[-0.5 * (i + 1), t, None] for i, t in enumerate(ids)],
+            "weight_version": "7",
+        },
+    }
+
+
+class FakeServer:
+    """Answers /generate after ``fail_first`` 503s (or a fixed status); records bodies."""
+
+    def __init__(self, fail_first: int = 0, status: int = 200, delay_s: float = 0.0):
+        self.fail_first, self.status, self.delay_s = fail_first, status, delay_s
+        self.bodies: list[dict] = []
+        self.calls: Counter[str] = Counter()
+
+    async def generate(self, request: web.Request) -> web.Response:
+        self.calls["/generate"] += 1
+        self.bodies.append(await request.json())
+        await asyncio.sleep(self.delay_s)
+        if self.calls["/generate"] <= self.fail_first:
+            return web.json_response({"error": {"message": "busy"}}, status=503)
+        if self.status != 200:
+            return web.json_response({"error": {"message": "bad ids"}}, status=self.status)
+        n = self.bodies[-1]["sampling_params"].get("n", 1)
+        items = [sglang_item([4 + i, 5]) for i in range(n)]
+        return web.json_response(items if n > 1 else items[0])
+
+    async def simple(self, request: web.Request) -> web.Response:
+        self.calls[request.path] += 1
+        if request.path == "/get_weight_version":
+            return web.json_response({"weight_version": "7"})
+        return web.json_response({"success": True, "message": "ok"})
+
+    async def start(self) -> tuple[str, web.AppRunner]:
+        app = web.Application()
+        app.router.add_post("/generate", self.generate)
+        for path in ("/flush_cache", "/update_weights_from_disk"):
+            app.router.add_post(path, self.simple)
+        app.router.add_get("/get_weight_version", self.simple)
+        app.router.add_get("/health", self.simple)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        port = free_port()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        return f"http://127.0.0.1:{port}", runner
+
+
+REQUEST = GenerateRequest(
+    [1, 2, 3], SamplingParams(max_new_tokens=2, n=1, seed=5, stop_token_ids=[9])
+)
+
+
+def test_payload_and_parsing_follow_sglang_fields():
+    payload = generate_payload(REQUEST)
+    assert payload == {
+        "input_ids": [1, 2, 3],
+        "sampling_params": {
+            "max_new_tokens": 2,
+            "temperature": 1.0,
+            "top_p": 1.0,
+            "top_k": -1,
+            "n": 1,
+            "stop_token_ids": [9],
+            "sampling_seed": 5,
+        },
+        "return_logprob": True,
+    }  # no logprob_start_len: asking for prompt logprobs disables prefix reuse
+    out = parse_output(sglang_item([4, 5], cached=2))
+    assert (out.output_ids, out.logprobs, out.finish_reason) == ([4, 5], [-0.5, -1.0], "length")
+    assert (out.prompt_tokens, out.cached_tokens, out.weight_version) == (3, 2, "7")
+
+
+def test_retries_5xx_then_succeeds():
+    async def main():
+        fake = FakeServer(fail_first=2)
+        url, runner = await fake.start()
+        try:
+            async with SGLangClient([url], max_retries=3, backoff_s=0.01) as client:
+                outs = await client.generate(REQUEST)
+        finally:
+            await runner.cleanup()
+        return fake, outs
+
+    fake, outs = asyncio.run(main())
+    assert fake.calls["/generate"] == 3 and outs[0].output_ids == [4, 5]
+
+
+def test_gives_up_after_max_retries_and_never_retries_4xx():
+    async def main():
+        busy, bad = FakeServer(fail_first=100), FakeServer(status=400)
+        (busy_url, r1), (bad_url, r2) = await busy.start(), await bad.start()
+        try:
+            async with SGLangClient([busy_url], max_retries=2, backoff_s=0.01) as client:
+                with pytest.raises(EngineError, match="after 3 attempts"):
+                    await client.generate(REQUEST)
+            async with SGLangClient([bad_url], max_retries=5, backoff_s=0.01) as client:
+                with pytest.raises(EngineError, match="bad ids") as info:
+                    await client.generate(REQUEST)
+        finally:
+            await r1.cleanup()
+            await r2.cleanup()
+        return busy, bad, info.value
+
+    busy, bad, error = asyncio.run(main())
+    assert busy.calls["/generate"] == 3
+    assert bad.calls["/generate"] == 1 and error.status == 400
+
+
+def test_connection_refused_is_retried_until_the_server_comes_up():
+    async def main():
+        fake = FakeServer()
+        port = free_port()
+        client = SGLangClient([f"http://127.0.0.1:{port}"], max_retries=6, backoff_s=0.05)
+
+        async def start_late():
+            await asyncio.sleep(0.2)  # the first attempts meet a closed port
+            app = web.Application()
+            app.router.add_post("/generate", fake.generate)
+            runner = web.AppRunner(app)
+            await runner.setup()
+            await web.TCPSite(runner, "127.0.0.1", port).start()
+            return runner
+
+        starter = asyncio.create_task(start_late())
+        try:
+            outs = await client.generate(REQUEST)
+        finally:
+            await client.close()
+            await (await starter).cleanup()
+        return outs
+
+    assert asyncio.run(main())[0].output_ids == [4, 5]
+
+
+def test_timeout_raises():
+    async def main():
+        fake = FakeServer(delay_s=0.6)
+        url, runner = await fake.start()
+        try:
+            async with SGLangClient([url], timeout_s=0.1, max_retries=0) as client:
+                with pytest.raises(EngineError, match="TimeoutError|attempts"):
+                    await client.generate(REQUEST)
+        finally:
+            await runner.cleanup()
+
+    asyncio.run(main())
+
+
+def test_n_outputs_and_affinity_pins_a_tree_to_one_server():
+    async def main():
+        fakes = [FakeServer() for _ in range(3)]
+        started = [await f.start() for f in fakes]
+        urls = [u for u, _ in started]
+        try:
+            async with SGLangClient(urls) as client:
+                forks = await client.generate(
+                    GenerateRequest([1000], SamplingParams(2, n=3), affinity_key="tree-1")
+                )
+                trees = [f"tree-{i}" for i in range(30)]
+                requests = [
+                    GenerateRequest([i], SamplingParams(2), affinity_key=key)
+                    for i, key in enumerate(trees)
+                    for _ in range(2)
+                ]
+                await client.generate_many(requests)
+                chosen = {key: client.server_for(key) for key in trees}
+                again = {key: SGLangClient(urls).server_for(key) for key in trees}
+                smaller = SGLangClient(urls[:2])
+                moved = [
+                    k for k in trees if chosen[k] in urls[:2] and smaller.server_for(k) != chosen[k]
+                ]
+                await client.flush_cache()
+                versions = await client.get_weight_version()
+        finally:
+            for _, runner in started:
+                await runner.cleanup()
+        return fakes, urls, forks, chosen, again, moved, versions
+
+    fakes, urls, forks, chosen, again, moved, versions = asyncio.run(main())
+    assert [o.output_ids for o in forks] == [[4, 5], [5, 5], [6, 5]]
+    assert chosen == again and len(set(chosen.values())) == 3  # stable, and spread out
+    for fake, url in zip(fakes, urls):
+        seen = Counter(body["input_ids"][0] for body in fake.bodies)
+        mine = {i for i in range(30) if chosen[f"tree-{i}"] == url}
+        # Both requests of each tree reached its server, and no other tree's did.
+        assert {i: c for i, c in seen.items() if i < 30} == {i: 2 for i in mine}
+    assert moved == []  # rendezvous hashing: removing a server moves only its own keys
+    assert all(f.calls["/flush_cache"] == 1 for f in fakes) and versions == ["7"] * 3
