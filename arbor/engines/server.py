@@ -348,7 +348,9 @@ def main(argv: list[str] | None = None) -> int:
     engine, tokenizer = load_engine(args)
     app = build_app(engine, tokenizer)
     print(f"arbor serve: {args.model} on http://{args.host}:{args.port}", flush=True)
-    web.run_app(app, host=args.host, port=args.port, print=None, handle_signals=True)
+    web.run_app(
+        app, host=args.host, port=args.port, print=None, handle_signals=True, shutdown_timeout=2.0
+    )
     engine.shutdown()
     return 0
 
