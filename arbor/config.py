@@ -13,6 +13,7 @@ Functions receive only the section they need (``cfg.loss``), never the whole con
 from __future__ import annotations
 
 import dataclasses
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -22,6 +23,8 @@ from typing import Any, Literal
 import yaml
 
 from arbor.errors import ConfigError
+
+_FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
 
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 
@@ -331,6 +334,9 @@ def _coerce(value: Any, tp: Any, key: str, where: _Where) -> Any:
             raise ConfigError(f"{where(key)}: {key} must be an integer, got {_show(value)}")
         return value
     if tp is float:
+        if isinstance(value, str) and _FLOAT.fullmatch(value.strip()):
+            # PyYAML follows YAML 1.1, where `1e-6` (no dot) is a string, not a number.
+            return float(value)
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{where(key)}: {key} must be a number, got {_show(value)}")
         return float(value)

@@ -105,6 +105,14 @@ def test_overrides_apply_and_widen_ints():
     assert cfg.ray.address == "auto" and cfg.model.ref_path is None
 
 
+def test_exponent_floats_without_a_dot(tmp_path):
+    # YAML 1.1 reads `1e-6` as a string; a learning rate written that way must still work.
+    cfg = load_config(write(tmp_path, "optim:\n  lr: 1e-6\n"), ["loss.kl_coef=2E-3"])
+    assert cfg.optim.lr == 1e-6 and cfg.loss.kl_coef == 2e-3
+    with pytest.raises(ConfigError, match="optim.lr must be a number"):
+        load_config(None, ["optim.lr=1e-"])
+
+
 def test_nested_reward_terms(tmp_path):
     path = write(
         tmp_path,
