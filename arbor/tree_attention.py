@@ -116,17 +116,23 @@ def packed_logits(
     rows: torch.Tensor,  # [M] int64 packed positions whose next-token logits are needed
     attention: Attention = "auto",
 ) -> torch.Tensor:
-    """Logits [M, V] at ``rows`` of one forward pass over the packed trees."""
+    """Logits [M, V] at ``rows`` of one forward pass over the packed trees.
+
+    ``model`` may be a DeepSpeed engine wrapping the HF model (its forward must run
+    through the engine for ZeRO-3's gradient accumulation).
+    """
+    hf_model: PreTrainedModel = getattr(model, "module", model)
     device = next(model.parameters()).device
     attention = resolve_attention(attention, device)
     input_ids = pack.input_ids.to(device)[None]
     position_ids = pack.position_ids.to(device)[None]
     rows = rows.to(device)
     if attention == "dense":
-        if model.config._attn_implementation not in ("sdpa", "eager"):
-            raise ValueError(f"dense tree masks need sdpa or eager attention, not {model.config._attn_implementation}")
+        implementation = hf_model.config._attn_implementation
+        if implementation not in ("sdpa", "eager"):
+            raise ValueError(f"dense tree masks need sdpa or eager attention, not {implementation}")
         mask = dense_tree_mask(pack).to(device)
-        if model.config._attn_implementation == "eager":  # eager wants an additive float mask
+        if implementation == "eager":  # eager wants an additive float mask
             dtype = next(model.parameters()).dtype
             mask = torch.zeros(mask.shape, dtype=dtype, device=device).masked_fill(~mask, torch.finfo(dtype).min)
         out = model(
@@ -134,13 +140,13 @@ def packed_logits(
             use_cache=False,
         )
     elif attention == "blocks":
-        with attention_implementation(model, BLOCKS_IMPL):
+        with attention_implementation(hf_model, BLOCKS_IMPL):
             out = model(
                 input_ids=input_ids, position_ids=position_ids, logits_to_keep=rows,
                 arbor_blocks=pack.blocks, use_cache=False,
             )
     elif attention == "flex":
-        with attention_implementation(model, "flex_attention"):
+        with attention_implementation(hf_model, "flex_attention"):
             mask = flex_block_mask(pack, device)
             out = model(
                 input_ids=input_ids, position_ids=position_ids, attention_mask=mask,

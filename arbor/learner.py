@@ -1,0 +1,232 @@
+"""A learner rank: the policy under DeepSpeed ZeRO-3 (or plain torch), stepping on tree packs.
+
+    learner = Learner(cfg.model, cfg.learner, cfg.optim, cfg.loss, total_steps=100)
+    denominator = loss_denominator(all_trees_of_the_step, cfg.loss.normalize)   # global
+    packs = pack_trees(my_trees, my_advantages, pack_tokens=cfg.learner.pack_tokens)
+    metrics = learner.step(packs, denominator)      # backward over every pack, one update
+
+Gradient accumulation is over packs: each pack's loss is already divided by the global
+denominator (the whole batch over all ranks), so the summed gradient is exactly that of
+the linearised batch. DeepSpeed averages gradients over data-parallel ranks; the loss is
+multiplied by the world size to turn that average back into the sum.
+
+On CPU DeepSpeed talks gloo; ``backend: torch`` is a single-process learner for
+debugging with the same loss and schedule.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from transformers import AutoModelForCausalLM, PreTrainedModel
+
+from arbor.config import LearnerConfig, LossConfig, ModelConfig, OptimConfig
+from arbor.loss import LossSums, pack_loss
+from arbor.packing import PackedBatch
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("learner.device is cuda but no CUDA device is visible")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, dtype)
+
+
+def load_policy(model_cfg: ModelConfig, dtype: torch.dtype, path: str | None = None) -> PreTrainedModel:
+    model = AutoModelForCausalLM.from_pretrained(
+        path or model_cfg.path, dtype=dtype, trust_remote_code=model_cfg.trust_remote_code,
+        attn_implementation="sdpa",
+    )
+    if model_cfg.gradient_checkpointing:
+        model.gradient_checkpointing_enable()
+    return model
+
+
+def lr_lambda(optim_cfg: OptimConfig, total_steps: int) -> Any:
+    """Multiplier of the base lr at optimizer step s: linear warmup, then the schedule."""
+    warmup, floor = optim_cfg.warmup_steps, optim_cfg.min_lr_ratio
+
+    def factor(step: int) -> float:
+        if warmup and step < warmup:
+            return (step + 1) / warmup
+        if optim_cfg.schedule == "constant":
+            return 1.0
+        progress = min(1.0, (step - warmup) / max(1, total_steps - warmup))
+        if optim_cfg.schedule == "linear":
+            return floor + (1.0 - floor) * (1.0 - progress)
+        return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))  # cosine
+
+    return factor
+
+
+def init_distributed(backend: str) -> None:
+    """torch.distributed via DeepSpeed from RANK/WORLD_SIZE/LOCAL_RANK/MASTER_* variables."""
+    import deepspeed
+
+    missing = [k for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
+    if missing:
+        raise RuntimeError(f"DeepSpeed learner ranks need the environment variables {missing}")
+    # DeepSpeed compiles a shared-memory op at first init on CPU (tens of seconds) that
+    # training never uses: skip it (ENVIRONMENT.md).
+    importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
+    deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False)
+
+
+class Learner:
+    """One data-parallel rank of the policy (plus an optional frozen reference model)."""
+
+    def __init__(
+        self,
+        model_cfg: ModelConfig,
+        learner_cfg: LearnerConfig,
+        optim_cfg: OptimConfig,
+        loss_cfg: LossConfig,
+        total_steps: int,
+        model: PreTrainedModel | None = None,
+    ) -> None:
+        self.cfg, self.loss_cfg = learner_cfg, loss_cfg
+        self.device = resolve_device(learner_cfg.device)
+        self.dtype = resolve_dtype(learner_cfg.dtype, self.device)
+        self.world_size = int(os.environ.get("WORLD_SIZE", "1"))
+        self.rank = int(os.environ.get("RANK", "0"))
+        self.attention = learner_cfg.attention
+        if learner_cfg.backend == "deepspeed":
+            init_distributed("nccl" if self.device.type == "cuda" else "gloo")
+        policy = model if model is not None else load_policy(model_cfg, self.dtype)
+        self.ref_model = None
+        if loss_cfg.kl_coef > 0:
+            self.ref_model = load_policy(model_cfg, self.dtype, model_cfg.ref_path).to(self.device).eval()
+            self.ref_model.requires_grad_(False)
+        optimizer = torch.optim.AdamW(
+            policy.parameters(), lr=optim_cfg.lr, betas=tuple(optim_cfg.betas), eps=optim_cfg.eps,
+            weight_decay=optim_cfg.weight_decay,
+        )
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(optim_cfg, total_steps))
+        self.max_grad_norm = optim_cfg.max_grad_norm
+        if learner_cfg.backend == "deepspeed":
+            import deepspeed
+
+            self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
+                model=policy, optimizer=optimizer, lr_scheduler=scheduler,
+                config=self._deepspeed_config(optim_cfg),
+            )
+            self.model = self.engine.module
+        else:
+            self.engine = None
+            self.model = policy.to(self.device)
+            self.optimizer, self.scheduler = optimizer, scheduler
+        self.model.train()
+        self.steps = 0
+
+    def _deepspeed_config(self, optim_cfg: OptimConfig) -> dict[str, Any]:
+        # overlap_comm is not supported with unmanaged accumulation under ZeRO-3.
+        zero: dict[str, Any] = {"stage": self.cfg.zero_stage, "overlap_comm": False}
+        if self.cfg.zero_stage == 3:
+            zero["stage3_gather_16bit_weights_on_model_save"] = True
+        if self.cfg.offload_optimizer:
+            zero["offload_optimizer"] = {"device": "cpu"}
+        if self.cfg.offload_params:
+            zero["offload_param"] = {"device": "cpu"}
+        return {
+            "train_micro_batch_size_per_gpu": 1,
+            "gradient_accumulation_steps": 1,
+            # Any number of packs per update: every step() is the accumulation boundary.
+            "managed_gradient_accumulation": False,
+            "gradient_clipping": optim_cfg.max_grad_norm,
+            "zero_optimization": zero,
+            "bf16": {"enabled": self.dtype == torch.bfloat16},
+            "zero_allow_untested_optimizer": True,
+            "zero_force_ds_cpu_optimizer": False,  # DeepSpeedCPUAdam compiles for minutes on CPU
+            "steps_per_print": 1 << 30,
+            "wall_clock_breakdown": False,
+        }
+
+    # -- training --------------------------------------------------------------------------
+
+    def backward(self, packs: Sequence[PackedBatch], denominator: float) -> LossSums | None:
+        """Accumulate the gradients of ``packs`` (this rank's share of one update)."""
+        total: LossSums | None = None
+        scale = float(self.world_size) if self.engine is not None else 1.0
+        for i in range(self._passes(len(packs))):
+            # ZeRO-3 gathers parameters collectively in every forward, so ranks with fewer
+            # packs run extra passes on a pack of theirs with the loss zeroed.
+            idle = i >= len(packs)
+            pack = packs[min(i, len(packs) - 1)]
+            # Through the engine, not its module: DeepSpeed's forward advances the ZeRO-3
+            # micro-step counter, without which each backward overwrites the last one's
+            # gradients instead of accumulating them.
+            loss, sums = pack_loss(
+                self.engine or self.model, pack, denominator, clip_low=self.loss_cfg.clip_low,
+                clip_high=self.loss_cfg.clip_high, kl_coef=self.loss_cfg.kl_coef,
+                kl_estimator=self.loss_cfg.kl_estimator, entropy_coef=self.loss_cfg.entropy_coef,
+                ref_model=self.ref_model, attention=self.attention,
+            )
+            if idle:
+                loss = loss * 0.0
+            if self.engine is not None:
+                self.engine.backward(loss * scale)
+            else:
+                loss.backward()
+            if not idle:
+                total = sums if total is None else total + sums
+        return total
+
+    def _passes(self, n: int) -> int:
+        """Forward/backward passes this rank runs: the most packs any rank has."""
+        if self.engine is None or self.world_size == 1:
+            return n
+        if n == 0:
+            raise ValueError("every learner rank needs at least one pack per update")
+        count = torch.tensor([n], dtype=torch.long, device=self.device)
+        torch.distributed.all_reduce(count, op=torch.distributed.ReduceOp.MAX)
+        return int(count.item())
+
+    def optimizer_step(self) -> float:
+        """Clip, update, advance the schedule; returns the gradient norm before clipping."""
+        if self.engine is not None:
+            self.engine.step()
+            norm = self.engine.get_global_grad_norm()
+            grad_norm = float(norm) if norm is not None else float("nan")
+        else:
+            clip = self.max_grad_norm if self.max_grad_norm > 0 else float("inf")
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip))
+            self.optimizer.step()
+            self.scheduler.step()
+            self.optimizer.zero_grad(set_to_none=True)
+        self.steps += 1
+        return grad_norm
+
+    def step(self, packs: Sequence[PackedBatch], denominator: float) -> dict[str, float]:
+        """One optimizer update over ``packs``; loss metrics of this rank's tokens."""
+        sums = self.backward(packs, denominator)
+        grad_norm = self.optimizer_step()
+        metrics = sums.metrics() if sums is not None else {}
+        metrics.update(grad_norm=grad_norm, lr=self.current_lr())
+        return metrics
+
+    def current_lr(self) -> float:
+        return float(self.optimizer.param_groups[0]["lr"])
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Whole parameters (gathered under ZeRO-3), on CPU, on every rank."""
+        if self.engine is None or self.cfg.zero_stage != 3:
+            return {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}
+        import deepspeed
+
+        out = {}
+        for name, param in self.model.named_parameters():
+            with deepspeed.zero.GatheredParameters([param]):
+                out[name] = param.detach().cpu().clone()
+        return out
