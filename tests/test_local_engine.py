@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 from tiny_model import build_tiny_model_dir
 
-from arbor.engines.local import LocalEngine, _sample
+from arbor.engines.decode_batch import sample_token as _sample
+from arbor.engines.local import LocalEngine
 from arbor.engines.radix_cache import RadixKVCache
 from arbor.engines.types import GenerateRequest, SamplingParams
 
@@ -190,3 +193,20 @@ def test_release_and_resume(engine):
         engine.generate_sync([req(PROMPT, 2)])
     engine.resume_memory()
     assert len(engine.generate_sync([req(PROMPT, 2)])[0][0].output_ids) >= 1
+
+
+def test_arrivals_join_a_running_batch_and_leave_when_done(engine):
+    engine.eos_token_ids = set()  # the long request must run its full length
+    long_request = req(PROMPT, 200, seed=8)
+    alone = engine.generate_sync([long_request])[0][0]
+    engine.flush_cache()
+    long_future = engine.submit(long_request)
+    while engine.stats.decode_tokens < 200 + 5:  # the long one is decoding now
+        time.sleep(0.001)
+    short_request = req([3, 1, 4, 1, 5, 9, 2, 6], 5, seed=1)
+    short = engine.submit(short_request).result(timeout=60)[0]
+    assert not long_future.done()  # the short one joined mid-batch and left first
+    assert len(short.output_ids) == 5
+    expected = teacher_forced(engine, short_request.input_ids, short.output_ids)
+    assert torch.allclose(torch.tensor(short.logprobs), expected, atol=1e-4)
+    assert long_future.result(timeout=60)[0].output_ids == alone.output_ids

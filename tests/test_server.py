@@ -157,7 +157,11 @@ LEARNER = textwrap.dedent(
     group = open_group("127.0.0.1", port, rank=0, world_size=2)
     for name, tensor in state.items():  # the same order the server was told
         broadcast(group, tensor.contiguous())
-    print("sent", len(state))
+    print("sent", len(state), flush=True)
+    # Skip interpreter teardown: destroying a gloo group whose peer still holds it can
+    # abort() the process after the work is done (a real learner keeps its group open).
+    import os
+    os._exit(0)
     """
 )
 

@@ -31,12 +31,16 @@ import asyncio
 import queue
 import random
 import threading
+from collections import deque
+from collections.abc import Iterator
 from concurrent.futures import Future
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
+from arbor.engines.decode_batch import DecodeBatch, make_cache, sample_token
 from arbor.engines.radix_cache import RadixKVCache
 from arbor.engines.types import GenerateOutput, GenerateRequest
 
@@ -56,21 +60,26 @@ class EngineStats:
 @dataclass
 class _Job:
     request: GenerateRequest
-    future: Future  # resolves to list[GenerateOutput]
+    future: Future  # resolves to list[GenerateOutput], one per fork
+    outputs: list[GenerateOutput | None] = field(default_factory=list)
+    remaining: int = 0  # forks still decoding
 
 
 @dataclass
 class _Row:
     """One continuation being decoded."""
 
-    job_index: int
+    job: _Job
     fork: int
     generator: torch.Generator
-    prompt: list[int]
     cached_tokens: int
     output: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     finish_reason: str | None = None
+
+    @property
+    def prompt(self) -> list[int]:
+        return self.job.request.input_ids
 
 
 class LocalEngine:
@@ -107,8 +116,11 @@ class LocalEngine:
         self.max_batch_rows = max_batch_rows
         self._updates = 0
         self._rng = random.Random(seed)
-        self._lock = threading.Lock()  # one wave or one weight change at a time
+        self._lock = threading.Lock()  # one decode batch or one weight change at a time
         self._queue: queue.Queue[_Job | None] = queue.Queue()
+        self._hold_admission = threading.Event()  # set while a weight change waits
+        self._stopping = False
+        self._waiters, self._waiters_lock = 0, threading.Lock()
         self._thread = threading.Thread(target=self._serve, name="arbor-engine", daemon=True)
         self._thread.start()
 
@@ -124,6 +136,8 @@ class LocalEngine:
     def submit(self, request: GenerateRequest) -> Future:
         """Queue a request (thread-safe); the future resolves to ``list[GenerateOutput]``."""
         self.validate(request)
+        if self._stopping:
+            raise RuntimeError("engine is shut down")
         future: Future = Future()
         self._queue.put(_Job(request, future))
         return future
@@ -182,7 +196,7 @@ class LocalEngine:
             strict = True
         else:
             state, strict = source, False
-        with self._lock:
+        with self._exclusive():
             params = self.model.state_dict()
             unknown = sorted(set(state) - set(params))
             if unknown:
@@ -199,12 +213,12 @@ class LocalEngine:
                 self.weight_version = weight_version
 
     def flush_cache(self) -> None:
-        with self._lock:
+        with self._exclusive():
             self.cache.flush()
 
     def release_memory(self) -> None:
         """Drop the KV cache and, on CUDA, move the weights to host memory."""
-        with self._lock:
+        with self._exclusive():
             self.cache.flush()
             if self.device.type == "cuda":
                 self.model.to("cpu")
@@ -212,9 +226,25 @@ class LocalEngine:
             self.released = True
 
     def resume_memory(self) -> None:
-        with self._lock:
+        with self._exclusive():
             self.model.to(self.device)
             self.released = False
+
+    @contextmanager
+    def _exclusive(self) -> Iterator[None]:
+        """Hold the engine between batches: new arrivals stop joining the running batch
+        (so it drains), then the caller runs alone."""
+        with self._waiters_lock:
+            self._waiters += 1
+            self._hold_admission.set()
+        try:
+            with self._lock:
+                yield
+        finally:
+            with self._waiters_lock:
+                self._waiters -= 1
+                if self._waiters == 0:
+                    self._hold_admission.clear()
 
     def shutdown(self) -> None:
         self._queue.put(None)
@@ -229,80 +259,96 @@ class LocalEngine:
     # -- scheduler --------------------------------------------------------------------
 
     def _serve(self) -> None:
+        """Scheduler thread: prefill arrivals, decode every active row one token per step."""
+        pending: deque[_Job] = deque()
+        while not self._stopping:
+            if not pending:
+                job = self._queue.get()
+                if job is None:
+                    return
+                pending.append(job)
+            with self._lock:
+                batch, rows = DecodeBatch(self.device), []
+                self._drain_queue(pending)
+                self._admit(pending, batch, rows)
+                while rows:
+                    try:
+                        self._step(batch, rows)
+                    except Exception as exc:  # every caller in the batch gets the error
+                        for job in {id(r.job): r.job for r in rows}.values():
+                            if not job.future.done():
+                                job.future.set_exception(exc)
+                        break
+                    # Continuous batching: arrivals join at the next step, unless a
+                    # weight update waits for the batch to drain.
+                    if not self._hold_admission.is_set():
+                        self._drain_queue(pending)
+                        self._admit(pending, batch, rows)
+
+    def _drain_queue(self, pending: deque[_Job]) -> None:
         while True:
-            job = self._queue.get()
-            if job is None:
-                return
-            jobs = [job]
-            rows = job.request.sampling.n
-            # Everything already waiting joins this wave (up to the row budget).
-            while rows < self.max_batch_rows:
-                try:
-                    nxt = self._queue.get_nowait()
-                except queue.Empty:
-                    break
-                if nxt is None:
-                    self._queue.put(None)
-                    break
-                jobs.append(nxt)
-                rows += nxt.request.sampling.n
             try:
-                with self._lock:
-                    if self.released:
-                        raise EngineReleased("engine memory is released; call resume first")
-                    results = self._run_wave([j.request for j in jobs])
-            except Exception as exc:  # the error reaches every caller of this wave
-                for j in jobs:
-                    j.future.set_exception(exc)
-                continue
-            for j, result in zip(jobs, results):
-                j.future.set_result(result)
+                job = self._queue.get_nowait()
+            except queue.Empty:
+                return
+            if job is None:
+                self._stopping = True
+                return
+            pending.append(job)
 
     @torch.no_grad()
-    def _run_wave(self, requests: list[GenerateRequest]) -> list[list[GenerateOutput]]:
-        rows: list[_Row] = []
-        row_kv: list[tuple[list[torch.Tensor], list[torch.Tensor]]] = []  # per row [H, T, D]
-        results: list[list[GenerateOutput]] = [[] for _ in requests]
-        for index, request in enumerate(requests):
-            sp = request.sampling
-            keys, values, logits, cached = self._prefill(request.input_ids)
-            if sp.max_new_tokens == 0:  # a prefix commit: nothing to sample
-                results[index] = [
-                    self._output(_Row(index, 0, torch.Generator(), request.input_ids, cached))
-                ]
+    def _admit(self, pending: deque[_Job], batch: DecodeBatch, rows: list[_Row]) -> None:
+        """Prefill waiting jobs (up to ``max_batch_rows`` rows) and add their forks."""
+        new_kv = []
+        while pending and (
+            not rows or len(rows) + pending[0].request.sampling.n <= self.max_batch_rows
+        ):
+            job = pending.popleft()
+            try:
+                if self.released:
+                    raise EngineReleased("engine memory is released; call resume first")
+                forks = self._start(job)
+            except Exception as exc:  # this job fails alone
+                job.future.set_exception(exc)
                 continue
-            base_seed = sp.seed if sp.seed is not None else self._rng.randrange(1 << 62)
-            for fork in range(sp.n):
-                generator = torch.Generator(device=self.device)
-                generator.manual_seed(base_seed + fork)
-                # Forks after the first reuse the whole prefill: all their prompt is cached.
-                row = _Row(
-                    index,
-                    fork,
-                    generator,
-                    request.input_ids,
-                    cached if fork == 0 else len(request.input_ids),
-                )
-                self._append_sample(row, logits, request)
-                rows.append(row)
-                row_kv.append((keys, values))
-        self._decode(rows, row_kv, requests)
-        for row in rows:
-            results[row.job_index].append(self._output(row))
-        self.stats.requests += len(requests)
-        return results
+            for row, kv in forks:
+                if row.finish_reason is None:
+                    rows.append(row)
+                    new_kv.append(kv)
+                else:
+                    self._finish(row, *kv)
+        batch.add(new_kv)
+
+    def _start(self, job: _Job):
+        """Prefill ``job``'s prompt; returns its forks with their first token sampled."""
+        request = job.request
+        sp = request.sampling
+        keys, values, logits, cached = self._prefill(request.input_ids)
+        self.stats.requests += 1
+        if sp.max_new_tokens == 0:  # a prefix commit: nothing to sample
+            job.outputs, job.remaining = [None], 1
+            self._complete(_Row(job, 0, torch.Generator(), cached))
+            return []
+        job.outputs, job.remaining = [None] * sp.n, sp.n
+        base_seed = sp.seed if sp.seed is not None else self._rng.randrange(1 << 62)
+        forks = []
+        for fork in range(sp.n):
+            generator = torch.Generator(device=self.device)
+            generator.manual_seed(base_seed + fork)
+            # Forks after the first reuse the whole prefill: all their prompt is cached.
+            row = _Row(job, fork, generator, cached if fork == 0 else len(request.input_ids))
+            self._append_sample(row, logits)
+            forks.append((row, (keys, values)))
+        return forks
 
     def _prefill(self, prompt: list[int]):
         """KV of ``prompt`` (per layer ``[H, T, D]``), last-position logits ``[V]``, cached count."""
         hit = self.cache.match(prompt)
         cached = min(hit.length, len(prompt) - 1)  # the last token is recomputed for its logits
-        if cached > 0:
-            past = _make_cache(
-                [k[:, :cached].unsqueeze(0) for k in hit.keys],
-                [v[:, :cached].unsqueeze(0) for v in hit.values],
-            )
-        else:
-            past = _make_cache([], [])
+        past = make_cache(
+            [k[:, :cached].unsqueeze(0) for k in hit.keys] if cached else [],
+            [v[:, :cached].unsqueeze(0) for v in hit.values] if cached else [],
+        )
         rest = torch.tensor([prompt[cached:]], device=self.device)
         positions = torch.arange(cached, len(prompt), device=self.device).unsqueeze(0)
         out = self.model(
@@ -315,87 +361,46 @@ class LocalEngine:
         self.stats.cached_tokens += cached
         return keys, values, out.logits[0, -1].float(), cached
 
-    def _decode(self, rows: list[_Row], row_kv, requests: list[GenerateRequest]) -> None:
-        active = [i for i, row in enumerate(rows) if row.finish_reason is None]
-        for i, row in enumerate(rows):
-            if row.finish_reason is not None:
-                self._commit(row, *row_kv[i])
-        if not active:
-            return
-        # Left-pad every row's KV to a common length; the mask hides the padding.
-        lengths = [row_kv[i][0][0].shape[1] for i in active]
-        width = max(lengths)
-        num_layers = len(row_kv[active[0]][0])
-        keys = [
-            torch.stack([_pad_left(row_kv[i][0][layer], width) for i in active])
-            for layer in range(num_layers)
-        ]
-        values = [
-            torch.stack([_pad_left(row_kv[i][1][layer], width) for i in active])
-            for layer in range(num_layers)
-        ]
-        past = _make_cache(keys, values)
-        mask = torch.zeros(len(active), width, dtype=torch.long, device=self.device)
-        for b, length in enumerate(lengths):
-            mask[b, width - length :] = 1
-        pad = [width - length for length in lengths]
-        while active:
-            batch_rows = [rows[i] for i in active]
-            tokens = torch.tensor([[r.output[-1]] for r in batch_rows], device=self.device)
-            positions = torch.tensor(
-                [[len(r.prompt) + len(r.output) - 1] for r in batch_rows], device=self.device
-            )
-            mask = torch.cat(
-                [mask, torch.ones(len(active), 1, dtype=mask.dtype, device=self.device)], dim=1
-            )
-            out = self.model(
-                input_ids=tokens,
-                position_ids=positions,
-                attention_mask=mask,
-                past_key_values=past,
-                use_cache=True,
-            )
-            self.stats.decode_tokens += len(active)
-            logits = out.logits[:, -1].float()
-            keep = []
-            for b, row in enumerate(batch_rows):
-                self._append_sample(row, logits[b], requests[row.job_index])
-                if row.finish_reason is None:
-                    keep.append(b)
-                else:  # its KV (prompt + output minus the last token) enters the cache
-                    layers = past.layers
-                    self._commit(
-                        row,
-                        [layer.keys[b, :, pad[b] :] for layer in layers],
-                        [layer.values[b, :, pad[b] :] for layer in layers],
-                    )
-            if len(keep) < len(active):
-                index = torch.tensor(keep, device=self.device, dtype=torch.long)
-                for layer in past.layers:
-                    layer.keys = layer.keys.index_select(0, index)
-                    layer.values = layer.values.index_select(0, index)
-                mask = mask.index_select(0, index)
-                active = [active[b] for b in keep]
-                pad = [pad[b] for b in keep]
+    @torch.no_grad()
+    def _step(self, batch: DecodeBatch, rows: list[_Row]) -> None:
+        """Feed every row's last token, sample the next; finished rows leave the batch."""
+        tokens = torch.tensor([[r.output[-1]] for r in rows], device=self.device)
+        positions = torch.tensor(
+            [[len(r.prompt) + len(r.output) - 1] for r in rows], device=self.device
+        )
+        past, mask = batch.past()
+        out = self.model(
+            input_ids=tokens,
+            position_ids=positions,
+            attention_mask=mask,
+            past_key_values=past,
+            use_cache=True,
+        )
+        batch.absorb(out.past_key_values, mask)
+        self.stats.decode_tokens += len(rows)
+        logits = out.logits[:, -1].float()
+        keep = []
+        for b, row in enumerate(rows):
+            self._append_sample(row, logits[b])
+            if row.finish_reason is None:
+                keep.append(b)
+            else:
+                self._finish(row, *batch.row_kv(b))
+        if len(keep) < len(rows):
+            batch.keep(keep)
+            rows[:] = [rows[b] for b in keep]
 
-    def _commit(self, row: _Row, keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:
+    def _finish(self, row: _Row, keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:
+        """Cache the row's sequence (prompt + output minus the last token, whose KV was
+        never computed) so children hit it, and hand its output to the caller."""
         tokens = row.prompt + row.output[:-1]
         if keys[0].shape[1] == len(tokens):
             self.cache.insert(tokens, keys, values)
+        self._complete(row)
 
-    def _append_sample(self, row: _Row, logits: torch.Tensor, request: GenerateRequest) -> None:
-        """Sample one token for ``row`` from ``logits`` ``[V]`` and update its finish state."""
-        sp = request.sampling
-        token, logprob = _sample(logits, sp.temperature, sp.top_p, sp.top_k, row.generator)
-        row.output.append(token)
-        row.logprobs.append(logprob)
-        if token in self.eos_token_ids or token in sp.stop_token_ids:
-            row.finish_reason = "stop"
-        elif len(row.output) >= sp.max_new_tokens:
-            row.finish_reason = "length"
-
-    def _output(self, row: _Row) -> GenerateOutput:
-        return GenerateOutput(
+    def _complete(self, row: _Row) -> None:
+        job = row.job
+        job.outputs[row.fork] = GenerateOutput(
             output_ids=row.output,
             logprobs=row.logprobs,
             finish_reason=row.finish_reason or "length",
@@ -403,44 +408,17 @@ class LocalEngine:
             cached_tokens=row.cached_tokens,
             weight_version=self.weight_version,
         )
+        job.remaining -= 1
+        if job.remaining == 0:
+            job.future.set_result(list(job.outputs))
 
-
-def _sample(
-    logits: torch.Tensor, temperature: float, top_p: float, top_k: int, generator: torch.Generator
-) -> tuple[int, float]:
-    """One token from ``logits`` ``[V]``; returns (token, log_softmax(logits / T)[token])."""
-    if temperature == 0 or top_k == 1:
-        scaled = logits if temperature == 0 else logits / temperature
-        token = int(torch.argmax(scaled))
-        return token, float(torch.log_softmax(scaled, dim=-1)[token])
-    logprobs = torch.log_softmax(logits / temperature, dim=-1)
-    probs = logprobs.exp()
-    if top_k > 0 and top_k < probs.numel():
-        threshold = torch.topk(probs, top_k).values[-1]
-        probs = torch.where(probs >= threshold, probs, torch.zeros_like(probs))
-    if top_p < 1.0:
-        sorted_probs, order = torch.sort(probs, descending=True)
-        cumulative = torch.cumsum(sorted_probs, dim=0) / sorted_probs.sum()
-        # Keep the smallest head whose mass reaches top_p (the first token always stays).
-        drop_sorted = (cumulative - sorted_probs / sorted_probs.sum()) >= top_p
-        probs = probs.scatter(0, order, sorted_probs.masked_fill(drop_sorted, 0.0))
-    token = int(torch.multinomial(probs, 1, generator=generator))
-    return token, float(logprobs[token])
-
-
-def _pad_left(tensor: torch.Tensor, width: int) -> torch.Tensor:
-    """``[H, T, D]`` -> ``[H, width, D]`` with zeros in front."""
-    missing = width - tensor.shape[1]
-    if missing == 0:
-        return tensor
-    zeros = tensor.new_zeros(tensor.shape[0], missing, tensor.shape[2])
-    return torch.cat([zeros, tensor], dim=1)
-
-
-def _make_cache(keys: list[torch.Tensor], values: list[torch.Tensor]):
-    """A ``DynamicCache`` holding per-layer ``[B, H, T, D]`` tensors (empty if none)."""
-    from transformers import DynamicCache
-
-    if not keys:
-        return DynamicCache()
-    return DynamicCache(ddp_cache_data=list(zip(keys, values)))
+    def _append_sample(self, row: _Row, logits: torch.Tensor) -> None:
+        """Sample one token for ``row`` from ``logits`` ``[V]`` and update its finish state."""
+        sp = row.job.request.sampling
+        token, logprob = sample_token(logits, sp.temperature, sp.top_p, sp.top_k, row.generator)
+        row.output.append(token)
+        row.logprobs.append(logprob)
+        if token in self.eos_token_ids or token in sp.stop_token_ids:
+            row.finish_reason = "stop"
+        elif len(row.output) >= sp.max_new_tokens:
+            row.finish_reason = "length"
