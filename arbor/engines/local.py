@@ -28,9 +28,11 @@ each weight update, or a counter ``"1"``, ``"2"``, ... when none is given.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import queue
 import random
 import threading
+import weakref
 from collections import deque
 from collections.abc import Iterator
 from concurrent.futures import Future
@@ -123,6 +125,9 @@ class LocalEngine:
         self._waiters, self._waiters_lock = 0, threading.Lock()
         self._thread = threading.Thread(target=self._serve, name="arbor-engine", daemon=True)
         self._thread.start()
+        # A torch thread still alive at interpreter exit aborts the process ("terminate
+        # called without an active exception"): stop it first.
+        atexit.register(_stop_at_exit, weakref.ref(self))
 
     # -- public API -------------------------------------------------------------------
 
@@ -247,8 +252,10 @@ class LocalEngine:
                     self._hold_admission.clear()
 
     def shutdown(self) -> None:
-        self._queue.put(None)
-        self._thread.join(timeout=10)
+        """Stop the scheduler thread after the running batch (idempotent)."""
+        if self._thread.is_alive():
+            self._queue.put(None)
+            self._thread.join(timeout=30)
 
     def _new_version(self, weight_version: str | None) -> None:
         # Stale KV computed by the old weights would silently corrupt rollouts.
@@ -422,3 +429,9 @@ class LocalEngine:
             row.finish_reason = "stop"
         elif len(row.output) >= sp.max_new_tokens:
             row.finish_reason = "length"
+
+
+def _stop_at_exit(ref: weakref.ref) -> None:
+    engine = ref()
+    if engine is not None:
+        engine.shutdown()
