@@ -181,14 +181,21 @@ class SGLangClient:
     async def model_info(self) -> list[dict[str, Any]]:
         """``/model_info`` of each server (``/get_model_info`` on older SGLang)."""
         try:
-            return await self._all("GET", "/model_info", None, retries=0)
+            return await self._all("GET", "/model_info", None)
         except EngineError as exc:
             if exc.status != 404:
                 raise
             return await self._all("GET", "/get_model_info", None)
 
     async def get_weight_version(self) -> list[str]:
-        return [r["weight_version"] for r in await self._all("GET", "/get_weight_version", None)]
+        """Each server's weight version (``/get_weight_version``, else ``/model_info``'s)."""
+        try:
+            replies = await self._all("GET", "/get_weight_version", None)
+        except EngineError as exc:
+            if exc.status != 404:
+                raise
+            replies = await self.model_info()
+        return [str(r["weight_version"]) for r in replies]
 
     async def health(self) -> bool:
         """True when every server answers ``/health`` with 200 (no retries)."""
