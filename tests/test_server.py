@@ -18,7 +18,6 @@ import torch
 from tiny_model import build_tiny_model_dir
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from arbor.engines.client import SGLangClient
 from arbor.engines.local import LocalEngine
 from arbor.engines.server import ServerThread, free_port, parse_args
 
@@ -149,57 +148,43 @@ def test_release_resume_and_flush(served):
 
 LEARNER = textwrap.dedent(
     """
-    import sys
+    import asyncio, os, sys
     from transformers import AutoModelForCausalLM
-    from arbor.engines.distributed import broadcast, open_group
-    port, model_dir = int(sys.argv[1]), sys.argv[2]
+    from arbor.engines.client import SGLangClient
+    from arbor.engines.distributed import connect_learner, send_weights
+    url, port, model_dir = sys.argv[1], int(sys.argv[2]), sys.argv[3]
     state = AutoModelForCausalLM.from_pretrained(model_dir).state_dict()
-    group = open_group("127.0.0.1", port, rank=0, world_size=2)
-    for name, tensor in state.items():  # the same order the server was told
-        broadcast(group, tensor.contiguous())
-    print("sent", len(state), flush=True)
+
+    async def main():
+        async with SGLangClient([url]) as client:
+            group = await connect_learner(client, "127.0.0.1", port, world_size=2)
+            await send_weights(client, group, list(state.items()), weight_version="dist-1")
+            print("sent", len(state), await client.get_weight_version(), flush=True)
+
+    asyncio.run(main())
     # Skip interpreter teardown: destroying a gloo group whose peer still holds it can
     # abort() the process after the work is done (a real learner keeps its group open).
-    import os
     os._exit(0)
     """
 )
 
 
 def test_update_weights_from_distributed_with_a_learner_process(served):
+    """A separate learner process joins as rank 0 and broadcasts model B's weights."""
     url, engine, model_b = served
     state_b = AutoModelForCausalLM.from_pretrained(model_b).state_dict()
-    names = list(state_b)
-    port = free_port()
-    learner = subprocess.Popen(
-        [sys.executable, "-c", LEARNER, str(port), str(model_b)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
+    learner = subprocess.run(
+        [sys.executable, "-c", LEARNER, url, str(free_port()), str(model_b)],
+        capture_output=True,
         text=True,
+        timeout=120,
     )
-
-    async def main():
-        async with SGLangClient([url]) as client:
-            await client.init_weights_update_group("127.0.0.1", port, world_size=2)
-            await client.update_weights_from_distributed(
-                names,
-                [str(state_b[n].dtype) for n in names],
-                [list(state_b[n].shape) for n in names],
-                weight_version="dist-1",
-            )
-            return await client.get_weight_version()
-
-    try:
-        versions = asyncio.run(main())
-        out, _ = learner.communicate(timeout=60)
-    finally:
-        if learner.poll() is None:
-            learner.kill()
-    assert learner.returncode == 0, out
-    assert versions == ["dist-1"]
+    assert learner.returncode == 0, learner.stdout + learner.stderr
+    assert f"sent {len(state_b)} ['dist-1']" in learner.stdout
     served_state = engine.model.state_dict()
-    for name in names:
-        assert torch.equal(served_state[name], state_b[name]), name
+    for name, tensor in state_b.items():
+        assert torch.equal(served_state[name], tensor), name
+    assert engine.cache.num_tokens == 0  # flushed with the new weights
     assert call(url, "POST", "/destroy_weights_update_group", {})[0] == 200
 
 

@@ -6,19 +6,24 @@ The learner is rank 0 and broadcasts each tensor; every engine is a rank
 process group — so it never touches (or needs) the default process group of the learner
 (which DeepSpeed owns) or of the server.
 
-Learner side (with an arbor server at ``url``)::
+Learner side, with an :class:`~arbor.engines.client.SGLangClient` over the engines (works
+against SGLang too: same endpoints, same group set-up)::
 
-    sender = WeightSender.start(client, "127.0.0.1", port, world_size=2)  # POSTs the init too
-    await sender.send(client, model.named_parameters(), weight_version="7")
+    group = await connect_learner(client, "10.0.0.1", port, world_size=1 + len(client.urls))
+    await send_weights(client, group, list(model.state_dict().items()), weight_version="7")
 """
 
 from __future__ import annotations
 
+import asyncio
 import datetime
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from arbor.engines.client import SGLangClient
 
 DEFAULT_GROUP = "weight_update_group"
 
@@ -103,3 +108,55 @@ class WeightUpdateGroup:
 
     def destroy(self) -> None:
         self.group, self.group_name = None, None
+
+
+async def connect_learner(
+    client: SGLangClient,
+    master_address: str,
+    master_port: int,
+    world_size: int,
+    *,
+    group_name: str = DEFAULT_GROUP,
+    backend: str = "gloo",
+) -> Any:
+    """Open the group as rank 0 while the servers join it (both sides block until all meet)."""
+    _, group = await asyncio.gather(
+        client.init_weights_update_group(
+            master_address, master_port, world_size, group_name=group_name, backend=backend
+        ),
+        asyncio.to_thread(open_group, master_address, master_port, 0, world_size, group_name),
+    )
+    return group
+
+
+async def send_weights(
+    client: SGLangClient,
+    group: Any,
+    named_tensors: list[tuple[str, torch.Tensor]],
+    *,
+    group_name: str = DEFAULT_GROUP,
+    flush_cache: bool = True,
+    weight_version: str | None = None,
+) -> None:
+    """Broadcast ``named_tensors`` to every server: one POST announcing names, dtypes and
+    shapes, and (concurrently) one broadcast per tensor in that order."""
+    names = [name for name, _ in named_tensors]
+    # SGLang resolves dtypes with getattr(torch, name): send "bfloat16", not "torch.bfloat16".
+    dtypes = [str(t.dtype).removeprefix("torch.") for _, t in named_tensors]
+    shapes = [list(t.shape) for _, t in named_tensors]
+
+    def broadcast_all() -> None:
+        for _, tensor in named_tensors:
+            broadcast(group, tensor.detach().contiguous())
+
+    await asyncio.gather(
+        client.update_weights_from_distributed(
+            names,
+            dtypes,
+            shapes,
+            group_name=group_name,
+            flush_cache=flush_cache,
+            weight_version=weight_version,
+        ),
+        asyncio.to_thread(broadcast_all),
+    )
