@@ -210,3 +210,17 @@ def test_arrivals_join_a_running_batch_and_leave_when_done(engine):
     expected = teacher_forced(engine, short_request.input_ids, short.output_ids)
     assert torch.allclose(torch.tensor(short.logprobs), expected, atol=1e-4)
     assert long_future.result(timeout=60)[0].output_ids == alone.output_ids
+
+
+def test_fully_cached_prompts_skip_prefill_and_sample_the_same_tokens(engine):
+    cold = engine.generate_sync([req(PROMPT, 6, n=3, seed=21)])[0]  # prefill path
+    engine.flush_cache()
+    engine.generate_sync([req(PROMPT, 0)])  # commit the prefix
+    before = engine.stats.prefill_tokens
+    warm = engine.generate_sync([req(PROMPT, 6, n=3, seed=21)])[0]  # rows join the batch
+    assert engine.stats.prefill_tokens - before == 3  # only the last prompt token, per row
+    assert [o.cached_tokens for o in warm] == [len(PROMPT) - 1] * 3
+    assert [o.output_ids for o in warm] == [o.output_ids for o in cold]
+    for out in warm:
+        expected = teacher_forced(engine, PROMPT, out.output_ids)
+        assert torch.allclose(torch.tensor(out.logprobs), expected, atol=1e-4)

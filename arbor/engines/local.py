@@ -43,7 +43,7 @@ from pathlib import Path
 import torch
 
 from arbor.engines.decode_batch import DecodeBatch, make_cache, sample_token
-from arbor.engines.radix_cache import RadixKVCache
+from arbor.engines.radix_cache import PrefixHit, RadixKVCache
 from arbor.engines.types import GenerateOutput, GenerateRequest
 
 
@@ -327,30 +327,45 @@ class LocalEngine:
         batch.add(new_kv)
 
     def _start(self, job: _Job):
-        """Prefill ``job``'s prompt; returns its forks with their first token sampled."""
+        """Prefill ``job``'s prompt; returns its forks as (row, KV per layer ``[H, T, D]``).
+
+        A prompt cached up to its last token (a fork after a prefix commit, a child
+        sent with its parent's prefix + output) needs no prefill call: its rows join the
+        batch with the cached KV and feed the last prompt token in the next decode step.
+        Otherwise the prompt is prefilled once and each fork's first token is sampled
+        from the prefill's logits.
+        """
         request = job.request
-        sp = request.sampling
-        keys, values, logits, cached = self._prefill(request.input_ids)
+        sp, prompt = request.sampling, request.input_ids
         self.stats.requests += 1
+        hit = self.cache.match(prompt)
         if sp.max_new_tokens == 0:  # a prefix commit: nothing to sample
+            cached = hit.length if hit.length == len(prompt) else self._prefill(prompt, hit)[3]
             job.outputs, job.remaining = [None], 1
             self._complete(_Row(job, 0, torch.Generator(), cached))
             return []
         job.outputs, job.remaining = [None] * sp.n, sp.n
         base_seed = sp.seed if sp.seed is not None else self._rng.randrange(1 << 62)
-        forks = []
+        generators = []
         for fork in range(sp.n):
-            generator = torch.Generator(device=self.device)
-            generator.manual_seed(base_seed + fork)
+            generators.append(torch.Generator(device=self.device))
+            generators[-1].manual_seed(base_seed + fork)
+        if len(prompt) > 1 and hit.length >= len(prompt) - 1:
+            cached = len(prompt) - 1
+            self.stats.cached_tokens += cached
+            kv = ([k[:, :cached] for k in hit.keys], [v[:, :cached] for v in hit.values])
+            return [(_Row(job, fork, g, cached), kv) for fork, g in enumerate(generators)]
+        keys, values, logits, cached = self._prefill(prompt, hit)
+        forks = []
+        for fork, generator in enumerate(generators):
             # Forks after the first reuse the whole prefill: all their prompt is cached.
-            row = _Row(job, fork, generator, cached if fork == 0 else len(request.input_ids))
+            row = _Row(job, fork, generator, cached if fork == 0 else len(prompt))
             self._append_sample(row, logits)
             forks.append((row, (keys, values)))
         return forks
 
-    def _prefill(self, prompt: list[int]):
+    def _prefill(self, prompt: list[int], hit: PrefixHit):
         """KV of ``prompt`` (per layer ``[H, T, D]``), last-position logits ``[V]``, cached count."""
-        hit = self.cache.match(prompt)
         cached = min(hit.length, len(prompt) - 1)  # the last token is recomputed for its logits
         past = make_cache(
             [k[:, :cached].unsqueeze(0) for k in hit.keys] if cached else [],
@@ -371,7 +386,12 @@ class LocalEngine:
     @torch.no_grad()
     def _step(self, batch: DecodeBatch, rows: list[_Row]) -> None:
         """Feed every row's last token, sample the next; finished rows leave the batch."""
-        tokens = torch.tensor([[r.output[-1]] for r in rows], device=self.device)
+        # A row without output yet feeds its last prompt token (see _start).
+        tokens = torch.tensor(
+            [[r.output[-1] if r.output else r.prompt[-1]] for r in rows], device=self.device
+        )
+        fresh = sum(1 for r in rows if not r.output)
+        self.stats.prefill_tokens += fresh
         positions = torch.tensor(
             [[len(r.prompt) + len(r.output) - 1] for r in rows], device=self.device
         )
@@ -384,7 +404,7 @@ class LocalEngine:
             use_cache=True,
         )
         batch.absorb(out.past_key_values, mask)
-        self.stats.decode_tokens += len(rows)
+        self.stats.decode_tokens += len(rows) - fresh
         logits = out.logits[:, -1].float()
         keep = []
         for b, row in enumerate(rows):
