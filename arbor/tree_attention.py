@@ -17,6 +17,7 @@ transformers' ``AttentionInterface``.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any, Literal
@@ -51,6 +52,12 @@ def flex_block_mask(pack: PackedBatch, device: torch.device | str) -> Any:
     return create_block_mask(tree_rule, B=None, H=None, Q_LEN=n, KV_LEN=n, device=device)
 
 
+@functools.lru_cache(maxsize=256)
+def _bottom_right_causal(n: int, n_kv: int, device: torch.device) -> torch.Tensor:
+    """[n, n_kv] bool: query j sees keys 0 .. n_kv − n + j. Cached: every layer reuses it."""
+    return torch.ones(n, n_kv, dtype=torch.bool, device=device).tril(n_kv - n)
+
+
 def block_tree_attention(
     module: torch.nn.Module,
     query: torch.Tensor,  # [1, H, N, D]
@@ -68,22 +75,30 @@ def block_tree_attention(
     if dropout:
         raise ValueError("tree attention is for training RL policies: attention dropout must be 0")
     gqa = query.shape[1] != key.shape[1]
+    # Blocks tile [0, N) in order. Slicing per block would make every block's backward
+    # allocate and fill an N-long gradient (O(blocks × N) memory traffic, which dominated
+    # the step); instead queries are split (backward: one cat) and each block's keys and
+    # values — its ancestors' then its own — come from one gather over all blocks
+    # (backward: one index_add).
+    sizes = [b.end - b.start for b in arbor_blocks]
+    if sum(sizes) != query.shape[2] or arbor_blocks[0].start != 0:
+        raise ValueError(f"arbor_blocks cover {sum(sizes)} tokens, the sequence has {query.shape[2]}")
+    device = key.device
+    gather = torch.cat(
+        [torch.cat([b.context, torch.arange(b.start, b.end)]) for b in arbor_blocks]
+    ).to(device)
+    kv_sizes = [len(b.context) + n for b, n in zip(arbor_blocks, sizes)]
+    keys = key.index_select(2, gather).split(kv_sizes, dim=2)
+    values = value.index_select(2, gather).split(kv_sizes, dim=2)
     outputs = []
-    for block in arbor_blocks:
-        s, e = block.start, block.end
-        q = query[:, :, s:e]
-        n_ctx = len(block.context)
-        if n_ctx:
-            ctx = block.context.to(key.device)
-            k = torch.cat([key.index_select(2, ctx), key[:, :, s:e]], dim=2)
-            v = torch.cat([value.index_select(2, ctx), value[:, :, s:e]], dim=2)
-            # Context keys are all visible; the block's own keys causally.
-            own = torch.ones(e - s, e - s, dtype=torch.bool, device=query.device).tril()
-            mask = torch.cat([own.new_ones(e - s, n_ctx), own], dim=1)
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling, enable_gqa=gqa)
-        else:
-            k, v = key[:, :, s:e], value[:, :, s:e]
+    for q, k, v, n, n_kv in zip(query.split(sizes, dim=2), keys, values, sizes, kv_sizes):
+        if n_kv == n:  # no context: plain causal attention
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling, enable_gqa=gqa)
+        else:
+            # Context keys are all visible, the block's own keys causally: a causal mask
+            # aligned to the bottom-right corner of the [n, n_kv] score matrix.
+            mask = _bottom_right_causal(n, n_kv, device)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling, enable_gqa=gqa)
         outputs.append(out)
     return torch.cat(outputs, dim=2).transpose(1, 2).contiguous(), None
 
