@@ -1,27 +1,39 @@
 """Reward functions and the process pool that runs them with hard timeouts.
 
 A reward function is plain Python, ``fn(problem: dict, completion: str) -> float``, named
-``module:attr`` (or ``path/file.py:attr``) in the config; several combine with weights:
+``module:attr`` (or ``path/file.py:attr``) in the config; several combine with weights
+into ``Σ weight · fn(problem, completion)``:
 
-    result = score_batch("rewards/math.py:boxed_accuracy", [(problem, completion)], timeout_s=5, workers=2)
+    result = score_batch("rewards/math.py:boxed_accuracy", [(problem, completion)],
+                         timeout_s=5, workers=2)
     result.scores, result.timeouts
 
-    with RewardPool([RewardTerm("rewards/math.py:boxed_accuracy", 1.0)], workers=2, timeout_s=5) as pool:
-        for step in ...:
-            result = pool.score(items)          # workers stay alive across steps
+    terms = [RewardTerm("rewards/math.py:boxed_accuracy"), RewardTerm("rewards/math.py:boxed_format", 0.1)]
+    with RewardPool(terms, workers=2, timeout_s=5) as pool:   # the trainer keeps one alive
+        result = pool.score(items)                             # items: [(problem, completion)]
+        result.term_scores["rewards/math.py:boxed_format"]     # raw per-term scores, to log
 
 Why processes: math-verify bounds its work with SIGALRM, which only works in a main
-thread, and some checks (a 10⁸-digit factorial inside sympy) run in C where no signal
-gets through. Each check runs in a worker's main thread; the parent kills a worker whose
-check runs past ``timeout_s``, scores that check 0, counts it, and starts a replacement.
-A reward function that raises stops the batch with :class:`RewardError` naming the
-problem id; the scores computed so far travel with the error.
+thread, and some work (a huge integer power in C) cannot be interrupted by a signal at
+all. Each item's check (all terms on one completion) runs in a worker's main thread; the
+parent kills (SIGKILL) a worker whose check runs past ``timeout_s``, scores that item 0,
+counts it in ``result.timeouts`` and starts a replacement. Workers are *spawned*, never
+forked: the parent may hold torch threads, Ray or CUDA state and gigabytes of memory.
+A worker resolves the specs itself, once, before it says it is ready; start-up is never
+charged to a check's timeout.
+
+A reward function that raises, or returns something other than a finite number, stops
+the batch with :class:`RewardError` naming the problem id; the combined scores computed
+so far travel with it as ``err.partial_scores`` ({item index: score}).
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import multiprocessing as mp
+import signal
+import sys
 import time
 import traceback
 from collections.abc import Callable, Sequence
@@ -33,7 +45,8 @@ from arbor.errors import ConfigError
 from arbor.plugins import default_search_dirs, load_object
 
 Item = tuple[dict, str]  # (problem row, completion text)
-_SHOW = 200  # characters of a completion or message shown in errors and logs
+_SHOW = 200  # characters of a completion or message shown in errors
+_LOG_LINE = 500  # characters of one log record from a worker
 
 
 @runtime_checkable
@@ -49,30 +62,37 @@ class RewardTerm:
 
 @dataclass
 class ScoreResult:
-    scores: list[float]  # Σ weight · fn(problem, completion), in input order; 0 on timeout
-    timeouts: int  # checks killed after timeout_s
-    term_scores: dict[str, list[float]] = field(default_factory=dict)  # fn spec -> raw scores
+    scores: list[float]  # Σ weight · fn(problem, completion), in input order; 0 if killed
+    timeouts: int  # items whose check ran past timeout_s and was killed
+    term_scores: dict[str, list[float]] = field(default_factory=dict)  # spec -> raw scores
     timed_out: list[int] = field(default_factory=list)  # indices of the killed checks
-    seconds: float = 0.0
+    crashed: list[int] = field(default_factory=list)  # indices whose worker died mid-check
+    check_seconds: list[float] = field(default_factory=list)  # per item, in the worker
+    seconds: float = 0.0  # wall time of the whole batch
 
 
 class RewardError(RuntimeError):
-    """A reward function raised or returned a non-number. ``partial`` holds what was scored."""
+    """A reward function raised or returned a non-number on one problem.
 
-    def __init__(self, message: str, problem_id: Any, partial: dict[int, float]) -> None:
+    ``problem_id`` names it; ``partial_scores`` maps item index -> combined score for the
+    items scored before the batch stopped (killed checks are absent, not 0).
+    """
+
+    def __init__(self, message: str, problem_id: Any, partial_scores: dict[int, float]) -> None:
         super().__init__(message)
         self.problem_id = problem_id
-        self.partial_scores = partial  # item index -> combined score, for items already done
+        self.partial_scores = partial_scores
 
 
 def clip_text(text: str, limit: int = _SHOW) -> str:
-    """A short, loggable view of a possibly megabyte-long string."""
+    """A short, loggable repr of a possibly megabyte-long string: head…[n chars]…tail."""
     if len(text) <= limit:
         return repr(text)
     return f"{text[: limit // 2]!r}…[{len(text) - limit} chars]…{text[-limit // 2 :]!r}"
 
 
 def as_terms(spec: str | RewardTerm | Sequence[RewardTerm | str]) -> list[RewardTerm]:
+    """A spec string, one term or a list of either -> a list of terms (strings weigh 1)."""
     if isinstance(spec, (str, RewardTerm)):
         spec = [spec]
     return [RewardTerm(s) if isinstance(s, str) else s for s in spec]
@@ -82,18 +102,27 @@ def load_reward_terms(
     terms: Sequence[RewardTerm],
     key_prefix: str = "reward.functions",
     search_dirs: Sequence[str] = (),
-) -> list[Callable[[dict, str], float]]:
-    """Resolve every spec once and check it is a callable; errors name the config key."""
+) -> list[RewardFn]:
+    """Resolve every spec once and check it; a :class:`ConfigError` names the key.
+
+    ``reward.functions[1].fn: module 'rewards.math' has no attribute 'boxd'``
+    """
     if not terms:
         raise ConfigError(f"{key_prefix}: at least one reward function is needed")
-    fns = []
+    fns: list[RewardFn] = []
+    seen: dict[str, int] = {}
     for i, term in enumerate(terms):
+        weight = term.weight
+        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not math.isfinite(weight):
+            raise ConfigError(f"{key_prefix}[{i}].weight: must be a finite number, got {weight!r}")
         key = f"{key_prefix}[{i}].fn"
+        if term.fn in seen:
+            # Per-term scores are reported by spec: a repeat would be ambiguous.
+            raise ConfigError(f"{key}: {term.fn!r} already is {key_prefix}[{seen[term.fn]}]; add the weights")
+        seen[term.fn] = i
         fn = load_object(term.fn, key, search_dirs)
         if not isinstance(fn, RewardFn):
             raise ConfigError(f"{key}: {term.fn!r} is not callable (got {type(fn).__name__})")
-        if not isinstance(term.weight, (int, float)) or not math.isfinite(term.weight):
-            raise ConfigError(f"{key_prefix}[{i}].weight: must be a finite number")
         fns.append(fn)
     return fns
 
@@ -101,171 +130,233 @@ def load_reward_terms(
 # -- the worker process ------------------------------------------------------------------
 
 
+class _ClippedFormatter(logging.Formatter):
+    """Checkers log their whole input on a timeout (megabyte lines): keep the head."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        line = super().format(record)
+        return line if len(line) <= _LOG_LINE else f"{line[:_LOG_LINE]}… [{len(line)} chars]"
+
+
 def _worker_main(conn: Connection, terms: list[RewardTerm], search_dirs: list[str]) -> None:
-    """Load the reward functions, say ready, then score items until told to stop."""
+    """Load the reward functions, say ready, then score items until told to stop.
+
+    Messages in: ``(index, problem, completion)`` or None (stop). Out: ``("ready",)``,
+    ``("load_error", message)``, ``("ok", index, [value per term], seconds)``,
+    ``("error", index, message)``.
+    """
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(_ClippedFormatter("[reward worker] %(levelname)s %(name)s: %(message)s"))
+    logging.basicConfig(level=logging.WARNING, handlers=[handler])
     try:
         fns = load_reward_terms(terms, search_dirs=search_dirs)
     except ConfigError as e:
         conn.send(("load_error", str(e)))
         return
-    conn.send(("ready", None))
+    conn.send(("ready",))
     while True:
         try:
             message = conn.recv()
-        except EOFError:
+        except EOFError:  # the parent went away
             return
         if message is None:
             return
         index, problem, completion = message
-        values = []
-        for term, fn in zip(terms, fns):
-            try:
-                value = fn(problem, completion)
-            except Exception as e:  # reported to the parent, which stops the batch
-                tb = traceback.format_exc(limit=4)
-                conn.send(("error", index, f"{term.fn} raised {type(e).__name__}: {str(e)[:_SHOW]}\n{tb[-1500:]}"))
-                break
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-                conn.send(("error", index, f"{term.fn} returned {clip_text(repr(value))}, not a finite number"))
-                break
-            values.append(float(value))
-        else:
-            conn.send(("ok", index, values))
+        conn.send(_check(index, problem, completion, terms, fns))
+
+
+def _check(index: int, problem: dict, completion: str, terms: list[RewardTerm], fns: list) -> tuple:
+    t0 = time.perf_counter()
+    values = []
+    for term, fn in zip(terms, fns):
+        try:
+            value = fn(problem, completion)
+        except Exception as e:  # reported to the parent, which stops the batch
+            # The innermost frames say where; the message is clipped (it may quote the input).
+            frames = traceback.format_list(traceback.extract_tb(e.__traceback__)[-3:])
+            return ("error", index, f"{term.fn} raised {type(e).__name__}: "
+                    f"{clip_text(str(e))}\n{''.join(frames)[-1500:]}")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            return ("error", index, f"{term.fn} returned {clip_text(repr(value))}, not a finite number")
+        values.append(float(value))
+    return ("ok", index, values, time.perf_counter() - t0)
+
+
+# -- the pool ------------------------------------------------------------------------------
 
 
 @dataclass
 class _Worker:
-    process: Any  # multiprocessing.Process (spawn context)
+    process: Any  # multiprocessing.Process from the spawn context
     conn: Connection
+    spawned: float  # time.monotonic() at start, to bound start-up
     ready: bool = False
     task: int | None = None  # index of the item being scored
-    started: float = 0.0  # when that item was sent
+    sent: float = 0.0  # time.monotonic() when that item was handed over
 
 
 class RewardPool:
-    """Worker processes that score (problem, completion) pairs with a hard timeout each."""
+    """Persistent worker processes that score (problem, completion) pairs, each check
+    bounded by ``timeout_s``. Use as a context manager, or call :meth:`close`."""
 
     def __init__(
         self,
-        terms: str | Sequence[RewardTerm | str],
+        terms: str | RewardTerm | Sequence[RewardTerm | str],
         workers: int = 2,
         timeout_s: float = 5.0,
         search_dirs: Sequence[str] = (),
+        start_timeout_s: float = 120.0,
     ) -> None:
         if workers < 1:
             raise ValueError(f"workers must be ≥ 1, got {workers}")
-        if timeout_s <= 0:
+        if not timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         self.terms = as_terms(terms)
         self.search_dirs = list(search_dirs) or default_search_dirs()
         load_reward_terms(self.terms, search_dirs=self.search_dirs)  # fail fast, in the parent
         self.timeout_s = timeout_s
-        # spawn: never fork a parent that holds torch threads, Ray or CUDA state.
+        self.start_timeout_s = start_timeout_s
         self._ctx = mp.get_context("spawn")
         self._workers = [self._start_worker() for _ in range(workers)]
 
     def _start_worker(self) -> _Worker:
         parent, child = self._ctx.Pipe()
         process = self._ctx.Process(
-            target=_worker_main, args=(child, self.terms, self.search_dirs), daemon=True
+            target=_worker_main, args=(child, self.terms, self.search_dirs),
+            name="arbor-reward-worker", daemon=True,
         )
         process.start()
         child.close()
-        return _Worker(process, parent)
+        return _Worker(process, parent, spawned=time.monotonic())
 
-    def _replace(self, worker: _Worker) -> _Worker:
+    def _replace(self, worker: _Worker) -> None:
         worker.process.kill()
         worker.process.join(timeout=5)
         worker.conn.close()
-        new = self._start_worker()
-        self._workers[self._workers.index(worker)] = new
-        return new
+        self._workers[self._workers.index(worker)] = self._start_worker()
 
     def score(self, items: Sequence[Item], on_progress: Callable[[int, int], None] | None = None) -> ScoreResult:
-        """Score ``items`` in order; checks past ``timeout_s`` score 0 and are counted."""
+        """Score ``items`` (in order in the result); killed checks score 0 and are counted.
+
+        ``on_progress(done, total)`` is called as results come in. Raises
+        :class:`RewardError` when a reward function fails on an item.
+        """
+        if not self._workers:
+            raise RuntimeError("RewardPool is closed")
         t0 = time.monotonic()
-        values: dict[int, list[float]] = {}
+        done: dict[int, tuple[list[float], float]] = {}  # index -> (term values, seconds)
         timed_out: list[int] = []
-        pending = list(range(len(items)))
-        pending.reverse()  # pop() from the end hands out items in order
-        while len(values) + len(timed_out) < len(items):
+        crashed: list[int] = []
+        killed_after: dict[int, float] = {}  # index -> seconds until its worker was killed or died
+        pending = list(reversed(range(len(items))))  # pop() hands items out in order
+        while len(done) + len(timed_out) + len(crashed) < len(items):
             for w in self._workers:
                 if w.ready and w.task is None and pending:
                     w.task = pending.pop()
-                    problem, completion = items[w.task]
-                    w.conn.send((w.task, problem, completion))
-                    w.started = time.monotonic()
-            busy = [w for w in self._workers if w.task is not None]
-            now = time.monotonic()
-            deadline = min((w.started + self.timeout_s for w in busy), default=now + 1.0)
-            ready_conns = wait([w.conn for w in self._workers], timeout=max(0.0, deadline - now))
+                    w.conn.send((w.task, *items[w.task]))
+                    w.sent = time.monotonic()  # after the send: a big pickle is not the check's time
+            ready_conns = wait([w.conn for w in self._workers], timeout=self._next_deadline())
             for w in list(self._workers):
                 if w.conn in ready_conns:
-                    self._receive(w, items, values, timed_out)
-                elif w.task is not None and time.monotonic() - w.started > self.timeout_s:
+                    self._receive(w, items, done, crashed, killed_after)
+                elif w.task is not None and time.monotonic() - w.sent > self.timeout_s:
                     timed_out.append(w.task)
+                    killed_after[w.task] = time.monotonic() - w.sent
                     self._replace(w)
+                elif not w.ready and time.monotonic() - w.spawned > self.start_timeout_s:
+                    raise RuntimeError(f"a reward worker did not start within {self.start_timeout_s} s")
             if on_progress is not None:
-                on_progress(len(values) + len(timed_out), len(items))
-        return self._result(values, timed_out, len(items), time.monotonic() - t0)
+                on_progress(len(done) + len(timed_out) + len(crashed), len(items))
+        seconds = [done[i][1] if i in done else killed_after[i] for i in range(len(items))]
+        return self._result([done[i][0] if i in done else None for i in range(len(items))],
+                            sorted(timed_out), sorted(crashed), seconds, time.monotonic() - t0)
 
-    def _receive(self, w: _Worker, items: Sequence[Item], values: dict, timed_out: list) -> _Worker:
+    def _next_deadline(self) -> float:
+        """Seconds until the earliest running check times out (≤ 1 s, to watch start-ups)."""
+        now = time.monotonic()
+        deadlines = [w.sent + self.timeout_s - now for w in self._workers if w.task is not None]
+        return max(0.0, min([1.0, *deadlines]))
+
+    def _receive(
+        self, w: _Worker, items: Sequence[Item], done: dict, crashed: list[int], killed_after: dict,
+    ) -> None:
         try:
             kind, *payload = w.conn.recv()
         except (EOFError, OSError):
-            # The worker died (out of memory, os._exit in user code): count it like a timeout
-            # if it was busy, and start a fresh one.
+            if not w.ready:  # died while importing: it would die again, don't loop
+                w.process.join(timeout=5)
+                raise RuntimeError(
+                    f"a reward worker died during start-up (exit code {w.process.exitcode})"
+                ) from None
+            # Died mid-check (killed for memory, os._exit in user code): the item scores 0
+            # and is counted, like a timeout; a fresh worker takes over.
             if w.task is not None:
-                timed_out.append(w.task)
-            return self._replace(w)
+                crashed.append(w.task)
+                killed_after[w.task] = time.monotonic() - w.sent
+            self._replace(w)
+            return
         if kind == "ready":
             w.ready = True
-        elif kind == "ok":
-            index, term_values = payload
-            values[index] = term_values
-            w.task = None
         elif kind == "load_error":
             raise ConfigError(payload[0])
+        elif kind == "ok":
+            index, values, seconds = payload
+            done[index] = (values, seconds)
+            w.task = None
         else:  # "error": stop the batch, name the problem, keep what was scored
             index, message = payload
-            problem_id = items[index][0].get("id", f"<item {index}>")
-            partial = {i: self._combine(v) for i, v in values.items()}
-            # Other busy workers hold checks we no longer want: restart them.
-            for other in [x for x in self._workers if x.task is not None and x is not w]:
-                self._replace(other)
             w.task = None
+            self._collect_finished(done)
+            problem_id = items[index][0].get("id", f"<item {index}>")
             raise RewardError(
                 f"reward function failed on problem id {problem_id!r} "
                 f"(completion {clip_text(items[index][1], 80)}): {message}",
                 problem_id,
-                partial,
+                {i: self._combine(values) for i, (values, _) in sorted(done.items())},
             )
-        return w
 
-    def _combine(self, term_values: list[float]) -> float:
-        return sum(t.weight * v for t, v in zip(self.terms, term_values))
+    def _collect_finished(self, done: dict) -> None:
+        """Before a batch stops: keep results already sent, restart workers still busy."""
+        for w in list(self._workers):
+            if w.task is None:
+                continue
+            try:
+                message = w.conn.recv() if w.conn.poll(0) else None
+            except (EOFError, OSError):
+                message = None
+            if message is not None and message[0] in ("ok", "error"):
+                if message[0] == "ok":  # a second failure is not reported: the first one is
+                    done[message[1]] = (message[2], message[3])
+                w.task = None
+                continue
+            self._replace(w)  # still running a check we no longer want
 
-    def _result(self, values: dict[int, list[float]], timed_out: list[int], n: int, seconds: float) -> ScoreResult:
-        zero = [0.0] * len(self.terms)
-        rows = [values.get(i, zero) for i in range(n)]
-        term_scores: dict[str, list[float]] = {}
-        for k, term in enumerate(self.terms):
-            term_scores.setdefault(term.fn, [0.0] * n)
-            for i, row in enumerate(rows):
-                term_scores[term.fn][i] += row[k]
+    def _combine(self, values: list[float]) -> float:
+        return sum(term.weight * v for term, v in zip(self.terms, values))
+
+    def _result(
+        self, rows: list[list[float] | None], timed_out: list[int], crashed: list[int],
+        check_seconds: list[float], seconds: float,
+    ) -> ScoreResult:
+        zeros = [0.0] * len(self.terms)
+        filled = [row if row is not None else zeros for row in rows]
         return ScoreResult(
-            scores=[self._combine(row) for row in rows],
+            scores=[self._combine(row) for row in filled],
             timeouts=len(timed_out),
-            term_scores=term_scores,
-            timed_out=sorted(timed_out),
+            term_scores={t.fn: [row[k] for row in filled] for k, t in enumerate(self.terms)},
+            timed_out=timed_out,
+            crashed=crashed,
+            check_seconds=check_seconds,
             seconds=seconds,
         )
 
     def close(self) -> None:
+        """Stop the workers (a busy one is killed after 2 s)."""
         for w in self._workers:
             try:
                 w.conn.send(None)
-            except (OSError, BrokenPipeError):
+            except OSError:  # already gone
                 pass
         for w in self._workers:
             w.process.join(timeout=2)
@@ -283,7 +374,7 @@ class RewardPool:
 
 
 def score_batch(
-    spec: str | Sequence[RewardTerm | str],
+    spec: str | RewardTerm | Sequence[RewardTerm | str],
     items: list[tuple[dict, str]],
     timeout_s: float,
     workers: int,

@@ -1,9 +1,17 @@
 """Math rewards: the last ``\\boxed{}`` answer of a completion checked with math-verify.
 
 Name them in a config as ``rewards/math.py:boxed_accuracy`` (or ``rewards.math:...`` when
-running from the repository root). Gold answers are LaTeX as in MATH
-(``\\frac{\\sqrt{3}}{2}``, ``(0,1]``, ``x^2+2x+1``, ``\\text{(B)}``): they are parsed as
-if boxed, so bare LaTeX verifies against equivalent forms (``0.5`` = ``\\frac12``).
+running from the repository root):
+
+    reward:
+      functions:
+        - {fn: rewards/math.py:boxed_accuracy, weight: 1.0}
+        - {fn: rewards/math.py:boxed_format, weight: 0.1}
+
+Gold answers are LaTeX as in MATH (``\\frac{\\sqrt{3}}{2}``, ``(0,1]``, ``x^2+2x+1``,
+``\\text{(B)}``, ``10\\%``): they are parsed as if boxed, so bare LaTeX verifies against
+equivalent forms (``0.5`` = ``\\frac12``, ``(x+1)^2`` = ``x^2+2x+1``). Repeating decimals
+(``0.\\overline{3}``), which math-verify reads as text, are turned into fractions first.
 
 These run inside arbor's reward workers (a main thread, so math-verify's SIGALRM
 timeouts work); the pool's hard timeout is the backstop for what signals cannot stop.
@@ -12,23 +20,28 @@ timeouts work); the pool's hard timeout is the backstop for what signals cannot 
 from __future__ import annotations
 
 import logging
+import re
+from fractions import Fraction
 from functools import lru_cache
 
 from math_verify import LatexExtractionConfig, parse, verify
 
 from arbor.answers import last_boxed
 
-# math-verify's own limits, in whole seconds (floats are silently ignored by it).
+# math-verify's own limits, in whole seconds (it silently ignores floats). A legitimate
+# answer parses in well under 0.3 s; adversarial ones run into these.
 PARSE_TIMEOUT_S = 2
 VERIFY_TIMEOUT_S = 2
 # No MATH answer is this long; longer "answers" are adversarial and only cost time.
 MAX_ANSWER_CHARS = 1000
 
 _LATEX = [LatexExtractionConfig()]
+# 0.\overline{3}, -1.2\overline{45}, .\overline{6}
+_REPEATING = re.compile(r"(-?)(\d*)\.(\d*)\\overline\{(\d{1,50})\}")
 
 
 class _Truncate(logging.Filter):
-    """math-verify logs the whole input on a timeout: megabyte lines. Keep 200 chars."""
+    """math-verify logs its whole input on a timeout. Keep 200 characters."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         message = record.getMessage()
@@ -41,14 +54,33 @@ for _name in ("math_verify.parser", "math_verify.grader", "math_verify.metric"):
     logging.getLogger(_name).addFilter(_Truncate())
 
 
+def _repeating_to_fraction(match: re.Match[str]) -> str:
+    sign, whole, fixed, repeat = match.groups()
+    # x = whole.fixed(repeat)…  =  whole + (fixed·(10^r − 1) + repeat) / (10^f · (10^r − 1))
+    nines = 10 ** len(repeat) - 1
+    value = int(whole or "0") + Fraction(int(fixed or "0") * nines + int(repeat), 10 ** len(fixed) * nines)
+    if sign:
+        value = -value
+    return f"\\frac{{{value.numerator}}}{{{value.denominator}}}"
+
+
+def _parse_answer(latex: str) -> list:
+    """math-verify's parse of a bare LaTeX answer: [sympy object, normalized string] or []."""
+    latex = _REPEATING.sub(_repeating_to_fraction, latex)
+    return parse(f"\\boxed{{{latex}}}", extraction_config=_LATEX, parsing_timeout=PARSE_TIMEOUT_S)
+
+
 @lru_cache(maxsize=4096)
 def _parse_gold(answer: str) -> tuple:
-    # Gold answers repeat across a tree's leaves: parse each once per worker.
-    return tuple(parse(f"\\boxed{{{answer}}}", extraction_config=_LATEX, parsing_timeout=PARSE_TIMEOUT_S))
+    # Every leaf of a tree shares its gold answer: parse each once per worker.
+    return tuple(_parse_answer(answer))
 
 
 def boxed_accuracy(problem: dict, completion: str) -> float:
-    """1.0 when the completion's last ``\\boxed{}`` equals ``problem["answer"]``, else 0.0."""
+    """1.0 when the completion's last ``\\boxed{}`` equals ``problem["answer"]``, else 0.0.
+
+    A gold answer that does not parse is a data error and raises (naming the problem).
+    """
     if "answer" not in problem:
         raise KeyError(f"problem {problem.get('id')!r} has no 'answer' column")
     predicted = last_boxed(completion, max_chars=MAX_ANSWER_CHARS)
@@ -57,13 +89,13 @@ def boxed_accuracy(problem: dict, completion: str) -> float:
     gold = _parse_gold(str(problem["answer"]).strip())
     if not gold:
         raise ValueError(f"gold answer {str(problem['answer'])[:100]!r} does not parse")
-    pred = parse(f"\\boxed{{{predicted}}}", extraction_config=_LATEX, parsing_timeout=PARSE_TIMEOUT_S)
+    pred = _parse_answer(predicted)
     if not pred:
         return 0.0
     return 1.0 if verify(list(gold), pred, timeout_seconds=VERIFY_TIMEOUT_S) else 0.0
 
 
 def boxed_format(problem: dict, completion: str) -> float:
-    """1.0 when the completion ends its reasoning with a non-empty ``\\boxed{}`` answer."""
+    """1.0 when the completion ends with a well-formed, non-empty ``\\boxed{}`` answer."""
     predicted = last_boxed(completion, max_chars=MAX_ANSWER_CHARS)
     return 1.0 if predicted is not None and predicted.strip() else 0.0

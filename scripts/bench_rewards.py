@@ -4,9 +4,13 @@
 
 Scores ``n`` completions of MATH-style problems with ``rewards/math.py:boxed_accuracy``
 through arbor's reward pool: ordinary completions (right and wrong answers in varied
-forms) and ``adversarial`` ones that make checkers hang (9^{9^{9^9}}, 99999999!,
-megabyte nested \\frac, unbalanced braces, ...). Ends with
-``RESULT completions_per_s=... timeouts=... elapsed_s=...``.
+forms after ~700 characters of filler reasoning) and ``adversarial`` ones that make checkers hang
+(9^{9^{9^9}}, 99999999!, megabyte nested \\frac, unbalanced braces, ...). The elapsed
+time includes starting the workers. Acceptance: n=1000 with 20 adversarial in < 60 s on
+2 cores with --timeout-s 5. Ends with
+``RESULT completions_per_s=... timeouts=... elapsed_s=...``; ``timeouts`` counts checks
+the pool killed; checks that math-verify's own 2 s limits cut short are reported as
+"slow" above it.
 """
 
 from __future__ import annotations
@@ -47,6 +51,7 @@ ADVERSARIAL = [
     r"\boxed{1234567^{7654321}}",
     r"\boxed{2^{2^{2^{2^{2^{2}}}}}}",
     r"\boxed{\prod_{k=1}^{10^{7}} k}",
+    r"\boxed{5} " + r"\boxed{" + "5+" * 500_000 + "0}",  # a good box, then a megabyte one
 ]
 
 
@@ -89,8 +94,14 @@ def main() -> None:
         result = pool.score(items, on_progress=progress)
     elapsed = time.monotonic() - t0
     accuracy = sum(result.scores) / len(result.scores)
+    check_s = sorted(result.check_seconds)
+    slow = [items[i][0]["id"] for i, s in enumerate(result.check_seconds) if s > 1.0]
     print(f"pool start-up {started - t0:.1f} s, scoring {result.seconds:.1f} s, "
-          f"mean reward {accuracy:.3f}, timed out: {[items[i][0]['id'] for i in result.timed_out]}")
+          f"mean reward {accuracy:.3f}")
+    print(f"check time: median {1000 * check_s[len(check_s) // 2]:.1f} ms, "
+          f"max {check_s[-1]:.2f} s; slow (> 1 s): {len(slow)} {sorted(slow)}")
+    print(f"killed at timeout: {[items[i][0]['id'] for i in result.timed_out]}, "
+          f"crashed: {[items[i][0]['id'] for i in result.crashed]}")
     print(f"RESULT completions_per_s={len(items) / elapsed:.1f} timeouts={result.timeouts} "
           f"elapsed_s={elapsed:.1f}")
 

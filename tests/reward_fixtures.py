@@ -1,7 +1,13 @@
 """Reward functions used by the reward-pool tests (loaded by spec in worker processes)."""
 
+import multiprocessing
 import os
 import time
+
+# A worker that dies while importing its reward module (the pool must not respawn forever).
+if (os.environ.get("ARBOR_TEST_DIE_AT_IMPORT")
+        and multiprocessing.current_process().name == "arbor-reward-worker"):
+    os._exit(7)
 
 
 def length(problem: dict, completion: str) -> float:
@@ -19,13 +25,20 @@ def sleepy(problem: dict, completion: str) -> float:
 
 
 def raises_on_bad(problem: dict, completion: str) -> float:
-    if completion == "bad":
-        raise ValueError("cannot score this")
+    """Raises on the completion "bad" (with the whole completion in the message); sleeps
+    problem['sleep'] seconds otherwise."""
+    if completion.startswith("bad"):
+        raise ValueError(f"cannot score this: {completion}")
+    time.sleep(problem.get("sleep", 0))
     return 1.0
 
 
 def nan(problem: dict, completion: str) -> float:
     return float("nan")
+
+
+def text(problem: dict, completion: str) -> float:
+    return "1.0"  # type: ignore[return-value]  # a str, not a number
 
 
 def dies(problem: dict, completion: str) -> float:

@@ -1,11 +1,21 @@
-"""The reward pool: order, weights, hard timeouts, errors naming the problem."""
+"""The reward pool: order, weights, hard timeouts, errors naming the problem and the key.
+
+The reward functions live in tests/reward_fixtures.py and run in spawned workers.
+"""
 
 from pathlib import Path
 
 import pytest
 
 from arbor.errors import ConfigError
-from arbor.rewards import RewardError, RewardPool, RewardTerm, clip_text, score_batch
+from arbor.rewards import (
+    RewardError,
+    RewardPool,
+    RewardTerm,
+    clip_text,
+    load_reward_terms,
+    score_batch,
+)
 
 HERE = str(Path(__file__).parent)
 FIX = "reward_fixtures.py"
@@ -15,24 +25,35 @@ def problem(i, **extra):
     return {"id": f"p{i}", "prompt": "q", "answer": "1", **extra}
 
 
-def test_scores_in_order_with_weights():
+def test_scores_in_order_with_weights_and_per_term_scores():
     items = [(problem(i), "x" * i) for i in range(7)]
     terms = [RewardTerm(f"{FIX}:length", 2.0), RewardTerm(f"{FIX}:one", 0.5)]
     result = score_batch(terms, items, timeout_s=10, workers=2, search_dirs=[HERE])
+    # item i: 2.0 · len("x"·i) + 0.5 · 1
     assert result.scores == [2.0 * i + 0.5 for i in range(7)]
-    assert result.term_scores[f"{FIX}:length"] == [float(i) for i in range(7)]
-    assert result.timeouts == 0 and result.timed_out == []
+    assert result.term_scores == {f"{FIX}:length": [float(i) for i in range(7)],
+                                  f"{FIX}:one": [1.0] * 7}
+    assert result.timeouts == 0 and result.timed_out == [] and result.crashed == []
+    assert len(result.check_seconds) == 7 and all(0 <= s < 10 for s in result.check_seconds)
+
+
+def test_empty_batch():
+    result = score_batch(f"{FIX}:one", [], timeout_s=1, workers=1, search_dirs=[HERE])
+    assert result.scores == [] and result.timeouts == 0
 
 
 def test_timeout_kills_replaces_and_counts():
-    # Items 1 and 3 sleep far past the timeout; the others are instant and still score.
+    # Items 1 and 3 sleep far past the 1 s timeout; the others are instant and still score.
     items = [(problem(i, sleep=60 if i in (1, 3) else 0), "c") for i in range(6)]
     with RewardPool(f"{FIX}:sleepy", workers=2, timeout_s=1.0, search_dirs=[HERE]) as pool:
+        first_pids = {w.process.pid for w in pool._workers}
         result = pool.score(items)
         assert result.scores == [1.0, 0.0, 1.0, 0.0, 1.0, 1.0]
         assert result.timeouts == 2 and result.timed_out == [1, 3]
+        assert result.check_seconds[1] >= 1.0 and result.check_seconds[3] >= 1.0
         assert result.seconds < 30  # bounded: nobody waited for the 60 s sleeps
-        # The replaced workers serve the next batch.
+        assert first_pids.isdisjoint({w.process.pid for w in pool._workers})  # both replaced
+        # The replacements serve the next batch; their start-up is not charged as a timeout.
         again = pool.score([(problem(9), "c")] * 3)
         assert again.scores == [1.0, 1.0, 1.0] and again.timeouts == 0
 
@@ -42,38 +63,87 @@ def test_raise_names_problem_id_and_keeps_partial_scores():
     with RewardPool(f"{FIX}:raises_on_bad", workers=1, timeout_s=10, search_dirs=[HERE]) as pool:
         with pytest.raises(RewardError) as err:
             pool.score(items)
-        assert "'p2'" in str(err.value) and "ValueError: cannot score this" in str(err.value)
+        assert "problem id 'p2'" in str(err.value)
+        assert "reward_fixtures.py:raises_on_bad raised ValueError: 'cannot score this: bad'" in str(err.value)
         assert err.value.problem_id == "p2"
         assert err.value.partial_scores == {0: 1.0, 1: 1.0}
         # The pool stays usable after a failed batch.
         assert pool.score([(problem(5), "ok")]).scores == [1.0]
 
 
-def test_non_finite_score_is_an_error():
-    with pytest.raises(RewardError, match="problem id 'p0'.*not a finite number"):
-        score_batch(f"{FIX}:nan", [(problem(0), "c")], timeout_s=10, workers=1, search_dirs=[HERE])
+def test_raise_restarts_busy_workers_and_keeps_what_they_finished():
+    # Worker A gets p0 (slow), worker B gets p1 (fails at once): p0 is cut short, not waited for.
+    items = [(problem(0, sleep=60), "ok"), (problem(1), "bad")]
+    with RewardPool(f"{FIX}:raises_on_bad", workers=2, timeout_s=30, search_dirs=[HERE]) as pool:
+        pool.score([(problem(9), "ok")] * 2)  # both workers up
+        with pytest.raises(RewardError) as err:
+            pool.score(items)
+        assert err.value.problem_id == "p1" and err.value.partial_scores == {}
+        assert pool.score([(problem(5), "ok")] * 3).scores == [1.0] * 3
 
 
-def test_dead_worker_counts_and_is_replaced():
+def test_error_message_clips_a_megabyte_completion():
+    completion = "bad" + "x" * 1_000_000
+    with pytest.raises(RewardError) as err:
+        score_batch(f"{FIX}:raises_on_bad", [(problem(0), completion)], timeout_s=10, workers=1,
+                    search_dirs=[HERE])
+    assert len(str(err.value)) < 3000
+
+
+@pytest.mark.parametrize("fn, shown", [("nan", "nan"), ("text", "'1.0'")])
+def test_non_number_score_is_an_error(fn, shown):
+    with pytest.raises(RewardError, match=f"problem id 'p0'.*returned .*{shown}.*not a finite number"):
+        score_batch(f"{FIX}:{fn}", [(problem(0), "c")], timeout_s=10, workers=1, search_dirs=[HERE])
+
+
+def test_dead_worker_scores_zero_counts_as_crash_and_is_replaced():
     items = [(problem(0), "ok"), (problem(1), "die"), (problem(2), "ok")]
     result = score_batch(f"{FIX}:dies", items, timeout_s=10, workers=1, search_dirs=[HERE])
-    assert result.scores == [1.0, 0.0, 1.0] and result.timed_out == [1]
+    assert result.scores == [1.0, 0.0, 1.0] and result.crashed == [1] and result.timeouts == 0
+
+
+def test_worker_dying_at_start_up_is_an_error_not_a_loop(monkeypatch):
+    monkeypatch.setenv("ARBOR_TEST_DIE_AT_IMPORT", "1")
+    with RewardPool(f"{FIX}:one", workers=1, timeout_s=5, search_dirs=[HERE]) as pool:
+        with pytest.raises(RuntimeError, match="died during start-up.*exit code 7"):
+            pool.score([(problem(0), "c")])
 
 
 @pytest.mark.parametrize(
-    "spec, message",
+    "terms, message",
     [
-        (f"{FIX}:missing", "reward.functions[0].fn: module"),
-        (f"{FIX}:not_callable", "reward.functions[0].fn: 'reward_fixtures.py:not_callable' is not callable"),
-        ("no_module_here:fn", "reward.functions[0].fn: cannot import module"),
+        ([f"{FIX}:one", f"{FIX}:missing"],
+         "reward.functions[1].fn: module 'reward_fixtures.py' has no attribute 'missing'"),
+        ([f"{FIX}:not_callable"],
+         "reward.functions[0].fn: 'reward_fixtures.py:not_callable' is not callable"),
+        (["no_module_here:fn"], "reward.functions[0].fn: cannot import module 'no_module_here'"),
+        (["no_colon"], "reward.functions[0].fn: expected 'module:attr'"),
+        ([f"{FIX}:one", f"{FIX}:one"], "reward.functions[1].fn: 'reward_fixtures.py:one' already is"),
+        ([RewardTerm(f"{FIX}:one", float("nan"))], "reward.functions[0].weight: must be a finite"),
+        ([], "reward.functions: at least one"),
     ],
 )
-def test_bad_spec_is_config_error_naming_key(spec, message):
+def test_bad_spec_is_config_error_naming_key(terms, message):
     with pytest.raises(ConfigError) as err:
-        RewardPool(spec, workers=1, timeout_s=1, search_dirs=[HERE])
+        RewardPool(terms, workers=1, timeout_s=1, search_dirs=[HERE])
     assert message in str(err.value)
+
+
+def test_load_reward_terms_resolves_in_process_with_key_prefix():
+    fns = load_reward_terms([RewardTerm(f"{FIX}:length", 3.0)], search_dirs=[HERE])
+    assert fns[0]({}, "abcd") == 4.0
+    with pytest.raises(ConfigError, match=r"^eval\.reward\[0\]\.fn: "):
+        load_reward_terms([RewardTerm(f"{FIX}:nope")], key_prefix="eval.reward", search_dirs=[HERE])
+
+
+def test_closed_pool_refuses_work():
+    pool = RewardPool(f"{FIX}:one", workers=1, timeout_s=1, search_dirs=[HERE])
+    pool.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        pool.score([(problem(0), "c")])
 
 
 def test_clip_text_bounds_megabyte_strings():
     shown = clip_text("a" * 1_000_000)
     assert len(shown) < 300 and "999800 chars" in shown
+    assert clip_text("short") == "'short'"

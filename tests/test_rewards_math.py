@@ -1,4 +1,5 @@
-"""rewards/math.py: last-\\boxed{} extraction and math-verify scoring, adversarial inputs."""
+"""rewards/math.py and arbor/answers.py: last-\\boxed{} extraction, math-verify scoring of
+MATH-style gold answers, and adversarial completions that must finish in bounded time."""
 
 import time
 from pathlib import Path
@@ -7,7 +8,7 @@ import pytest
 
 from arbor.answers import has_final_answer, last_boxed
 from arbor.plugins import load_object
-from arbor.rewards import score_batch
+from arbor.rewards import RewardTerm, score_batch
 
 REPO = Path(__file__).resolve().parents[1]
 boxed_accuracy = load_object("rewards/math.py:boxed_accuracy", "test", [str(REPO)])
@@ -19,20 +20,38 @@ boxed_format = load_object("rewards/math.py:boxed_format", "test", [str(REPO)])
     [
         (r"so \boxed{\frac{1}{2}}.", r"\frac{1}{2}"),
         (r"\boxed{1} and finally \boxed{2}", "2"),
-        (r"\boxed{1} then \boxed{2", "1"),  # the last one is unbalanced
+        (r"\boxed{1} then \boxed{2", None),  # the last box is unbalanced: no answer
+        (r"\boxed{1} then \boxed 2", None),  # the last box has no brace
         (r"\boxed {x+1}", "x+1"),
-        (r"\boxed{\{1,2\}}", r"\{1,2\}"),
+        (r"\boxed{\{1,2\}}", r"\{1,2\}"),  # escaped braces do not nest
+        (r"\boxed{\left\{ x \right\}} tail", r"\left\{ x \right\}"),
+        (r"\boxed{\begin{pmatrix} 1 \\ 2 \end{pmatrix}}", r"\begin{pmatrix} 1 \\ 2 \end{pmatrix}"),
+        (r"\boxed{a\\}b}", r"a\\"),  # `\\` is a line break, so the next } closes the box
         (r"\fbox{7}", "7"),
+        (r"\boxed{1} \fbox{7}", "7"),
+        (r"\fbox{\boxed{3}}", "3"),
         ("no answer", None),
+        (r"\boxed{}", ""),
         (r"\boxed" + "{" * 5000, None),
+        (r"\boxed{5} " + r"\boxed{" + "1" * 20_000 + "}", None),  # last box too long
     ],
 )
 def test_last_boxed(text, answer):
     assert last_boxed(text) == answer
 
 
-def test_has_final_answer():
-    assert has_final_answer(r"\boxed{3}") and not has_final_answer(r"\boxed{ }")
+def test_last_boxed_is_linear_on_megabytes_of_braces():
+    text = (r"\boxed{" * 200_000) + "{" * 1_000_000
+    t0 = time.monotonic()
+    assert last_boxed(text) is None
+    assert time.monotonic() - t0 < 1.0
+
+
+def test_has_final_answer_on_text_being_generated():
+    # The sampler asks after every chunk: a box still being written is not an answer yet.
+    assert not has_final_answer(r"first \boxed{1}, but let me redo it: \boxed{1")
+    assert has_final_answer(r"first \boxed{1}, but let me redo it: \boxed{12}")
+    assert not has_final_answer(r"\boxed{ }")
 
 
 @pytest.mark.parametrize(
@@ -40,14 +59,32 @@ def test_has_final_answer():
     [
         (r"\frac{\sqrt{3}}{2}", r"Hence \boxed{\frac{\sqrt3}{2}}."),
         (r"(0,1]", r"The set is \boxed{(0,1]}"),
+        (r"(0,1]", r"\boxed{(0, 1]}"),
         (r"x^2+2x+1", r"\boxed{(x+1)^2}"),
         (r"\dfrac{1}{2}", r"\boxed{0.5}"),
+        (r"0.5", r"\boxed{\frac12}"),
         (r"\text{(B)}", r"\boxed{B}"),
+        (r"\text{(B)}", r"\boxed{\textbf{(B)}}"),
         (r"-3", r"\boxed{-3}"),
+        (r"-\frac{1}{2}", r"\boxed{-0.5}"),
         (r"2\sqrt{2}", r"\boxed{\sqrt{8}}"),
         (r"\left( 3, \frac{\pi}{2} \right)", r"\boxed{(3, \pi/2)}"),
         (r"[-2,7)", r"\boxed{[-2,7)}"),
+        (r"(-\infty, 3)", r"\boxed{(-\infty,3)}"),
+        (r"10\%", r"\boxed{10}"),
+        (r"90^\circ", r"\boxed{90}"),
+        (r"\$18.90", r"\boxed{18.9}"),
+        (r"1,000", r"\boxed{1000}"),
+        (r"5, 7", r"\boxed{7, 5}"),
+        (r"\{1,2\}", r"\boxed{\{2, 1\}}"),
+        (r"\text{Devon}", r"\boxed{Devon}"),
+        (r"0.\overline{3}", r"\boxed{\frac13}"),
+        (r"\frac{1}{6}", r"\boxed{0.1\overline{6}}"),
+        (r"\begin{pmatrix} 1 \\ 2 \end{pmatrix}", r"\boxed{\begin{pmatrix}1\\2\end{pmatrix}}"),
+        (r"y=2x+3", r"\boxed{y = 3 + 2x}"),
+        ("5", r"so $x = \boxed{x=5}$"),
         ("5", r"first \boxed{4}, no wait: \boxed{5}"),
+        (5, r"\boxed{5}"),  # a numeric answer column
     ],
 )
 def test_correct_answers_score_one(gold, completion):
@@ -60,7 +97,13 @@ def test_correct_answers_score_one(gold, completion):
         (r"\frac{\sqrt{3}}{2}", r"\boxed{\frac{\sqrt2}{2}}"),
         (r"(0,1]", r"\boxed{[0,1]}"),
         (r"x^2+2x+1", r"\boxed{x^2+1}"),
+        (r"\text{(B)}", r"\boxed{C}"),
+        (r"(3,-1)", r"\boxed{(-1,3)}"),  # a point is ordered
+        (r"-3", r"\boxed{3}"),
+        (r"\frac{1}{3}", r"\boxed{0.333}"),  # too coarse an approximation
+        (r"0.\overline{3}", r"\boxed{\frac14}"),
         ("5", r"\boxed{5} is wrong, it is \boxed{4}"),  # the LAST box counts
+        ("5", r"\boxed{5} then \boxed{"),  # ... even when it is unfinished
         ("5", "5"),  # no box
         ("5", r"\boxed{}"),
     ],
@@ -70,12 +113,15 @@ def test_wrong_answers_score_zero(gold, completion):
 
 
 def test_format_reward():
-    assert boxed_format({}, r"\boxed{x}") == 1.0 and boxed_format({}, "x") == 0.0
+    assert boxed_format({}, r"\boxed{x}") == 1.0
+    assert boxed_format({}, "x") == 0.0 and boxed_format({}, r"\boxed{") == 0.0
 
 
-def test_missing_gold_answer_raises():
+def test_bad_rows_raise_naming_the_problem():
     with pytest.raises(KeyError, match="'p9' has no 'answer'"):
         boxed_accuracy({"id": "p9"}, r"\boxed{1}")
+    with pytest.raises(ValueError, match="gold answer '' does not parse"):
+        boxed_accuracy({"id": "p9", "answer": ""}, r"\boxed{1}")
 
 
 ADVERSARIAL = [
@@ -84,6 +130,7 @@ ADVERSARIAL = [
     r"\boxed{" + r"\frac{1}{" * 100_000 + "2" + "}" * 100_001,  # ~1 MB of nested \frac
     r"\boxed{" + "{" * 10_000,  # unbalanced
     r"\boxed{" + "9" * 900 + "}",
+    r"\boxed{5} " + r"\boxed{" + "5+" * 100_000 + "0}",  # a good box, then a huge one
 ]
 
 
@@ -91,12 +138,19 @@ def test_adversarial_inputs_finish_in_bounded_time():
     items = [({"id": f"adv{i}", "answer": "5"}, text) for i, text in enumerate(ADVERSARIAL)]
     items.append(({"id": "ok", "answer": "5"}, r"\boxed{5}"))
     t0 = time.monotonic()
-    result = score_batch("rewards/math.py:boxed_accuracy", items, timeout_s=3, workers=2,
+    result = score_batch("rewards/math.py:boxed_accuracy", items, timeout_s=2, workers=2,
                          search_dirs=[str(REPO)])
-    assert time.monotonic() - t0 < 30  # 5 hard cases, 2 workers, ≤ 3 s each + worker start
+    # 7 checks on 2 workers, each ≤ 2 s (math-verify's own limit or the pool's kill),
+    # plus start-up: far below 30 s even on a loaded machine.
+    assert time.monotonic() - t0 < 30
     assert result.scores == [0.0] * len(ADVERSARIAL) + [1.0]
+    assert all(s < 5 for s in result.check_seconds)  # killed at 2 s, give or take a loaded machine
 
 
-def test_dotted_spec_from_repo_root():
-    fn = load_object("rewards.math:boxed_accuracy", "reward.functions[0].fn", [str(REPO)])
-    assert fn({"id": 1, "answer": "2"}, r"\boxed{2}") == 1.0
+def test_weighted_accuracy_and_format_through_the_pool():
+    terms = [RewardTerm("rewards.math:boxed_accuracy", 1.0), RewardTerm("rewards.math:boxed_format", 0.1)]
+    items = [({"id": 1, "answer": "2"}, r"\boxed{2}"), ({"id": 2, "answer": "2"}, r"\boxed{3}"),
+             ({"id": 3, "answer": "2"}, "2")]
+    result = score_batch(terms, items, timeout_s=5, workers=1, search_dirs=[str(REPO)])
+    assert result.scores == pytest.approx([1.1, 0.1, 0.0])
+    assert result.term_scores["rewards.math:boxed_accuracy"] == [1.0, 0.0, 0.0]
