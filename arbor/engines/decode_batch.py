@@ -95,31 +95,54 @@ class DecodeBatch:
             self.__init__(self.device)
 
 
+def sample_rows(
+    logits: torch.Tensor,
+    temperature: list[float],
+    top_p: list[float],
+    top_k: list[int],
+    generators: list[torch.Generator],
+) -> tuple[list[int], list[float]]:
+    """One token per row of ``logits`` ``[B, V]``; returns (tokens, logprobs), each ``[B]``.
+
+    SGLang's order: logits / temperature, then top-k and top-p on the sorted
+    probabilities (top-p mass measured before top-k), renormalised. Each row draws one
+    uniform number from its own generator and inverts its CDF, so a row's tokens depend
+    only on its seed, never on the batch around it. The logprob is under the
+    temperature-scaled distribution before top-k / top-p (SGLang's default);
+    temperature 0 is greedy with the logprob at T = 1.
+    """
+    rows, vocab = logits.shape
+    device = logits.device
+    temps = torch.tensor(temperature, dtype=logits.dtype, device=device)
+    greedy = temps == 0
+    logprobs = torch.log_softmax(logits / torch.where(greedy, 1.0, temps)[:, None], dim=-1)
+    probs = logprobs.exp()
+    ks = torch.tensor([k if 0 < k < vocab else vocab for k in top_k], device=device)
+    ps = torch.tensor(top_p, dtype=probs.dtype, device=device)
+    if bool((ks < vocab).any() or (ps < 1).any()):
+        probs, order = torch.sort(probs, dim=-1, descending=True)
+        mass_before = torch.cumsum(probs, dim=-1) - probs
+        ranks = torch.arange(vocab, device=device)[None, :]
+        # The top token always stays (mass before it is 0 < top_p, rank 0 < k).
+        probs = probs.masked_fill((mass_before >= ps[:, None]) | (ranks >= ks[:, None]), 0.0)
+    else:
+        order = None
+    cdf = torch.cumsum(probs, dim=-1)
+    uniform = torch.cat([torch.rand(1, generator=g, device=device) for g in generators])
+    index = torch.searchsorted(cdf, (uniform * cdf[:, -1])[:, None], right=True)
+    index = index.clamp(max=vocab - 1)
+    tokens = index if order is None else order.gather(1, index)
+    tokens = torch.where(greedy[:, None], logits.argmax(dim=-1, keepdim=True), tokens)
+    chosen = logprobs.gather(1, tokens)
+    return tokens[:, 0].tolist(), chosen[:, 0].tolist()
+
+
 def sample_token(
     logits: torch.Tensor, temperature: float, top_p: float, top_k: int, generator: torch.Generator
 ) -> tuple[int, float]:
-    """One token from ``logits`` ``[V]``; returns ``(token, log_softmax(logits / T)[token])``.
-
-    The logprob is under the temperature-scaled distribution before top-k / top-p
-    (SGLang's default); temperature 0 is greedy with the logprob at T = 1.
-    """
-    if temperature == 0 or top_k == 1:
-        scaled = logits if temperature == 0 else logits / temperature
-        token = int(torch.argmax(scaled))
-        return token, float(torch.log_softmax(scaled, dim=-1)[token])
-    logprobs = torch.log_softmax(logits / temperature, dim=-1)
-    probs = logprobs.exp()
-    if 0 < top_k < probs.numel():
-        threshold = torch.topk(probs, top_k).values[-1]
-        probs = torch.where(probs >= threshold, probs, torch.zeros_like(probs))
-    if top_p < 1.0:
-        sorted_probs, order = torch.sort(probs, descending=True)
-        total = sorted_probs.sum()
-        mass_before = (torch.cumsum(sorted_probs, dim=0) - sorted_probs) / total
-        # Keep the smallest head whose mass reaches top_p (the first token always stays).
-        probs = probs.scatter(0, order, sorted_probs.masked_fill(mass_before >= top_p, 0.0))
-    token = int(torch.multinomial(probs, 1, generator=generator))
-    return token, float(logprobs[token])
+    """:func:`sample_rows` for one row of logits ``[V]``."""
+    tokens, logprobs = sample_rows(logits[None], [temperature], [top_p], [top_k], [generator])
+    return tokens[0], logprobs[0]
 
 
 def _pad_left(tensor: torch.Tensor, width: int, dim: int) -> torch.Tensor:

@@ -3,23 +3,28 @@
     engine = LocalEngine("path/to/model")          # float32 on CPU by default
     outs = await engine.generate(GenerateRequest([1, 2, 3], SamplingParams(8, n=4, seed=0)))
 
-How a batch of requests runs (one scheduler thread, "waves"):
-1. every request waiting when a wave starts joins it (the sampler sends a round at once);
-2. each request is prefilled alone: its longest cached prefix comes from the radix
-   cache, only the rest is computed (at least the last token, for its logits), and the
-   whole prompt is committed to the cache — so forks and later children hit;
-3. a request with ``n = k`` becomes k rows sharing that one prefill;
-4. all rows decode together, one token per step, left-padded to a common KV length with a
-   per-row attention mask and explicit position ids; finished rows leave the batch and
-   their sequence (prompt + output, minus the last token, whose KV was never computed)
-   enters the cache.
+How requests run (one scheduler thread, continuous batching):
+1. between decode steps, every request that arrived joins the running batch;
+2. a request's longest cached prefix comes from the radix cache. If the cache holds all
+   but its last token (a fork after a prefix commit, a child sent with its parent's
+   prefix + output), its rows join the batch directly and feed that last token in the
+   next step. Otherwise the rest of the prompt is prefilled alone, the whole prompt is
+   committed to the cache (so forks and children hit), and each fork's first token is
+   sampled from that one prefill;
+3. a request with ``n = k`` becomes k rows sharing the prefix KV;
+4. rows decode together, one token per step, left-padded to a common KV length with a
+   per-row attention mask and explicit position ids (``decode_batch.py``); a finished
+   row leaves the batch, its sequence (prompt + output minus the last token, whose KV
+   was never computed) enters the cache, and its request returns once all its forks
+   are done. Weight changes wait for the batch to drain (no new rows join meanwhile).
 
-Sampling matches SGLang's defaults: logits / temperature, then top-k, then top-p, drawn
-with a per-row ``torch.Generator`` (seed ``s + j`` for fork j of a request with seed s), so
-the same seed gives the same tokens however requests are batched. The returned logprob
-of a sampled token is ``log_softmax(logits / temperature)`` at that token — SGLang's
-default (before top-k/top-p renormalisation; temperature 0 = greedy, logprob at T = 1).
-At temperature 1 this is the model's own log-probability, which the learner recomputes.
+Sampling matches SGLang's defaults: logits / temperature, then top-k and top-p, drawn by
+inverting the CDF at one uniform number per token from the row's own ``torch.Generator``
+(seed ``s + j`` for fork j of a request with seed s; random when no seed), so the same
+seed gives the same tokens however requests are batched. The returned logprob of a
+sampled token is ``log_softmax(logits / temperature)`` at that token — SGLang's default
+(before top-k/top-p renormalisation; temperature 0 = greedy, logprob at T = 1). At
+temperature 1 this is the model's own log-probability, which the learner recomputes.
 
 ``weight_version`` starts at ``"default"`` (as SGLang's) and becomes the given string on
 each weight update, or a counter ``"1"``, ``"2"``, ... when none is given.
@@ -42,7 +47,7 @@ from pathlib import Path
 
 import torch
 
-from arbor.engines.decode_batch import DecodeBatch, make_cache, sample_token
+from arbor.engines.decode_batch import DecodeBatch, make_cache, sample_rows, sample_token
 from arbor.engines.radix_cache import PrefixHit, RadixKVCache
 from arbor.engines.types import GenerateOutput, GenerateRequest
 
@@ -405,10 +410,17 @@ class LocalEngine:
         )
         batch.absorb(out.past_key_values, mask)
         self.stats.decode_tokens += len(rows) - fresh
-        logits = out.logits[:, -1].float()
+        params = [r.job.request.sampling for r in rows]
+        tokens_out, logprobs_out = sample_rows(
+            out.logits[:, -1].float(),
+            [sp.temperature for sp in params],
+            [sp.top_p for sp in params],
+            [sp.top_k for sp in params],
+            [r.generator for r in rows],
+        )
         keep = []
         for b, row in enumerate(rows):
-            self._append_sample(row, logits[b])
+            self._record(row, tokens_out[b], logprobs_out[b])
             if row.finish_reason is None:
                 keep.append(b)
             else:
@@ -440,9 +452,13 @@ class LocalEngine:
             job.future.set_result(list(job.outputs))
 
     def _append_sample(self, row: _Row, logits: torch.Tensor) -> None:
-        """Sample one token for ``row`` from ``logits`` ``[V]`` and update its finish state."""
+        """Sample one token for ``row`` from ``logits`` ``[V]``."""
         sp = row.job.request.sampling
-        token, logprob = sample_token(logits, sp.temperature, sp.top_p, sp.top_k, row.generator)
+        self._record(row, *sample_token(logits, sp.temperature, sp.top_p, sp.top_k, row.generator))
+
+    def _record(self, row: _Row, token: int, logprob: float) -> None:
+        """Append a sampled token and update the row's finish state."""
+        sp = row.job.request.sampling
         row.output.append(token)
         row.logprobs.append(logprob)
         if token in self.eos_token_ids or token in sp.stop_token_ids:
