@@ -133,3 +133,29 @@ def test_kl_without_reference_is_an_error():
     tree = RolloutTree.from_sequences([1], [[2]], logprobs=[[-1.0]])
     with pytest.raises(ValueError, match="ref_model"):
         policy_loss(tiny("qwen2", torch.float64), [tree], [[1.0]], kl_coef=0.1)
+
+
+def test_learner_style_accumulation_over_packs_and_ranks():
+    # The learner calls backward pack by pack with one global denominator, packs spread
+    # over ranks: the accumulated gradients equal one linear step over the whole batch.
+    from arbor.loss import pack_loss
+    from arbor.packing import assign_to_ranks, loss_denominator, pack_trees
+
+    rng = random.Random(11)
+    trees = [random_tree(rng, i) for i in range(4)]
+    advantages = random_advantages(rng, trees, per_token=True)
+    model = tiny("llama", torch.float64, 11)
+    lin_loss, lin_grads, _ = loss_and_grads(model, trees, advantages, mode="linear", normalize="sequence")
+    packs = pack_trees(trees, advantages, pack_tokens=budget(trees, 1), normalize="sequence")
+    assert len(packs) > 2  # the budget forces several packs
+    denominator = loss_denominator(trees, "sequence")
+    model.zero_grad()
+    total = 0.0
+    for rank in assign_to_ranks(packs, 2):
+        for i in rank:
+            loss, _ = pack_loss(model, packs[i], denominator, attention="blocks")
+            loss.backward()
+            total += loss.item()
+    assert total == pytest.approx(lin_loss.item(), rel=1e-6, abs=1e-12)
+    for a, p in zip(lin_grads, model.parameters()):
+        assert_close(a, p.grad, 1e-6)
