@@ -244,6 +244,9 @@ class RewardPool:
         """
         if not self._workers:
             raise RuntimeError("RewardPool is closed")
+        for w in list(self._workers):
+            if w.task is not None:  # left busy by a batch that was interrupted (Ctrl-C)
+                self._replace(w)
         t0 = time.monotonic()
         done: dict[int, tuple[list[float], float]] = {}  # index -> (term values, seconds)
         timed_out: list[int] = []
@@ -254,7 +257,7 @@ class RewardPool:
             for w in self._workers:
                 if w.ready and w.task is None and pending:
                     w.task = pending.pop()
-                    w.conn.send((w.task, *items[w.task]))
+                    self._send(w, items)
                     w.sent = time.monotonic()  # after the send: a big pickle is not the check's time
             ready_conns = wait([w.conn for w in self._workers], timeout=self._next_deadline())
             for w in list(self._workers):
@@ -271,6 +274,20 @@ class RewardPool:
         seconds = [done[i][1] if i in done else killed_after[i] for i in range(len(items))]
         return self._result([done[i][0] if i in done else None for i in range(len(items))],
                             sorted(timed_out), sorted(crashed), seconds, time.monotonic() - t0)
+
+    def _send(self, w: _Worker, items: Sequence[Item]) -> None:
+        assert w.task is not None
+        problem, completion = items[w.task]
+        try:
+            w.conn.send((w.task, problem, completion))
+        except OSError:
+            pass  # the worker died: wait() sees its pipe close and counts the item as crashed
+        except Exception as e:  # pickling failed, before anything reached the pipe
+            w.task = None
+            raise TypeError(
+                f"cannot send problem id {problem.get('id')!r} to a reward worker: "
+                f"{type(e).__name__}: {clip_text(str(e))}"
+            ) from e
 
     def _next_deadline(self) -> float:
         """Seconds until the earliest running check times out (≤ 1 s, to watch start-ups)."""

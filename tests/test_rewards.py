@@ -147,3 +147,25 @@ def test_clip_text_bounds_megabyte_strings():
     shown = clip_text("a" * 1_000_000)
     assert len(shown) < 300 and "999800 chars" in shown
     assert clip_text("short") == "'short'"
+
+
+def test_unpicklable_problem_names_it_and_leaves_the_pool_usable():
+    with RewardPool(f"{FIX}:one", workers=1, timeout_s=5, search_dirs=[HERE]) as pool:
+        with pytest.raises(TypeError, match="problem id 'p0'"):
+            pool.score([(problem(0, handle=lambda: None), "c")])
+        assert pool.score([(problem(1), "c")]).scores == [1.0]
+
+
+def test_interrupted_batch_does_not_leak_into_the_next():
+    # The progress callback raising (as Ctrl-C would) while the only worker is in a 60 s
+    # check; the next batch must not wait for that check nor count it.
+    with RewardPool(f"{FIX}:sleepy", workers=1, timeout_s=30, search_dirs=[HERE]) as pool:
+
+        def interrupt(done, total):
+            if any(w.task is not None for w in pool._workers):
+                raise KeyboardInterrupt
+
+        with pytest.raises(KeyboardInterrupt):
+            pool.score([(problem(0, sleep=60), "c")], on_progress=interrupt)
+        result = pool.score([(problem(2), "c")] * 3)
+        assert result.scores == [1.0] * 3 and result.timeouts == 0 and result.seconds < 20
