@@ -1,0 +1,140 @@
+"""Learner → engine weights: bucketed transfer, cache flush, version check, logprob-gap probe.
+
+    sync = WeightSync(client, method="distributed", bucket_mb=512)
+    await sync.push(named_tensor_buckets(learner), version="12")  # every engine now serves "12"
+    gap = await probe_logprob_gap(client, learner.model, prompts)   # ~0 after a correct sync
+
+Two transports, both SGLang's own endpoints so the same code drives SGLang and
+``arbor serve``: ``distributed`` (a gloo/NCCL group, the learner broadcasts each bucket,
+``/update_weights_from_distributed``), and ``disk`` (the learner writes an HF directory,
+``/update_weights_from_disk``). The radix cache is flushed with the last bucket: KV
+computed by old weights must never serve new rollouts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from arbor.engines.client import SGLangClient
+from arbor.engines.distributed import connect_learner, send_weights
+from arbor.engines.types import GenerateRequest, SamplingParams
+
+
+def named_tensor_buckets(
+    named: Iterator[tuple[str, torch.Tensor]], bucket_mb: float
+) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Group (name, tensor) pairs into lists of at most ``bucket_mb`` (a lone big tensor alone)."""
+    limit = bucket_mb * 2**20
+    bucket: list[tuple[str, torch.Tensor]] = []
+    size = 0
+    for name, tensor in named:
+        nbytes = tensor.numel() * tensor.element_size()
+        if bucket and size + nbytes > limit:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append((name, tensor))
+        size += nbytes
+    if bucket:
+        yield bucket
+
+
+def gathered_parameters(model: torch.nn.Module, zero_stage: int) -> Iterator[tuple[str, torch.Tensor]]:
+    """Whole parameters one at a time (ZeRO-3 gathers each, then frees it again)."""
+    if zero_stage != 3:
+        for name, param in model.named_parameters():
+            yield name, param.detach()
+        return
+    import deepspeed
+
+    for name, param in model.named_parameters():
+        with deepspeed.zero.GatheredParameters([param]):
+            yield name, param.detach().clone()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+class WeightSync:
+    """Pushes weights from learner rank 0 to every engine of ``client``."""
+
+    def __init__(
+        self,
+        client: SGLangClient,
+        method: str = "distributed",
+        *,
+        master_address: str = "127.0.0.1",
+        export_dir: str | Path | None = None,
+    ) -> None:
+        if method not in ("distributed", "disk"):
+            raise ValueError(f"weight sync method must be 'distributed' or 'disk', got {method!r}")
+        if method == "disk" and export_dir is None:
+            raise ValueError("weight sync over disk needs export_dir")
+        self.client, self.method = client, method
+        self.master_address = master_address
+        self.export_dir = Path(export_dir) if export_dir is not None else None
+        self._group: Any = None
+
+    async def push(self, buckets: Iterator[list[tuple[str, torch.Tensor]]], version: str) -> None:
+        """Send every bucket; the last one flushes the cache and sets ``version``."""
+        if self.method == "disk":
+            raise ValueError("disk sync writes a directory: use push_directory")
+        if self._group is None:
+            self._group = await connect_learner(
+                self.client, self.master_address, free_port(), world_size=1 + len(self.client.urls)
+            )
+        pending = next(buckets, None)
+        while pending is not None:
+            following = next(buckets, None)
+            last = following is None
+            await send_weights(
+                self.client, self._group, pending, flush_cache=last,
+                weight_version=version if last else None,
+            )
+            pending = following
+        await self.check_version(version)
+
+    async def push_directory(self, model_dir: str | Path, version: str) -> None:
+        """Engines load an HF directory the learner wrote (the fallback transport)."""
+        await self.client.update_weights_from_disk(str(model_dir), weight_version=version)
+        await self.client.flush_cache()
+        await self.check_version(version)
+
+    async def check_version(self, version: str) -> None:
+        versions = await self.client.get_weight_version()
+        stale = [(url, v) for url, v in zip(self.client.urls, versions) if v != version]
+        if stale:
+            raise RuntimeError(f"weight sync to version {version!r} failed: engines report {stale}")
+
+
+async def probe_logprob_gap(
+    client: SGLangClient, model: torch.nn.Module, prompts: list[list[int]], max_new_tokens: int = 16
+) -> float:
+    """Mean |logp_engine − logp_learner| over sampled probe continuations (nats per token).
+
+    Sampled at temperature 1 with no top-k/top-p, where the engine's logprobs are those
+    of the model's own distribution, the one the learner computes.
+    """
+    requests = [
+        GenerateRequest(ids, SamplingParams(max_new_tokens=max_new_tokens, temperature=1.0, seed=i))
+        for i, ids in enumerate(prompts)
+    ]
+    outputs = await asyncio.gather(*(client.generate(r) for r in requests))
+    device = next(model.parameters()).device
+    gaps = []
+    with torch.no_grad():
+        for ids, (out,) in zip(prompts, outputs):
+            full = torch.tensor([ids + out.output_ids], device=device)
+            logits = model(input_ids=full).logits[0].float()
+            logp = torch.log_softmax(logits[len(ids) - 1 : -1], dim=-1)
+            learner = logp.gather(-1, torch.tensor(out.output_ids, device=device)[:, None])[:, 0]
+            gaps.append((learner.cpu() - torch.tensor(out.logprobs)).abs())
+    return float(torch.cat(gaps).mean())
