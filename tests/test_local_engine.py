@@ -178,6 +178,8 @@ def test_load_weights_from_directory_flushes_and_bumps_version(engine, model_dir
         (req([1], 4, top_p=0.0), "top_p"),
         (req([1], 4, top_k=0), "top_k"),
         (req([1], 5000), "context"),
+        (req([1], 4, temperature=float("nan")), "temperature"),
+        (req([1], 4, n=10_000), "max_batch_rows"),
     ],
 )
 def test_invalid_requests_raise_naming_the_problem(engine, request_, message):
@@ -224,3 +226,22 @@ def test_fully_cached_prompts_skip_prefill_and_sample_the_same_tokens(engine):
     for out in warm:
         expected = teacher_forced(engine, PROMPT, out.output_ids)
         assert torch.allclose(torch.tensor(out.logprobs), expected, atol=1e-4)
+
+
+def test_commit_with_n_and_any_integer_seed(engine):
+    commits = engine.generate_sync([req(PROMPT, 0, n=3)])[0]
+    assert [c.output_ids for c in commits] == [[], [], []]
+    big = engine.generate_sync([req(PROMPT, 4, seed=2**80 + 5), req(PROMPT, 4, seed=-7)])
+    assert all(len(outs[0].output_ids) >= 1 for outs in big)
+
+
+def test_shutdown_answers_every_request(model_dirs):
+    eng = LocalEngine(model_dirs[0])
+    eng.eos_token_ids = set()
+    futures = [eng.submit(req(PROMPT, 50, seed=i)) for i in range(3)]
+    eng.shutdown()
+    for future in futures:  # finished, or failed with a reason: never left hanging
+        assert future.done()
+        assert future.exception() is None or "shut down" in str(future.exception())
+    with pytest.raises(RuntimeError, match="shut down"):
+        eng.submit(req(PROMPT, 2))

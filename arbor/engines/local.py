@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import math
 import queue
 import random
 import threading
@@ -178,8 +179,10 @@ class LocalEngine:
             )
         if sp.n < 1:
             raise ValueError(f"n must be >= 1, got {sp.n}")
-        if sp.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {sp.temperature}")
+        if sp.n > self.max_batch_rows:
+            raise ValueError(f"n must be <= {self.max_batch_rows} (max_batch_rows), got {sp.n}")
+        if not math.isfinite(sp.temperature) or sp.temperature < 0:
+            raise ValueError(f"temperature must be a finite number >= 0, got {sp.temperature}")
         if not 0 < sp.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {sp.top_p}")
         if sp.top_k == 0 or sp.top_k < -1:
@@ -258,9 +261,14 @@ class LocalEngine:
 
     def shutdown(self) -> None:
         """Stop the scheduler thread after the running batch (idempotent)."""
+        self._stopping = True  # refuse new requests from now on
         if self._thread.is_alive():
             self._queue.put(None)
             self._thread.join(timeout=30)
+        # A request that raced past submit's check while the thread stopped.
+        late: deque[_Job] = deque()
+        self._drain_queue(late)
+        _fail(list(late), RuntimeError("engine shut down before running this request"))
 
     def _new_version(self, weight_version: str | None) -> None:
         # Stale KV computed by the old weights would silently corrupt rollouts.
@@ -277,25 +285,25 @@ class LocalEngine:
             if not pending:
                 job = self._queue.get()
                 if job is None:
-                    return
+                    break
                 pending.append(job)
             with self._lock:
                 batch, rows = DecodeBatch(self.device), []
-                self._drain_queue(pending)
-                self._admit(pending, batch, rows)
-                while rows:
-                    try:
+                try:
+                    self._drain_queue(pending)
+                    self._admit(pending, batch, rows)
+                    while rows:
                         self._step(batch, rows)
-                    except Exception as exc:  # every caller in the batch gets the error
-                        for job in {id(r.job): r.job for r in rows}.values():
-                            if not job.future.done():
-                                job.future.set_exception(exc)
-                        break
-                    # Continuous batching: arrivals join at the next step, unless a
-                    # weight update waits for the batch to drain.
-                    if not self._hold_admission.is_set():
-                        self._drain_queue(pending)
-                        self._admit(pending, batch, rows)
+                        # Continuous batching: arrivals join at the next step, unless a
+                        # weight update waits for the batch to drain.
+                        if not self._hold_admission.is_set():
+                            self._drain_queue(pending)
+                            self._admit(pending, batch, rows)
+                except Exception as exc:  # every caller in the batch gets the error
+                    _fail([r.job for r in rows], exc)
+        self._stopping = True
+        self._drain_queue(pending)
+        _fail(list(pending), RuntimeError("engine shut down before running this request"))
 
     def _drain_queue(self, pending: deque[_Job]) -> None:
         while True:
@@ -305,8 +313,8 @@ class LocalEngine:
                 return
             if job is None:
                 self._stopping = True
-                return
-            pending.append(job)
+            else:
+                pending.append(job)
 
     @torch.no_grad()
     def _admit(self, pending: deque[_Job], batch: DecodeBatch, rows: list[_Row]) -> None:
@@ -346,11 +354,13 @@ class LocalEngine:
         hit = self.cache.match(prompt)
         if sp.max_new_tokens == 0:  # a prefix commit: nothing to sample
             cached = hit.length if hit.length == len(prompt) else self._prefill(prompt, hit)[3]
-            job.outputs, job.remaining = [None], 1
-            self._complete(_Row(job, 0, torch.Generator(), cached))
+            job.outputs, job.remaining = [None] * sp.n, sp.n
+            for fork in range(sp.n):  # n empty outputs, so callers get the n they asked for
+                self._complete(_Row(job, fork, torch.Generator(), cached))
             return []
         job.outputs, job.remaining = [None] * sp.n, sp.n
-        base_seed = sp.seed if sp.seed is not None else self._rng.randrange(1 << 62)
+        # torch seeds are 64-bit: fold any integer into range (fork j adds j).
+        base_seed = (sp.seed if sp.seed is not None else self._rng.randrange(1 << 62)) % (1 << 63)
         generators = []
         for fork in range(sp.n):
             generators.append(torch.Generator(device=self.device))
@@ -465,6 +475,12 @@ class LocalEngine:
             row.finish_reason = "stop"
         elif len(row.output) >= sp.max_new_tokens:
             row.finish_reason = "length"
+
+
+def _fail(jobs: list[_Job], exc: BaseException) -> None:
+    for job in jobs:
+        if not job.future.done():
+            job.future.set_exception(exc)
 
 
 def _stop_at_exit(ref: weakref.ref) -> None:
