@@ -8,7 +8,8 @@ into ``Σ weight · fn(problem, completion)``:
                          timeout_s=5, workers=2)
     result.scores, result.timeouts
 
-    terms = [RewardTerm("rewards/math.py:boxed_accuracy"), RewardTerm("rewards/math.py:boxed_format", 0.1)]
+    terms = [RewardTerm("rewards/math.py:boxed_accuracy"),
+             RewardTerm("rewards/math.py:boxed_format", 0.1)]
     with RewardPool(terms, workers=2, timeout_s=5) as pool:   # the trainer keeps one alive
         result = pool.score(items)                             # items: [(problem, completion)]
         result.term_scores["rewards/math.py:boxed_format"]     # raw per-term scores, to log
@@ -91,6 +92,10 @@ def clip_text(text: str, limit: int = _SHOW) -> str:
     return f"{text[: limit // 2]!r}…[{len(text) - limit} chars]…{text[-limit // 2 :]!r}"
 
 
+def _is_finite_number(x: object) -> bool:
+    return not isinstance(x, bool) and isinstance(x, (int, float)) and math.isfinite(x)
+
+
 def as_terms(spec: str | RewardTerm | Sequence[RewardTerm | str]) -> list[RewardTerm]:
     """A spec string, one term or a list of either -> a list of terms (strings weigh 1)."""
     if isinstance(spec, (str, RewardTerm)):
@@ -113,12 +118,14 @@ def load_reward_terms(
     seen: dict[str, int] = {}
     for i, term in enumerate(terms):
         weight = term.weight
-        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not math.isfinite(weight):
+        if not _is_finite_number(weight):
             raise ConfigError(f"{key_prefix}[{i}].weight: must be a finite number, got {weight!r}")
         key = f"{key_prefix}[{i}].fn"
         if term.fn in seen:
             # Per-term scores are reported by spec: a repeat would be ambiguous.
-            raise ConfigError(f"{key}: {term.fn!r} already is {key_prefix}[{seen[term.fn]}]; add the weights")
+            raise ConfigError(
+                f"{key}: {term.fn!r} already is {key_prefix}[{seen[term.fn]}]; add the weights"
+            )
         seen[term.fn] = i
         fn = load_object(term.fn, key, search_dirs)
         if not isinstance(fn, RewardFn):
@@ -128,6 +135,14 @@ def load_reward_terms(
 
 
 # -- the worker process ------------------------------------------------------------------
+
+_IN_WORKER = False
+
+
+def in_reward_worker() -> bool:
+    """True inside a pool worker: reward modules may warm caches at import (before the
+    worker says ready) without slowing the parent, which imports them only to check."""
+    return _IN_WORKER
 
 
 class _ClippedFormatter(logging.Formatter):
@@ -149,6 +164,8 @@ def _worker_main(conn: Connection, terms: list[RewardTerm], search_dirs: list[st
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(_ClippedFormatter("[reward worker] %(levelname)s %(name)s: %(message)s"))
     logging.basicConfig(level=logging.WARNING, handlers=[handler])
+    global _IN_WORKER
+    _IN_WORKER = True
     try:
         fns = load_reward_terms(terms, search_dirs=search_dirs)
     except ConfigError as e:
@@ -177,8 +194,9 @@ def _check(index: int, problem: dict, completion: str, terms: list[RewardTerm], 
             frames = traceback.format_list(traceback.extract_tb(e.__traceback__)[-3:])
             return ("error", index, f"{term.fn} raised {type(e).__name__}: "
                     f"{clip_text(str(e))}\n{''.join(frames)[-1500:]}")
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-            return ("error", index, f"{term.fn} returned {clip_text(repr(value))}, not a finite number")
+        if not _is_finite_number(value):
+            shown = clip_text(repr(value))
+            return ("error", index, f"{term.fn} returned {shown}, not a finite number")
         values.append(float(value))
     return ("ok", index, values, time.perf_counter() - t0)
 
@@ -236,7 +254,9 @@ class RewardPool:
         worker.conn.close()
         self._workers[self._workers.index(worker)] = self._start_worker()
 
-    def score(self, items: Sequence[Item], on_progress: Callable[[int, int], None] | None = None) -> ScoreResult:
+    def score(
+        self, items: Sequence[Item], on_progress: Callable[[int, int], None] | None = None
+    ) -> ScoreResult:
         """Score ``items`` (in order in the result); killed checks score 0 and are counted.
 
         ``on_progress(done, total)`` is called as results come in. Raises
@@ -258,7 +278,8 @@ class RewardPool:
                 if w.ready and w.task is None and pending:
                     w.task = pending.pop()
                     self._send(w, items)
-                    w.sent = time.monotonic()  # after the send: a big pickle is not the check's time
+                    # After the send: pickling a megabyte completion is not the check's time.
+                    w.sent = time.monotonic()
             ready_conns = wait([w.conn for w in self._workers], timeout=self._next_deadline())
             for w in list(self._workers):
                 if w.conn in ready_conns:
@@ -268,7 +289,9 @@ class RewardPool:
                     killed_after[w.task] = time.monotonic() - w.sent
                     self._replace(w)
                 elif not w.ready and time.monotonic() - w.spawned > self.start_timeout_s:
-                    raise RuntimeError(f"a reward worker did not start within {self.start_timeout_s} s")
+                    raise RuntimeError(
+                        f"a reward worker did not start within {self.start_timeout_s} s"
+                    )
             if on_progress is not None:
                 on_progress(len(done) + len(timed_out) + len(crashed), len(items))
         seconds = [done[i][1] if i in done else killed_after[i] for i in range(len(items))]

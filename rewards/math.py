@@ -27,6 +27,7 @@ from functools import lru_cache
 from math_verify import LatexExtractionConfig, parse, verify
 
 from arbor.answers import last_boxed
+from arbor.rewards import in_reward_worker
 
 # math-verify's own limits, in whole seconds (it silently ignores floats). A legitimate
 # answer parses in well under 0.3 s; adversarial ones run into these.
@@ -99,3 +100,16 @@ def boxed_format(problem: dict, completion: str) -> float:
     """1.0 when the completion ends with a well-formed, non-empty ``\\boxed{}`` answer."""
     predicted = last_boxed(completion, max_chars=MAX_ANSWER_CHARS)
     return 1.0 if predicted is not None and predicted.strip() else 0.0
+
+
+def _warm_up() -> None:
+    """Check a few answer forms once. A fresh worker's first fraction, interval or
+    polynomial costs 0.1–0.35 s (parser and sympy caches); pay that before the worker
+    says ready, not inside a check's timeout (workers restart after every kill)."""
+    for gold, predicted in [(r"\frac{\sqrt{3}}{2}", r"\frac{\sqrt2}{2}"), ("(0,1]", "[0,1)"),
+                            ("x^2+2x+1", "(x+1)^2"), (r"\text{(B)}", "B"), (r"\{1,2\}", "1, 2")]:
+        boxed_accuracy({"id": "warm-up", "answer": gold}, f"\\boxed{{{predicted}}}")
+
+
+if in_reward_worker():
+    _warm_up()

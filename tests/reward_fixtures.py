@@ -47,4 +47,11 @@ def dies(problem: dict, completion: str) -> float:
     return 1.0
 
 
+
+def in_worker(problem: dict, completion: str) -> float:
+    from arbor.rewards import in_reward_worker
+
+    return float(in_reward_worker())
+
+
 not_callable = 42

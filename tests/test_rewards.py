@@ -13,6 +13,7 @@ from arbor.rewards import (
     RewardPool,
     RewardTerm,
     clip_text,
+    in_reward_worker,
     load_reward_terms,
     score_batch,
 )
@@ -169,3 +170,9 @@ def test_interrupted_batch_does_not_leak_into_the_next():
             pool.score([(problem(0, sleep=60), "c")], on_progress=interrupt)
         result = pool.score([(problem(2), "c")] * 3)
         assert result.scores == [1.0] * 3 and result.timeouts == 0 and result.seconds < 20
+
+
+def test_in_reward_worker_is_true_only_in_workers():
+    result = score_batch(f"{FIX}:in_worker", [(problem(0), "c")], timeout_s=5, workers=1,
+                         search_dirs=[HERE])
+    assert result.scores == [1.0] and not in_reward_worker()
