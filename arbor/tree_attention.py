@@ -39,17 +39,50 @@ def dense_tree_mask(pack: PackedBatch) -> torch.Tensor:
     return ((k <= q) & (q < pack.subtree_end[None, :]))[None, None]
 
 
-def flex_block_mask(pack: PackedBatch, device: torch.device | str) -> Any:
-    """FlexAttention BlockMask of the tree rule (block-sparse: no N² tensor is built)."""
-    from torch.nn.attention.flex_attention import create_block_mask
+def flex_block_mask(pack: PackedBatch, device: torch.device | str, block_size: int = 128) -> Any:
+    """FlexAttention BlockMask of the tree rule, built from ``subtree_end`` without an N² tensor.
 
-    end = pack.subtree_end.to(device)
-
-    def tree_rule(b: Any, h: Any, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-        return (k <= q) & (q < end[k])
+    Key k is visible to the query interval [k, subtree_end[k]). A (query block, key block)
+    tile is *full* when every key's interval covers the whole query block, *partial* when
+    some key's interval meets it (mask_mod decides per pair), else skipped. Work and memory
+    are O(N²/block_size) booleans, unlike ``create_block_mask`` (eager), which evaluates
+    mask_mod on all N² pairs.
+    """
+    from torch.nn.attention.flex_attention import BlockMask
 
     n = pack.num_tokens
-    return create_block_mask(tree_rule, B=None, H=None, Q_LEN=n, KV_LEN=n, device=device)
+    blocks = -(-n // block_size)
+    padded = blocks * block_size
+    # Padded keys get an empty interval (end 0): never visible, and mask_mod may read them.
+    end = torch.zeros(padded, dtype=torch.long)
+    end[:n] = pack.subtree_end
+    key = torch.arange(padded)
+    q_first = torch.arange(blocks) * block_size  # [Qb]
+    q_stop = (q_first + block_size).clamp(max=n)  # [Qb] exclusive, real queries only
+    # [Qb, padded]: does key k's visibility interval meet / cover the query block?
+    meets = (torch.maximum(key[None], q_first[:, None]) < torch.minimum(end[None], q_stop[:, None]))
+    covers = (key[None] <= q_first[:, None]) & (end[None] >= q_stop[:, None])
+    meets = meets.view(blocks, blocks, block_size).any(-1)  # [Qb, Kb]
+    full = covers.view(blocks, blocks, block_size).all(-1)
+    partial = meets & ~full
+
+    def as_kv_blocks(tiles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # Count per query block, and the key-block indices of the selected tiles first.
+        order = torch.argsort((~tiles).to(torch.int8), dim=-1, stable=True)
+        return (tiles.sum(-1).to(torch.int32)[None, None].to(device),
+                order.to(torch.int32)[None, None].to(device))
+
+    end_dev = end.to(device)
+
+    def tree_rule(b: Any, h: Any, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+        return (k <= q) & (q < end_dev[k])
+
+    kv_num, kv_idx = as_kv_blocks(partial)
+    full_num, full_idx = as_kv_blocks(full)
+    return BlockMask.from_kv_blocks(
+        kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=block_size, mask_mod=tree_rule,
+        seq_lengths=(n, n),
+    )
 
 
 @functools.lru_cache(maxsize=256)

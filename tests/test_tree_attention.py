@@ -78,6 +78,58 @@ def test_flex_refuses_cpu_training():
         packed_logits(model, pack, torch.arange(3), attention="flex")
 
 
+def wide_pack():
+    rng = random.Random(3)
+    trees = []
+    for _ in range(3):
+        stem = [rng.randrange(40) for _ in range(60)]
+        responses = [stem[: rng.randint(1, 60)] + [rng.randrange(40) for _ in range(rng.randint(5, 70))]
+                     for _ in range(5)]
+        trees.append(RolloutTree.from_sequences([1, 2, 3], responses))
+    (pack,) = pack_trees(trees, require_logprobs=False)
+    return pack
+
+
+def test_flex_block_tiles_classified_from_subtree_ends():
+    # Built without an N² tensor: every tile must be skipped / partial / full exactly as
+    # the dense rule says (the last tiles are ragged: N is not a multiple of 16).
+    pack = wide_pack()
+    bs, n = 16, pack.num_tokens
+    assert n % bs
+    dense = dense_tree_mask(pack)[0, 0]
+    bm = flex_block_mask(pack, "cpu", block_size=bs)
+    kinds = {"partial": (bm.kv_num_blocks, bm.kv_indices), "full": (bm.full_kv_num_blocks, bm.full_kv_indices)}
+    seen = {k: set() for k in kinds}
+    for kind, (num, idx) in kinds.items():
+        for qb in range(num.shape[-1]):
+            for kb in idx[0, 0, qb, : num[0, 0, qb]].tolist():
+                seen[kind].add((qb, kb))
+    assert not seen["partial"] & seen["full"]
+    for qb in range(-(-n // bs)):
+        for kb in range(-(-n // bs)):
+            tile = dense[qb * bs : (qb + 1) * bs, kb * bs : (kb + 1) * bs]
+            ragged = tile.shape != (bs, bs)
+            if (qb, kb) in seen["full"]:
+                assert tile.all()
+            elif (qb, kb) in seen["partial"]:
+                assert tile.any() and (ragged or not tile.all())
+            else:
+                assert not tile.any()
+    assert 0 < len(seen["full"]) and 0 < len(seen["partial"])
+
+
+def test_flex_attention_with_tree_block_mask_matches_dense_sdpa():
+    # FlexAttention runs forward on CPU (eager, float64): check the BlockMask end to end.
+    from torch.nn.attention.flex_attention import flex_attention
+
+    pack = wide_pack()
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 2, pack.num_tokens, 8, dtype=torch.float64) for _ in range(3))
+    out = flex_attention(q, k, v, block_mask=flex_block_mask(pack, "cpu", block_size=16))
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=dense_tree_mask(pack))
+    torch.testing.assert_close(out, ref)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="FlexAttention training needs CUDA")
 def test_flex_trains_on_cuda_like_dense():
     model, trees = model_and_trees(dtype=torch.float32)
