@@ -1,0 +1,100 @@
+"""Pure helpers of the TreePO sampler: branching budget, branch assignment, early stops.
+
+Hand-checkable numbers (ALGORITHMS.md §1, w = 16, b = 2, nothing finishing early):
+
+    next_total(active=1, finished=0, newly_finished=0, width=16, branch=2)   # 2
+    next_total(active=8, finished=0, newly_finished=0, width=16, branch=2)   # 16
+    assign_branches(5, [0.0, 0.0])                                           # [3, 2]
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections import Counter
+from collections.abc import Sequence
+
+
+def next_total(*, active: int, finished: int, newly_finished: int, width: int, branch: int) -> int:
+    """Paths to run next round: ``max(active, min(w − finished, b·active + b·newly_finished))``.
+
+    ``finished`` counts every ended path (a leaf), ``newly_finished`` those that ended in
+    the round just run: their budget ``b`` each is transferred to the survivors.
+    """
+    return max(active, min(width - finished, branch * active + branch * newly_finished))
+
+
+def largest_remainder(quotas: Sequence[float], total: int) -> list[int]:
+    """Integers summing to ``total`` that round ``quotas`` (which sum to ``total``).
+
+    Floors first, then one more to the largest fractional parts; ties go to the lower
+    index so the result is deterministic. ``largest_remainder([1.5, 1.5, 1.0], 4) == [2, 1, 1]``.
+    """
+    floors = [math.floor(q + 1e-9) for q in quotas]
+    left = total - sum(floors)
+    order = sorted(range(len(quotas)), key=lambda i: (-(quotas[i] - floors[i]), i))
+    for i in order[:left]:
+        floors[i] += 1
+    return floors
+
+
+def assign_branches(
+    total: int,
+    path_logprobs: Sequence[float],
+    *,
+    mode: str = "even",
+    temperature: float = 2.0,
+    favor: str = "high",
+) -> list[int]:
+    """Split ``total`` next-round paths over the active paths, at least 1 each.
+
+    ``path_logprobs`` are the paths' cumulative segment log-probabilities. ``even``
+    spreads the ``total − n`` extra copies uniformly; ``logprob`` by
+    ``softmax(±logprob / temperature)`` (``+`` for ``favor="high"``), with
+    largest-remainder rounding. Example: ``assign_branches(6, [-1.0, -3.0],
+    mode="logprob", temperature=2.0)``: weights ``softmax([-0.5, -1.5]) = [0.731, 0.269]``,
+    4 extra → quotas ``[2.92, 1.08]`` → extra ``[3, 1]`` → ``[4, 2]``.
+    """
+    n = len(path_logprobs)
+    if n == 0:
+        return []
+    if total < n:
+        raise ValueError(f"total {total} is below the {n} active paths (each needs ≥ 1)")
+    extra = total - n
+    if mode == "even":
+        weights = [1.0 / n] * n
+    elif mode == "logprob":
+        sign = 1.0 if favor == "high" else -1.0
+        if favor not in ("high", "low"):
+            raise ValueError(f"branch_favor must be 'high' or 'low', got {favor!r}")
+        scores = [sign * lp / temperature for lp in path_logprobs]
+        top = max(scores)  # subtract the max so exp never overflows
+        exps = [math.exp(s - top) for s in scores]
+        weights = [e / sum(exps) for e in exps]
+    else:
+        raise ValueError(f"branch_assignment must be 'even' or 'logprob', got {mode!r}")
+    return [1 + k for k in largest_remainder([w * extra for w in weights], extra)]
+
+
+def is_repetitive(items: Sequence, window: int, count: int) -> bool:
+    """Some ``window``-long run of ``items`` occurs ≥ ``count`` times (overlaps count).
+
+    The TreePO reference applies it to a segment's text with 32 characters and 8
+    occurrences; ``items`` is that text (a ``str``) or, without a tokenizer, token ids.
+    """
+    if len(items) < window + count - 1:
+        return False
+    seen = Counter(tuple(items[i : i + window]) for i in range(len(items) - window + 1))
+    return max(seen.values()) >= count
+
+
+def request_seed(seed: int, tree_index: int, node_id: int, fork_index: int) -> int:
+    """A reproducible per-request seed in ``[0, 2**31 − 64)``.
+
+    ``fork_index`` counts the requests already sent from the same node (a node may be
+    forked again by a fallback), so no two requests of a tree share a seed. Engines give
+    output j of an ``n``-request the seed ``s + j``; the range leaves room for that.
+    """
+    key = f"{seed}/{tree_index}/{node_id}/{fork_index}".encode()
+    digest = hashlib.blake2b(key, digest_size=8).digest()
+    return int.from_bytes(digest, "little") % ((1 << 31) - 64)
