@@ -7,7 +7,13 @@ import urllib.request
 import pytest
 from tiny_model import build_tiny_model_dir
 
-from arbor.engines.launch import EngineLaunchError, launch_engines, sglang_available
+from arbor.engines.launch import (
+    EngineLaunchError,
+    _command,
+    _gpu_for,
+    launch_engines,
+    sglang_available,
+)
 from arbor.engines.server import free_port
 
 
@@ -60,3 +66,16 @@ def test_argument_errors():
     if not sglang_available():
         with pytest.raises(EngineLaunchError, match="sglang"):
             launch_engines("sglang", model_path="m")
+
+
+def test_server_command_lines():
+    sglang = _command("sglang", "/m", "0.0.0.0", 31000, "bfloat16", ["--tp", "1"])
+    assert sglang[1:] == [
+        "-m", "sglang.launch_server", "--model-path", "/m", "--host", "0.0.0.0",
+        "--port", "31000", "--dtype", "bfloat16", "--tp", "1",
+    ]  # fmt: skip
+    embedded = _command("embedded", "/m", "127.0.0.1", 5, None, [])
+    assert embedded[1:] == ["-m", "arbor.engines.server", "--model", "/m", "--host", "127.0.0.1", "--port", "5"]  # fmt: skip
+    assert _gpu_for(1, {"CUDA_VISIBLE_DEVICES": "4,6"}) == "6"
+    with pytest.raises(EngineLaunchError, match="needs a GPU"):
+        _gpu_for(2, {"CUDA_VISIBLE_DEVICES": "4,6"})

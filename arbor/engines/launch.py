@@ -123,12 +123,18 @@ def launch_engines(
     urls: list[str] | None = None,
     host: str = "127.0.0.1",
     dtype: str | None = None,
+    device: str | None = None,
     extra_args: list[str] | None = None,
     log_dir: str | Path | None = None,
     startup_timeout_s: float = 600.0,
     wait: bool = True,
 ) -> EngineHandle:
-    """Start ``num_engines`` servers of ``kind`` (or adopt ``urls``) and wait until healthy."""
+    """Start ``num_engines`` servers of ``kind`` (or adopt ``urls``) and wait until healthy.
+
+    ``dtype`` is passed as ``--dtype`` to either server; ``device`` (``cpu``/``cuda``)
+    only to the embedded one (SGLang always runs on its GPU); ``extra_args`` are appended
+    to each server's command line as given (e.g. ``["--mem-fraction-static", "0.4"]``).
+    """
     if kind not in KINDS:
         raise ValueError(f"engine kind must be one of {KINDS}, got {kind!r}")
     if kind == "external":
@@ -153,7 +159,10 @@ def launch_engines(
         atexit.register(handle.shutdown)
         for index in range(num_engines):
             port = free_port(host)
-            command = _command(kind, model_path, host, port, dtype, extra_args or [])
+            extra = list(extra_args or [])
+            if device and kind == "embedded":
+                extra = ["--device", device, *extra]
+            command = _command(kind, model_path, host, port, dtype, extra)
             env = dict(os.environ)
             if kind == "sglang":
                 env["CUDA_VISIBLE_DEVICES"] = _gpu_for(index, env)
