@@ -211,3 +211,19 @@ def test_n_outputs_and_affinity_pins_a_tree_to_one_server():
         assert {i: c for i, c in seen.items() if i < 30} == {i: 2 for i in mine}
     assert moved == []  # rendezvous hashing: removing a server moves only its own keys
     assert all(f.calls["/flush_cache"] == 1 for f in fakes) and versions == ["7"] * 3
+
+
+def test_one_client_across_event_loops():
+    fake = FakeServer()
+
+    async def once(client: SGLangClient):
+        url, runner = await fake.start()
+        client.urls = [url]
+        try:
+            return (await client.generate(REQUEST))[0].output_ids
+        finally:
+            await runner.cleanup()
+
+    client = SGLangClient(["http://unused"])
+    assert asyncio.run(once(client)) == [4, 5]
+    assert asyncio.run(once(client)) == [4, 5]  # a fresh loop gets a fresh session

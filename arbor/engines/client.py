@@ -63,6 +63,9 @@ class SGLangClient:
         self.backoff_s = backoff_s
         self.max_concurrency = max_concurrency
         self._round_robin = itertools.cycle(range(len(self.urls)))
+        # Both belong to one event loop; a client used from a new loop (e.g. a second
+        # asyncio.run) makes new ones.
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._session: aiohttp.ClientSession | None = None
         self._semaphore: asyncio.Semaphore | None = None
 
@@ -234,8 +237,11 @@ class SGLangClient:
     ) -> Any:
         """One HTTP call with retries; returns the decoded JSON (or text) body."""
         retries = self.max_retries if retries is None else retries
-        if self._semaphore is None:
+        loop = asyncio.get_running_loop()
+        if self._loop is not loop:
+            self._loop, self._session = loop, None
             self._semaphore = asyncio.Semaphore(self.max_concurrency)
+        assert self._semaphore is not None
         async with self._semaphore:
             return await _with_retries(
                 lambda: self._once(url, method, path, payload), retries, self.backoff_s, url + path
