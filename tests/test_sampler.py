@@ -71,8 +71,9 @@ def fresh(request: GenerateRequest, j: int, n: int | None = None) -> list[int]:
 
 def run(engine, cfg: RolloutConfig, prompts=None, **kw) -> tuple[list[RolloutTree], list]:
     prompts = prompts or [PROMPT]
-    return asyncio.run(sample_trees(engine, [{"id": i} for i in range(len(prompts))],
-                                    prompts, cfg, **kw))
+    return asyncio.run(
+        sample_trees(engine, [{"id": i} for i in range(len(prompts))], prompts, cfg, **kw)
+    )
 
 
 def cfg_of(**kw) -> RolloutConfig:
@@ -131,8 +132,9 @@ def test_repetition_rule() -> None:
 
 
 def test_request_seeds_differ_per_fork() -> None:
-    seeds = {request_seed(0, t, node, fork) for t in range(3) for node in range(20)
-             for fork in range(3)}
+    seeds = {
+        request_seed(0, t, node, fork) for t in range(3) for node in range(20) for fork in range(3)
+    }
     assert len(seeds) == 180 and all(0 <= s < (1 << 31) - 64 for s in seeds)
     assert request_seed(1, 0, 0, 0) != request_seed(0, 0, 0, 0)
 
@@ -181,8 +183,7 @@ def test_early_stops_repetition_depth_length() -> None:
             return fresh(request, j, 3), "length"  # short segment: depth ends it, not length
         return fresh(request, j), "length"
 
-    cfg = cfg_of(width=4, max_depth=2, segment_tokens=8, repetition_window=2,
-                 repetition_count=4)
+    cfg = cfg_of(width=4, max_depth=2, segment_tokens=8, repetition_window=2, repetition_count=4)
     trees, stats = run(ScriptedEngine(8, script), cfg)
     reasons = sorted(leaf.finish_reason for leaf in trees[0].leaves())
     # Round 2 forks the root's child 2 ways; no budget can come back after depth 2.
@@ -194,8 +195,14 @@ def test_repetition_on_decoded_text() -> None:
     def script(request, j, depth):
         return [65 + (i % 2) for i in range(8)], "length"  # "ABABABAB"
 
-    cfg = cfg_of(width=2, max_depth=3, segment_tokens=8, repetition_window=4,
-                 repetition_count=3, fallback=False)
+    cfg = cfg_of(
+        width=2,
+        max_depth=3,
+        segment_tokens=8,
+        repetition_window=4,
+        repetition_count=3,
+        fallback=False,
+    )
     trees, _ = run(ScriptedEngine(8, script), cfg, decode=lambda ids: "".join(map(chr, ids)))
     assert [leaf.finish_reason for leaf in trees[0].leaves()] == ["repetition"]
 
@@ -208,12 +215,12 @@ def test_fallback_cuts_only_well_formed_paths_at_boundaries() -> None:
         if depth == 3:
             # Paths through the first depth-2 fork finish; the others fail (repetition).
             first = request.input_ids[len(PROMPT) + 4]
-            return ([100, 0] if first == 100 else [9, 9, 9, 9]), "stop" if first == 100 \
-                else "length"
+            return (
+                [100, 0] if first == 100 else [9, 9, 9, 9]
+            ), "stop" if first == 100 else "length"
         return ids, "length"
 
-    cfg = cfg_of(width=16, max_depth=3, segment_tokens=4, repetition_window=1,
-                 repetition_count=4)
+    cfg = cfg_of(width=16, max_depth=3, segment_tokens=4, repetition_window=1, repetition_count=4)
     engine = ScriptedEngine(4, script)
     trees, stats = run(engine, cfg)
     tree, s = trees[0], stats[0]
@@ -248,8 +255,9 @@ def test_fallback_prefers_final_answers() -> None:
     def script(request, j, depth):
         return [50 + j, EOS], "stop"
 
-    trees, stats = run(ScriptedEngine(4, script), cfg_of(width=3),
-                       is_final_answer=lambda ids: ids[0] == 50)
+    trees, stats = run(
+        ScriptedEngine(4, script), cfg_of(width=3), is_final_answer=lambda ids: ids[0] == 50
+    )
     assert len(trees[0].leaves()) == 3 and stats[0].fallbacks >= 1
 
 
@@ -285,8 +293,9 @@ def test_same_seed_same_trees_many_prompts() -> None:
     def dump(seed):
         trees, stats = run(ScriptedEngine(4, script), cfg, prompts=prompts, seed=seed)
         assert [len(t.leaves()) for t in trees] == [8, 8], [s.shortfall_reason for s in stats]
-        return json.dumps([[(n.id, n.parent.id, n.token_ids, n.finish_reason)
-                            for n in t.nodes()] for t in trees])
+        return json.dumps(
+            [[(n.id, n.parent.id, n.token_ids, n.finish_reason) for n in t.nodes()] for t in trees]
+        )
 
     assert dump(3) == dump(3)
     assert dump(3) != dump(4)

@@ -1,0 +1,128 @@
+"""The TreePO sampler against a real `arbor serve` subprocess (tiny random Qwen2 model).
+
+Checks what only a real engine can show: width leaves, forks served from the radix
+cache, same seed → same tree, and node logprobs equal to a teacher-forced recompute.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+
+import pytest
+import torch
+from tiny_model import build_tiny_model_dir
+
+from arbor.config import RolloutConfig
+from arbor.engines.client import SGLangClient
+from arbor.engines.launch import launch_engines
+from arbor.engines.types import GenerateOutput, GenerateRequest
+from arbor.sampler import sample_trees
+from arbor.tree import RolloutTree
+
+PROMPTS = [[17, 42, 99, 5, 63, 120, 7, 88], [31, 200, 11, 54, 76, 150, 9, 33, 12]]
+CFG = RolloutConfig(width=4, branch=2, segment_tokens=4, max_depth=4)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    root = tmp_path_factory.mktemp("sampler")
+    model = build_tiny_model_dir(root / "model", seed=0)
+    with launch_engines(
+        "embedded", model_path=str(model), log_dir=root / "logs", startup_timeout_s=120
+    ) as handle:
+        yield handle.urls[0], model
+
+
+class Recorder:
+    """Wraps an engine and keeps every (request, outputs) pair."""
+
+    def __init__(self, engine: SGLangClient) -> None:
+        self.engine = engine
+        self.log: list[tuple[GenerateRequest, list[GenerateOutput]]] = []
+
+    async def generate(self, request: GenerateRequest) -> list[GenerateOutput]:
+        outs = await self.engine.generate(request)
+        self.log.append((request, outs))
+        return outs
+
+
+def sample(url: str, seed: int, cfg: RolloutConfig = CFG):
+    async def main():
+        async with SGLangClient([url], max_retries=1) as client:
+            await client.flush_cache()
+            recorder = Recorder(client)
+            trees, stats = await sample_trees(
+                recorder, [{"id": "a"}, {"id": "b"}], PROMPTS, cfg, eos_token_ids=[0], seed=seed
+            )
+            return trees, stats, recorder.log
+
+    return asyncio.run(main())
+
+
+def dump(trees: list[RolloutTree]) -> str:
+    return json.dumps(
+        [
+            [(n.id, n.parent.id, n.token_ids, n.finish_reason, n.weight_version) for n in t.nodes()]
+            for t in trees
+        ]
+    )
+
+
+def test_trees_have_width_leaves_and_forks_hit_the_cache(server):
+    trees, stats, log = sample(server[0], seed=0)
+    for tree, s in zip(trees, stats):
+        assert len(tree.leaves()) == CFG.width, s.shortfall_reason
+        assert s.shortfall_reason is None and s.leaves == CFG.width
+        assert all(n.logprobs is not None and n.weight_version for n in tree.nodes())
+        for node in tree.nodes():  # internal nodes continued; leaves say why they ended
+            assert (node.finish_reason == "length") == bool(node.children)
+    forks = [(r, outs) for r, outs in log if r.sampling.n > 1]
+    assert forks, "a width-4, branch-2 tree must fork"
+    for request, outs in log:
+        cached = [o.cached_tokens for o in outs]
+        if len(request.input_ids) > len(PROMPTS[1]):
+            # A child request (prefix + parent output) recomputes at most its last token.
+            assert all(c >= len(request.input_ids) - 1 for c in cached), cached
+        # Forks of one node share the prefix: only the first may prefill it.
+        assert all(c >= len(request.input_ids) - 1 for c in cached[1:]), cached
+    assert sum(s.cached_tokens for s in stats) > 0
+
+
+def test_same_seed_same_tree(server):
+    first, _, _ = sample(server[0], seed=5)
+    again, _, _ = sample(server[0], seed=5)
+    other, _, _ = sample(server[0], seed=6)
+    assert dump(first) == dump(again)
+    assert dump(first) != dump(other)
+    for a, b in zip(first, again):
+        for x, y in zip(a.nodes(), b.nodes()):
+            assert all(math.isclose(p, q, abs_tol=1e-5) for p, q in zip(x.logprobs, y.logprobs))
+
+
+def test_node_logprobs_equal_teacher_forced_recompute(server):
+    from transformers import AutoModelForCausalLM
+
+    trees, _, _ = sample(server[0], seed=1)
+    model = AutoModelForCausalLM.from_pretrained(server[1], dtype=torch.float32).eval()
+    tree = trees[0]
+    for leaf in tree.leaves():
+        ids = tree.full_ids(leaf)
+        with torch.no_grad():
+            logits = model(torch.tensor([ids])).logits[0].float()
+        logp = torch.log_softmax(logits[:-1], dim=-1)
+        prompt = len(tree.prompt_ids)
+        response = torch.tensor(ids[prompt:])
+        expected = logp[prompt - 1 :].gather(1, response[:, None])[:, 0]
+        got = torch.tensor(tree.response_logprobs(leaf))
+        assert torch.allclose(got, expected, atol=1e-4), (got - expected).abs().max()
+
+
+def test_independent_mode_against_server(server):
+    cfg = RolloutConfig(mode="independent", width=4, segment_tokens=4, max_depth=3)
+    trees, stats, log = sample(server[0], seed=0, cfg=cfg)
+    assert [r.sampling.n for r, _ in log] == [4, 4]
+    for tree in trees:
+        assert len(tree.leaves()) == 4 and all(leaf.depth == 1 for leaf in tree.leaves())
+        assert all(len(leaf.token_ids) <= 12 for leaf in tree.leaves())
