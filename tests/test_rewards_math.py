@@ -151,6 +151,6 @@ def test_weighted_accuracy_and_format_through_the_pool():
     terms = [RewardTerm("rewards.math:boxed_accuracy", 1.0), RewardTerm("rewards.math:boxed_format", 0.1)]
     items = [({"id": 1, "answer": "2"}, r"\boxed{2}"), ({"id": 2, "answer": "2"}, r"\boxed{3}"),
              ({"id": 3, "answer": "2"}, "2")]
-    result = score_batch(terms, items, timeout_s=5, workers=1, search_dirs=[str(REPO)])
+    result = score_batch(terms, items, timeout_s=60, workers=1, search_dirs=[str(REPO)])
     assert result.scores == pytest.approx([1.1, 0.1, 0.0])
     assert result.term_scores["rewards.math:boxed_accuracy"] == [1.0, 0.0, 0.0]
