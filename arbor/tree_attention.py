@@ -85,10 +85,21 @@ def flex_block_mask(pack: PackedBatch, device: torch.device | str, block_size: i
     )
 
 
-@functools.lru_cache(maxsize=256)
 def _bottom_right_causal(n: int, n_kv: int, device: torch.device) -> torch.Tensor:
-    """[n, n_kv] bool: query j sees keys 0 .. n_kv − n + j. Cached: every layer reuses it."""
+    """[n, n_kv] bool: query j sees keys 0 .. n_kv − n + j (its context, then itself causally)."""
+    if n * n_kv <= 1 << 22:  # every layer reuses the mask: keep small ones, not huge ones
+        return _cached_bottom_right_causal(n, n_kv, device)
     return torch.ones(n, n_kv, dtype=torch.bool, device=device).tril(n_kv - n)
+
+
+@functools.lru_cache(maxsize=128)
+def _cached_bottom_right_causal(n: int, n_kv: int, device: torch.device) -> torch.Tensor:
+    return torch.ones(n, n_kv, dtype=torch.bool, device=device).tril(n_kv - n)
+
+
+def _gather_blocks(x: torch.Tensor, idx: torch.Tensor, blocks: int, length: int) -> torch.Tensor:
+    """x [H, N, D] at ``idx`` [blocks·length] -> [blocks, H, length, D]."""
+    return x.index_select(1, idx).view(x.shape[0], blocks, length, x.shape[2]).transpose(0, 1)
 
 
 def block_tree_attention(
@@ -107,33 +118,43 @@ def block_tree_attention(
         raise ValueError(f"{BLOCKS_IMPL} attention needs the pack's blocks (arbor_blocks=...)")
     if dropout:
         raise ValueError("tree attention is for training RL policies: attention dropout must be 0")
+    if query.shape[0] != 1:
+        raise ValueError(f"packed tree attention takes one packed row, got batch {query.shape[0]}")
     gqa = query.shape[1] != key.shape[1]
-    # Blocks tile [0, N) in order. Slicing per block would make every block's backward
-    # allocate and fill an N-long gradient (O(blocks × N) memory traffic, which dominated
-    # the step); instead queries are split (backward: one cat) and each block's keys and
-    # values — its ancestors' then its own — come from one gather over all blocks
-    # (backward: one index_add).
-    sizes = [b.end - b.start for b in arbor_blocks]
-    if sum(sizes) != query.shape[2] or arbor_blocks[0].start != 0:
-        raise ValueError(f"arbor_blocks cover {sum(sizes)} tokens, the sequence has {query.shape[2]}")
+    n_total = query.shape[2]
+    if sum(b.end - b.start for b in arbor_blocks) != n_total:
+        raise ValueError(f"arbor_blocks cover another length than the sequence ({n_total} tokens)")
     device = key.device
-    gather = torch.cat(
-        [torch.cat([b.context, torch.arange(b.start, b.end)]) for b in arbor_blocks]
-    ).to(device)
-    kv_sizes = [len(b.context) + n for b, n in zip(arbor_blocks, sizes)]
-    keys = key.index_select(2, gather).split(kv_sizes, dim=2)
-    values = value.index_select(2, gather).split(kv_sizes, dim=2)
-    outputs = []
-    for q, k, v, n, n_kv in zip(query.split(sizes, dim=2), keys, values, sizes, kv_sizes):
+    # Blocks of one shape (queries, context + own keys) run as one batched SDPA call: the
+    # 16 branches of a shared prefix are one call, not 16. Queries and keys are gathered
+    # with one index_select per group (its backward is one index_add); slicing per block
+    # instead made every block's backward fill an N-long gradient (O(blocks × N) traffic).
+    groups: dict[tuple[int, int], list[AttentionBlock]] = {}
+    for block in arbor_blocks:
+        n = block.end - block.start
+        groups.setdefault((n, n + len(block.context)), []).append(block)
+    outputs, order = [], []
+    q_all, k_all, v_all = query[0], key[0], value[0]  # [H, N, D], [H_kv, N, D]
+    for (n, n_kv), members in groups.items():
+        own = [torch.arange(b.start, b.end) for b in members]
+        q_idx = torch.cat(own).to(device)
+        kv_idx = torch.cat([torch.cat([b.context, o]) for b, o in zip(members, own)]).to(device)
+        g = len(members)
+        q = _gather_blocks(q_all, q_idx, g, n)
+        k, v = _gather_blocks(k_all, kv_idx, g, n_kv), _gather_blocks(v_all, kv_idx, g, n_kv)
         if n_kv == n:  # no context: plain causal attention
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling, enable_gqa=gqa)
         else:
-            # Context keys are all visible, the block's own keys causally: a causal mask
-            # aligned to the bottom-right corner of the [n, n_kv] score matrix.
+            # Context keys all visible, the block's own keys causally: a causal mask aligned
+            # to the bottom-right corner of the [n, n_kv] score matrix.
             mask = _bottom_right_causal(n, n_kv, device)
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling, enable_gqa=gqa)
-        outputs.append(out)
-    return torch.cat(outputs, dim=2).transpose(1, 2).contiguous(), None
+        outputs.append(out.transpose(0, 1).reshape(q_all.shape[0], g * n, q_all.shape[2]))
+        order.append(q_idx)
+    out = torch.cat(outputs, dim=1)  # [H, N, D] in group order
+    if len(groups) > 1:
+        out = out.index_select(1, torch.argsort(torch.cat(order)))  # back to packed order
+    return out.transpose(0, 1)[None].contiguous(), None
 
 
 AttentionInterface.register(BLOCKS_IMPL, block_tree_attention)

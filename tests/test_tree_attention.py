@@ -143,3 +143,28 @@ def test_flex_trains_on_cuda_like_dense():
         grads[attention] = [p.grad.clone() for p in model.parameters()]
     for a, b in zip(grads["dense"], grads["flex"]):
         torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-4)
+
+
+def test_blocks_of_one_shape_batched_match_dense_with_gradients():
+    # Equal branches under one prefix (bench case (a) in small) make one batched group;
+    # a deeper branch makes another: outputs and gradients must equal the dense mask.
+    model, _ = model_and_trees()
+    tree = RolloutTree([1, 2, 3])
+    stem = tree.add_segment(tree.root, [4, 5, 6, 7])
+    for k in range(4):
+        leaf = tree.add_segment(stem, [10 + k, 11, 12])
+    tree.add_segment(leaf.parent, [20, 21])  # a sibling with another shape
+    tree.add_segment(leaf, [30])  # `leaf` gets a child: a chain block
+    (pack,) = pack_trees([tree], require_logprobs=False)
+    shapes = [(b.end - b.start, len(b.context)) for b in pack.blocks]
+    assert len(set(shapes)) < len(shapes)  # some blocks share a shape: batched together
+    rows = torch.arange(pack.num_tokens)
+    grads, logits = {}, {}
+    for attention in ("dense", "blocks"):
+        model.zero_grad()
+        logits[attention] = packed_logits(model, pack, rows, attention=attention)
+        logits[attention].logsumexp(-1).sum().backward()
+        grads[attention] = [p.grad.clone() for p in model.parameters()]
+    torch.testing.assert_close(logits["blocks"], logits["dense"], rtol=1e-9, atol=1e-9)
+    for a, b in zip(grads["dense"], grads["blocks"]):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-9)
