@@ -17,6 +17,7 @@ fraction=<speedup/ideal> nosharing_ratio=<c: tree/linear>``.
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import resource
 import statistics
@@ -86,12 +87,15 @@ def case_no_sharing(rng: random.Random) -> list[RolloutTree]:
 CASES = {"a": case_shared_prefix, "b": case_binary, "c": case_no_sharing}
 
 
-def step(model: torch.nn.Module, trees: list[RolloutTree], advantages, mode: str, attention: str) -> float:
+def step(
+    model: torch.nn.Module, trees: list[RolloutTree], advantages, mode: str, attention: str
+) -> tuple[float, float]:
+    """One forward + backward: (wall seconds, process CPU seconds)."""
     model.zero_grad(set_to_none=True)
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     loss, _ = policy_loss(model, trees, advantages, mode=mode, attention=attention, pack_tokens=1 << 15)
     loss.backward()
-    return time.perf_counter() - t0
+    return time.perf_counter() - t0, time.process_time() - c0
 
 
 def rss_mib() -> float:
@@ -155,21 +159,28 @@ def main() -> None:
         for mode in ("tree", "linear"):  # warm-up
             step(model, trees, advantages, mode, args.attention)
         times: dict[str, list[float]] = {"tree": [], "linear": []}
+        cpu: dict[str, list[float]] = {"tree": [], "linear": []}
         for _ in range(args.reps):  # interleaved, so drifts in machine load hit both
             for mode in ("tree", "linear"):
-                times[mode].append(step(model, trees, advantages, mode, args.attention))
+                wall, used = step(model, trees, advantages, mode, args.attention)
+                times[mode].append(wall)
+                cpu[mode].append(used)
         tree_t, linear_t = statistics.median(times["tree"]), statistics.median(times["linear"])
+        # CPU seconds are less sensitive to other processes on a shared machine than wall
+        # time; printed beside it, the RESULT line uses wall time.
+        tree_c, linear_c = statistics.median(cpu["tree"]), statistics.median(cpu["linear"])
         mem = {m: peak_memory(name, m, args.attention) for m in ("tree", "linear")}
         results[name] = (linear_t / tree_t, linear / unique)
         print(
             f"case {name}: unique {unique} tokens, linearised {linear} (ideal {linear / unique:.2f}x) | "
-            f"tree {tree_t * 1e3:.0f} ms, linear {linear_t * 1e3:.0f} ms, speedup {linear_t / tree_t:.2f}x | "
+            f"tree {tree_t * 1e3:.0f} ms, linear {linear_t * 1e3:.0f} ms, speedup {linear_t / tree_t:.2f}x "
+            f"(CPU time {tree_c * 1e3:.0f} / {linear_c * 1e3:.0f} ms: {linear_c / tree_c:.2f}x) | "
             f"peak step memory tree {mem['tree']:.0f} MiB, linear {mem['linear']:.0f} MiB",
             flush=True,
         )
     speedup, ideal = results["a"]
     print(f"max RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MiB, "
-          f"threads {args.threads}, attention {args.attention}")
+          f"threads {args.threads}, attention {args.attention}, load average {os.getloadavg()[0]:.1f}")
     print(
         f"RESULT speedup={speedup:.2f} ideal={ideal:.2f} fraction={speedup / ideal:.2f} "
         f"nosharing_ratio={1 / results['c'][0]:.2f}"
