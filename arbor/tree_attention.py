@@ -7,10 +7,13 @@ transformers' ``AttentionInterface``.
 
 - ``dense``: a [1, 1, N, N] boolean mask with SDPA. O(N²) memory and work; the reference.
 - ``blocks`` (CPU default): each attention block (a chain of nodes contiguous in packed
-  order) attends to its ancestors' keys plus itself causally, one SDPA call per block.
-  Non-ancestor pairs are never computed, so the cost approaches the ideal.
-- ``flex`` (CUDA): FlexAttention with a BlockMask built from the same rule; block-sparse,
-  no N² memory. FlexAttention has no backward on CPU, so it is for CUDA training.
+  order) attends to its ancestors' keys plus itself causally; blocks of one shape run as
+  one batched SDPA call. Non-ancestor pairs are never computed, so the cost approaches
+  the ideal. Exact gradients: autograd sums the suffixes' key/value gradients into the
+  shared prefix through the gather. GQA goes to SDPA as ``enable_gqa``; dropout must be 0.
+- ``flex`` (CUDA): FlexAttention with a BlockMask built from the subtree-end intervals
+  (block-sparse, no N² tensor at any point). FlexAttention has no backward on CPU, so it
+  is for CUDA training; on CPU it runs forward only (tests check the mask with it).
 
     logits = packed_logits(model, pack, rows, attention="auto")   # [len(rows), V]
 """
