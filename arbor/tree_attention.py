@@ -143,8 +143,16 @@ def block_tree_attention(
         q_idx = torch.cat(own).to(device)
         kv_idx = torch.cat([torch.cat([b.context, o]) for b, o in zip(members, own)]).to(device)
         g = len(members)
-        q = _gather_blocks(q_all, q_idx, g, n)
-        k, v = _gather_blocks(k_all, kv_idx, g, n_kv), _gather_blocks(v_all, kv_idx, g, n_kv)
+        adjacent = all(a.end == b.start for a, b in zip(members, members[1:]))
+        if n_kv == n and adjacent:
+            # Adjacent blocks without context (e.g. separate trees, the no-sharing case):
+            # a view of one slice, no copy.
+            s0 = members[0].start
+            q, k, v = (x[:, s0 : s0 + g * n].view(x.shape[0], g, n, x.shape[2]).transpose(0, 1)
+                       for x in (q_all, k_all, v_all))
+        else:
+            q = _gather_blocks(q_all, q_idx, g, n)
+            k, v = _gather_blocks(k_all, kv_idx, g, n_kv), _gather_blocks(v_all, kv_idx, g, n_kv)
         if n_kv == n:  # no context: plain causal attention
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling, enable_gqa=gqa)
         else:

@@ -168,3 +168,16 @@ def test_blocks_of_one_shape_batched_match_dense_with_gradients():
     torch.testing.assert_close(logits["blocks"], logits["dense"], rtol=1e-9, atol=1e-9)
     for a, b in zip(grads["dense"], grads["blocks"]):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-9)
+
+
+def test_adjacent_blocks_without_context_match_dense():
+    # Separate one-leaf trees of one length: one group of adjacent blocks (a view, no gather).
+    model, _ = model_and_trees()
+    trees = [RolloutTree.from_sequences([1, 2], [[3 + i, 4, 5]]) for i in range(3)]
+    (pack,) = pack_trees(trees, require_logprobs=False)
+    assert [(b.start, b.end, b.context.numel()) for b in pack.blocks] == [(0, 5, 0), (5, 10, 0), (10, 15, 0)]
+    rows = torch.arange(pack.num_tokens)
+    with torch.no_grad():
+        dense = packed_logits(model, pack, rows, attention="dense")
+        blocks = packed_logits(model, pack, rows, attention="blocks")
+    torch.testing.assert_close(blocks, dense, rtol=1e-9, atol=1e-9)
