@@ -114,7 +114,13 @@ def main() -> None:
                 f.write(json.dumps({k: p[k] for k in ("id", "prompt", "answer")}) + "\n")
 
     corpus = [p["prompt"] + INSTRUCTION + " " + p["solution"] for p in train]
-    tokenizer = build_tokenizer(corpus, args.vocab)
+    out = Path(args.out)
+    build_tokenizer(corpus, args.vocab).save_pretrained(out)
+    # Train with the tokenizer users will load: transformers 5 loads it as Qwen2Tokenizer,
+    # whose own pre-tokenizer (digits one by one) differs from the one it was trained with.
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(out)
     config = Qwen2Config(
         vocab_size=len(tokenizer), hidden_size=128, intermediate_size=384, num_hidden_layers=4,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
@@ -144,9 +150,7 @@ def main() -> None:
             print(f"step {step:4d}/{args.steps}  loss {loss.item():.3f}  {time.monotonic() - t0:.0f} s", flush=True)
     model.eval()
     acc = accuracy(model, tokenizer, test[: args.eval_problems])
-    out = Path(args.out)
     model.save_pretrained(out)
-    tokenizer.save_pretrained(out)
     model.generation_config.save_pretrained(out)
     print(f"greedy accuracy on {args.eval_problems} held-out problems: {acc:.2f}")
     print(f"saved {out} ({sum(f.stat().st_size for f in out.iterdir()) / 2**20:.1f} MiB) and {data}")
