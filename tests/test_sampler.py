@@ -253,12 +253,28 @@ def test_fallback_disabled_and_no_well_formed_path_report_shortfall() -> None:
 
 def test_fallback_prefers_final_answers() -> None:
     def script(request, j, depth):
-        return [50 + j, EOS], "stop"
+        if depth < 3:
+            return [100 + j] + fresh(request, j, 3), "length"
+        # Depth 3 stops everywhere; only paths under the first depth-2 fork answer (50).
+        under_first = request.input_ids[len(PROMPT) + 4] == 100
+        return ([50, EOS] if under_first else [60, EOS]), "stop"
 
-    trees, stats = run(
-        ScriptedEngine(4, script), cfg_of(width=3), is_final_answer=lambda ids: ids[0] == 50
-    )
-    assert len(trees[0].leaves()) == 3 and stats[0].fallbacks >= 1
+    for seed in range(24):
+        trees, stats = run(
+            ScriptedEngine(4, script),
+            cfg_of(width=8, max_depth=3),
+            is_final_answer=lambda ids: 50 in ids,
+            seed=seed,
+        )
+        tree = trees[0]
+        assert len(tree.leaves()) == 8 and stats[0].fallbacks >= 1
+        first_fork = tree.root.children[0]
+        unanswered = min(
+            (n for n in first_fork.children if n.token_ids[0] == 101), key=lambda n: n.id
+        )
+        # Fallback cuts come only from answered paths: the round-2 branch whose paths did
+        # not answer keeps the 2 children of round 3 and nothing more.
+        assert len(unanswered.children) == 2
 
 
 def test_independent_mode_is_one_request_of_width() -> None:
