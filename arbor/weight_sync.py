@@ -14,7 +14,6 @@ computed by old weights must never serve new rollouts.
 from __future__ import annotations
 
 import asyncio
-import socket
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -23,6 +22,7 @@ import torch
 
 from arbor.engines.client import SGLangClient
 from arbor.engines.distributed import connect_learner, send_weights
+from arbor.engines.server import free_port
 from arbor.engines.types import GenerateRequest, SamplingParams
 
 
@@ -57,12 +57,6 @@ def gathered_parameters(model: torch.nn.Module, zero_stage: int) -> Iterator[tup
             yield name, param.detach().clone()
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
-
-
 class WeightSync:
     """Pushes weights from learner rank 0 to every engine of ``client``."""
 
@@ -89,7 +83,8 @@ class WeightSync:
             raise ValueError("disk sync writes a directory: use push_directory")
         if self._group is None:
             self._group = await connect_learner(
-                self.client, self.master_address, free_port(), world_size=1 + len(self.client.urls)
+                self.client, self.master_address, free_port(self.master_address),
+                world_size=1 + len(self.client.urls),
             )
         pending = next(buckets, None)
         while pending is not None:

@@ -3,7 +3,6 @@
 import math
 import os
 import random
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -13,6 +12,7 @@ import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from arbor.config import load_config
+from arbor.engines.server import free_port
 from arbor.learner import Learner, lr_lambda
 from arbor.loss import pack_loss, policy_loss
 from arbor.packing import assign_to_ranks, loss_denominator, pack_trees
@@ -112,12 +112,6 @@ learner.optimizer_step()
 after = learner.full_state_dict()
 torch.save({{k: before[k] - after[k] for k in before}}, {out!r} + os.environ["RANK"])
 """
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.parametrize("limit", [None, 1])
