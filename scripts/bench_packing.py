@@ -10,6 +10,12 @@ runs ``policy_loss`` forward + backward on the same trees in ``mode="tree"`` and
   (b) a TreePO-shaped binary tree: depth 4, 64-token segments, 16 leaves
   (c) no sharing: 16 single-leaf trees of 64 + 256 tokens
 
+``--threads`` sets ``torch.set_num_threads`` (default 2, the machine's cores). On a
+machine shared with other jobs use ``--threads 1``: with 2 threads every small op waits
+at a barrier for a thread the OS may have descheduled, so wall times swing with other
+processes' load (tree mode, with 6× smaller ops, suffers most). CPU time is printed beside
+wall time for the same reason.
+
 Ends with ``RESULT speedup=<a: linear/tree> ideal=<a: linearised/unique tokens>
 fraction=<speedup/ideal> nosharing_ratio=<c: tree/linear>``.
 """
