@@ -35,20 +35,15 @@ ESTIMATORS = ("grpo", "treepo", "reinforce_pp", "tempo")
 # -- helpers ----------------------------------------------------------------------------
 
 
-def _problem_id(tree: RolloutTree) -> str:
-    problem = tree.problem or {}
-    return repr(problem.get("id", "<no id>"))
-
-
 def _rewards(tree: RolloutTree) -> list[float]:
     """Leaf rewards in ``tree.leaves()`` order; a missing reward is an error, never 0."""
     leaves = tree.leaves()
     if not leaves:
-        raise ValueError(f"problem {_problem_id(tree)}: the tree has no leaves")
+        raise ValueError(f"problem {tree.problem_id}: the tree has no leaves")
     out = []
     for leaf in leaves:
         if leaf.reward is None:
-            raise ValueError(f"problem {_problem_id(tree)}: leaf node {leaf.id} has no reward")
+            raise ValueError(f"problem {tree.problem_id}: leaf node {leaf.id} has no reward")
         out.append(float(leaf.reward))
     return out
 
@@ -99,7 +94,7 @@ def _check_leaf_shapes(trees: Sequence[RolloutTree], advantages: Sequence[Sequen
         leaves = len(tree.leaves())
         if len(adv) != leaves:
             raise ValueError(
-                f"problem {_problem_id(tree)}: {len(adv)} advantages for {leaves} leaves"
+                f"problem {tree.problem_id}: {len(adv)} advantages for {leaves} leaves"
             )
 
 
@@ -231,7 +226,7 @@ def whiten_token_values(
         for leaf, tokens in zip(tree.leaves(), adv):
             if len(tokens) != leaf.end:
                 raise ValueError(
-                    f"problem {_problem_id(tree)}: leaf node {leaf.id} has {leaf.end} "
+                    f"problem {tree.problem_id}: leaf node {leaf.id} has {leaf.end} "
                     f"response tokens but {len(tokens)} advantages"
                 )
             values.extend(float(a) for a in tokens)

@@ -66,6 +66,8 @@ def sft_loss(
     ``leaf_weights`` per tree per leaf (default 1): e.g. to up-weight good branches.
     """
     weights = leaf_weights or [[1.0] * len(t.leaves()) for t in trees]
+    if any(w < 0 for ws in weights for w in ws):
+        raise ValueError("SFT leaf weights must be ≥ 0")
     denominator = max(loss_denominator(trees, normalize), 1e-12)
     if mode == "linear":
         logp, _, _ = linear_token_logprobs(model, trees)
@@ -75,8 +77,6 @@ def sft_loss(
         return -(w[sel] * logp[sel]).sum() / denominator
     if mode != "tree":
         raise ValueError(f"mode must be 'tree' or 'linear', got {mode!r}")
-    if any(w < 0 for ws in weights for w in ws):
-        raise ValueError("SFT leaf weights must be ≥ 0")
     total = None
     for pack in pack_trees(trees, weights, pack_tokens=pack_tokens, normalize=normalize,
                            require_logprobs=False):

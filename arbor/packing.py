@@ -110,7 +110,7 @@ def _node_weights(
     leaves = tree.leaves()
     if len(advantages) != len(leaves):
         raise ValueError(
-            f"problem {_pid(tree)}: {len(advantages)} advantages for {len(leaves)} leaves"
+            f"problem {tree.problem_id}: {len(advantages)} advantages for {len(leaves)} leaves"
         )
     w = leaf_weights(tree, normalize)
     # Per leaf: its advantage along the response, one value per response token.
@@ -121,7 +121,7 @@ def _node_weights(
         else:
             if len(adv) != leaf.end:
                 raise ValueError(
-                    f"problem {_pid(tree)}: leaf {leaf.id} has {leaf.end} response tokens "
+                    f"problem {tree.problem_id}: leaf {leaf.id} has {leaf.end} response tokens "
                     f"but {len(adv)} per-token advantages"
                 )
             per_token.append(torch.tensor(adv, dtype=torch.float64))
@@ -150,10 +150,6 @@ def _node_weights(
             n_neg=(a < 0).double().sum(0),
         )
     return out
-
-
-def _pid(tree: RolloutTree) -> str:
-    return repr((tree.problem or {}).get("id", "<no id>"))
 
 
 # -- partitioning trees larger than the budget -----------------------------------------------
@@ -194,7 +190,7 @@ def _units(tree: RolloutTree, budget: int) -> list[tuple[list[Node], list[Node]]
 
 def _too_long(tree: RolloutTree, node: Node, budget: int) -> None:
     raise ValueError(
-        f"problem {_pid(tree)}: a path of {len(tree.prompt_ids) + node.end} tokens "
+        f"problem {tree.problem_id}: a path of {len(tree.prompt_ids) + node.end} tokens "
         f"(prompt {len(tree.prompt_ids)} + response {node.end}, node {node.id}) does not fit "
         f"pack_tokens={budget}; raise learner.pack_tokens"
     )
@@ -242,7 +238,7 @@ def pack_trees(
     for t, tree in enumerate(trees):
         nodes = {n.id: n for n in tree.nodes()}
         if len(tree.prompt_ids) >= pack_tokens:
-            raise ValueError(f"problem {_pid(tree)}: the prompt alone ({len(tree.prompt_ids)} tokens) fills pack_tokens={pack_tokens}")
+            raise ValueError(f"problem {tree.problem_id}: the prompt alone ({len(tree.prompt_ids)} tokens) fills pack_tokens={pack_tokens}")
         current: _Part | None = None
         for context, trained in _units(tree, pack_tokens):
             new_ids = [n.id for n in context + trained]
@@ -321,7 +317,7 @@ def _serialise(
             cols["owned"] += [owned] * n
             cols["trained"] += trained
             if require_logprobs and any(trained) and node.logprobs is None:
-                raise ValueError(f"problem {_pid(tree)}: node {node.id} has trainable tokens but no logprobs")
+                raise ValueError(f"problem {tree.problem_id}: node {node.id} has trainable tokens but no logprobs")
             cols["old"] += node.logprobs if node.logprobs is not None else [0.0] * n
             origin += [(part.tree_index, node.id, k) for k in range(n)]
             nw = weights[part.tree_index][node.id]

@@ -123,6 +123,11 @@ class RolloutTree:
         self._nodes: list[Node] = []
         self.root = self._new_node(None, [], None, None)
 
+    @property
+    def problem_id(self) -> str:
+        """The problem's id as shown in error messages (``'<no id>'`` when unknown)."""
+        return repr((self.problem or {}).get("id", "<no id>"))
+
     # -- building ---------------------------------------------------------------------
 
     def _new_node(

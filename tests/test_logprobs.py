@@ -60,3 +60,11 @@ def test_sft_tree_equals_linear(normalize):
     for a, b in zip(grads["linear"], grads["tree"]):
         # HF's RMSNorm computes in float32 even in a float64 model: compare to the scale.
         assert (a - b).abs().max() <= 1e-6 * a.abs().max()
+
+
+@pytest.mark.parametrize("mode", ["tree", "linear"])
+def test_negative_sft_weights_rejected_in_both_modes(mode):
+    model, trees = setup()
+    weights = [[-1.0] * len(t.leaves()) for t in trees]
+    with pytest.raises(ValueError, match="must be ≥ 0"):
+        sft_loss(model, trees, weights, mode=mode)
