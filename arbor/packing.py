@@ -90,6 +90,47 @@ def loss_denominator(trees: Sequence[RolloutTree], normalize: Normalize) -> floa
     raise ValueError(f"normalize must be 'token' or 'sequence', got {normalize!r}")
 
 
+# -- the linear baseline ------------------------------------------------------------------------
+
+
+def linearise_trees(
+    trees: Sequence[RolloutTree], advantages: Advantages
+) -> tuple[list[RolloutTree], list[list]]:
+    """Every leaf as a tree of its own: one chain, the linear (GRPO-style) batch.
+
+    Leaf b of a tree becomes a single-path tree: the same prompt, a copy of each node on
+    b's path (token ids, behaviour logprobs, loss mask, finish reason, weight version),
+    b's reward on the last, and the same ``problem`` dict (shared, not copied). Segments
+    stay separate nodes, so depths and segment boundaries are kept. Advantages follow
+    their leaf: per leaf ``a`` -> ``[a]``, per token ``[a_1, ..]`` -> ``[[a_1, ..]]``.
+    Output order: tree by tree, leaves in ``tree.leaves()`` order.
+
+        lin_trees, lin_adv = linearise_trees(trees, advantages)   # 1 leaf per tree
+        packs = pack_trees(lin_trees, lin_adv)  # one sequence per trajectory, same loss
+
+    Packing these computes every shared prefix once per leaf, exactly what linear
+    training does; the loss denominators of both batches are equal.
+    """
+    if len(advantages) != len(trees):
+        raise ValueError(f"{len(advantages)} advantage lists for {len(trees)} trees")
+    out_trees: list[RolloutTree] = []
+    out_adv: list[list] = []
+    for tree, adv in zip(trees, advantages):
+        leaves = tree.leaves()
+        if len(adv) != len(leaves):
+            raise ValueError(f"problem {tree.problem_id}: {len(adv)} advantages for {len(leaves)} leaves")
+        for leaf, a in zip(leaves, adv):
+            chain = RolloutTree(tree.prompt_ids, tree.problem)
+            tip = chain.root
+            for node in tree.path(leaf):
+                tip = chain.add_segment(tip, node.token_ids, node.logprobs, node.loss_mask)
+                tip.finish_reason, tip.weight_version = node.finish_reason, node.weight_version
+            tip.reward = leaf.reward
+            out_trees.append(chain)
+            out_adv.append([float(a) if isinstance(a, (int, float)) else [float(x) for x in a]])
+    return out_trees, out_adv
+
+
 # -- per-node weights over the whole tree ---------------------------------------------------
 
 
