@@ -158,6 +158,9 @@ class LearnerConfig:
     offload_optimizer: bool = False
     offload_params: bool = False
     sync_bucket_mb: int = 512  # weight-sync gather bucket
+    # distributed: broadcast over a gloo/NCCL group (/update_weights_from_distributed);
+    # disk: write an HF directory the engines load (/update_weights_from_disk).
+    weight_sync: Literal["distributed", "disk"] = "distributed"
 
 
 @dataclass

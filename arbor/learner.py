@@ -20,13 +20,15 @@ import importlib
 import math
 import os
 from collections.abc import Sequence
+from dataclasses import fields
+from pathlib import Path
 from typing import Any
 
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from arbor.config import LearnerConfig, LossConfig, ModelConfig, OptimConfig
-from arbor.loss import LossSums, pack_loss
+from arbor.loss import LossSums, combine, pack_loss
 from arbor.packing import PackedBatch
 
 
@@ -155,15 +157,21 @@ class Learner:
 
     # -- training --------------------------------------------------------------------------
 
-    def backward(self, packs: Sequence[PackedBatch], denominator: float) -> LossSums | None:
-        """Accumulate the gradients of ``packs`` (this rank's share of one update)."""
+    def backward(
+        self, packs: Sequence[PackedBatch], denominator: float, filler: PackedBatch | None = None
+    ) -> LossSums | None:
+        """Accumulate the gradients of ``packs`` (this rank's share of one update).
+
+        ``filler``: a pack for zero-loss passes when this rank has none (fewer packs than
+        ranks); ZeRO-3 needs every rank in every forward.
+        """
         total: LossSums | None = None
         scale = float(self.world_size) if self.engine is not None else 1.0
-        for i in range(self._passes(len(packs))):
+        for i in range(self._passes(len(packs), filler is not None)):
             # ZeRO-3 gathers parameters collectively in every forward, so ranks with fewer
             # packs run extra passes on a pack of theirs with the loss zeroed.
             idle = i >= len(packs)
-            pack = packs[min(i, len(packs) - 1)]
+            pack = packs[min(i, len(packs) - 1)] if packs else filler
             # Through the engine, not its module: DeepSpeed's forward advances the ZeRO-3
             # micro-step counter, without which each backward overwrites the last one's
             # gradients instead of accumulating them.
@@ -183,12 +191,12 @@ class Learner:
                 total = sums if total is None else total + sums
         return total
 
-    def _passes(self, n: int) -> int:
+    def _passes(self, n: int, has_filler: bool) -> int:
         """Forward/backward passes this rank runs: the most packs any rank has."""
         if self.engine is None or self.world_size == 1:
             return n
-        if n == 0:
-            raise ValueError("every learner rank needs at least one pack per update")
+        if n == 0 and not has_filler:
+            raise ValueError("a learner rank without packs needs a filler pack for its idle passes")
         count = torch.tensor([n], dtype=torch.long, device=self.device)
         torch.distributed.all_reduce(count, op=torch.distributed.ReduceOp.MAX)
         return int(count.item())
@@ -216,6 +224,59 @@ class Learner:
         metrics.update(grad_norm=grad_norm, lr=self.current_lr())
         return metrics
 
+    def step_sums(
+        self, packs: Sequence[PackedBatch], denominator: float, filler: PackedBatch | None = None
+    ) -> dict[str, float]:
+        """:meth:`step`, returning additive sums (add them over ranks, then :func:`sums_metrics`)."""
+        sums = self.backward(packs, denominator, filler)
+        lr = self.current_lr()  # the rate this update used
+        grad_norm = self.optimizer_step()
+        out = additive_sums(sums, denominator, self.loss_cfg)
+        out.update(grad_norm=grad_norm, lr=lr)
+        return out
+
+    # -- checkpoints and export ----------------------------------------------------------------
+
+    def save(self, directory: str | Path) -> None:
+        """Model, optimizer and schedule state of this rank (every rank calls it)."""
+        directory = Path(directory)
+        if self.engine is not None:
+            self.engine.save_checkpoint(str(directory), tag="learner", save_latest=False)
+            return
+        directory.mkdir(parents=True, exist_ok=True)
+        torch.save(
+            {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+             "scheduler": self.scheduler.state_dict(), "steps": self.steps},
+            directory / "learner.pt",
+        )
+
+    def load(self, directory: str | Path) -> None:
+        directory = Path(directory)
+        if self.engine is not None:
+            path, _ = self.engine.load_checkpoint(str(directory), tag="learner")
+            if path is None:
+                raise FileNotFoundError(f"no DeepSpeed checkpoint under {directory}/learner")
+            self.steps = int(self.scheduler.last_epoch)
+            return
+        state = torch.load(directory / "learner.pt", map_location=self.device, weights_only=True)
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.steps = int(state["steps"])
+
+    def export_hf(self, directory: str | Path, tokenizer: Any = None) -> None:
+        """An HF directory (safetensors + config + tokenizer) of the current weights.
+
+        Collective under ZeRO-3 (every rank calls it); rank 0 writes.
+        """
+        state = self.full_state_dict()
+        if self.rank != 0:
+            return
+        directory = Path(directory)
+        self.model.save_pretrained(directory, state_dict=state, safe_serialization=True)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(directory)
+
     def current_lr(self) -> float:
         return float(self.optimizer.param_groups[0]["lr"])
 
@@ -230,3 +291,31 @@ class Learner:
             with deepspeed.zero.GatheredParameters([param]):
                 out[name] = param.detach().cpu().clone()
         return out
+
+
+SUM_FIELDS = ("clipped", "approx_kl", "entropy_lin", "gap", "kl_lin", "tokens", "linearised_tokens")
+
+
+def additive_sums(sums: LossSums | None, denominator: float, loss_cfg: LossConfig) -> dict[str, float]:
+    """The float parts of ``sums`` plus the loss value: all add up over packs and ranks."""
+    if sums is None:
+        return {"loss": 0.0, **dict.fromkeys(SUM_FIELDS, 0.0)}
+    out = {f.name: float(getattr(sums, f.name)) for f in fields(sums) if f.name in SUM_FIELDS}
+    out["loss"] = float(combine(sums, denominator, loss_cfg.kl_coef, loss_cfg.entropy_coef).detach())
+    return out
+
+
+def sums_metrics(rank_sums: Sequence[dict[str, float]]) -> dict[str, float]:
+    """Batch metrics from the additive sums of every rank (and update) of one step."""
+    total = {k: sum(r[k] for r in rank_sums) for k in ("loss", *SUM_FIELDS)}
+    n = max(total["linearised_tokens"], 1.0)
+    return {
+        "loss": total["loss"],
+        "clip_fraction": total["clipped"] / n,
+        "approx_kl": total["approx_kl"] / n,
+        "entropy": total["entropy_lin"] / n,
+        "logprob_gap": total["gap"] / n,
+        "kl": total["kl_lin"] / n,
+        "tokens": total["tokens"],
+        "linearised_tokens": total["linearised_tokens"],
+    }

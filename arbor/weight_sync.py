@@ -110,26 +110,43 @@ class WeightSync:
             raise RuntimeError(f"weight sync to version {version!r} failed: engines report {stale}")
 
 
-async def probe_logprob_gap(
-    client: SGLangClient, model: torch.nn.Module, prompts: list[list[int]], max_new_tokens: int = 16
-) -> float:
-    """Mean |logp_engine − logp_learner| over sampled probe continuations (nats per token).
+ProbeSample = tuple[list[int], list[int], list[float]]  # prompt ids, output ids, engine logprobs
 
-    Sampled at temperature 1 with no top-k/top-p, where the engine's logprobs are those
-    of the model's own distribution, the one the learner computes.
+
+async def probe_samples(
+    client: SGLangClient, prompts: list[list[int]], max_new_tokens: int = 16
+) -> list[ProbeSample]:
+    """Continuations of ``prompts`` sampled by the engine, with its logprobs.
+
+    Temperature 1 with no top-k/top-p, where the engine's logprobs are those of the
+    model's own distribution, the one the learner computes.
     """
     requests = [
         GenerateRequest(ids, SamplingParams(max_new_tokens=max_new_tokens, temperature=1.0, seed=i))
         for i, ids in enumerate(prompts)
     ]
     outputs = await asyncio.gather(*(client.generate(r) for r in requests))
+    return [(list(ids), out.output_ids, out.logprobs) for ids, (out,) in zip(prompts, outputs)]
+
+
+@torch.no_grad()
+def logprob_gap(model: torch.nn.Module, samples: list[ProbeSample]) -> float:
+    """Mean |logp_engine − logp_learner| over the sampled tokens (nats per token)."""
     device = next(model.parameters()).device
     gaps = []
-    with torch.no_grad():
-        for ids, (out,) in zip(prompts, outputs):
-            full = torch.tensor([ids + out.output_ids], device=device)
-            logits = model(input_ids=full).logits[0].float()
-            logp = torch.log_softmax(logits[len(ids) - 1 : -1], dim=-1)
-            learner = logp.gather(-1, torch.tensor(out.output_ids, device=device)[:, None])[:, 0]
-            gaps.append((learner.cpu() - torch.tensor(out.logprobs)).abs())
-    return float(torch.cat(gaps).mean())
+    for ids, output_ids, engine_logprobs in samples:
+        if not output_ids:
+            continue
+        full = torch.tensor([ids + output_ids], device=device)
+        logits = model(input_ids=full).logits[0].float()
+        logp = torch.log_softmax(logits[len(ids) - 1 : -1], dim=-1)
+        learner = logp.gather(-1, torch.tensor(output_ids, device=device)[:, None])[:, 0]
+        gaps.append((learner.cpu() - torch.tensor(engine_logprobs)).abs())
+    return float(torch.cat(gaps).mean()) if gaps else 0.0
+
+
+async def probe_logprob_gap(
+    client: SGLangClient, model: torch.nn.Module, prompts: list[list[int]], max_new_tokens: int = 16
+) -> float:
+    """Mean |logp_engine − logp_learner| over sampled probe continuations (nats per token)."""
+    return logprob_gap(model, await probe_samples(client, prompts, max_new_tokens))

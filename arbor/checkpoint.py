@@ -1,0 +1,83 @@
+"""Run checkpoints: the learner's state (every rank) plus the driver's, resumable exactly.
+
+    <output_dir>/checkpoints/step-000010/learner/...   DeepSpeed (or torch) state per rank
+    <output_dir>/checkpoints/step-000010/driver.json   step, data cursor, RNG, metric history
+    <output_dir>/checkpoints/latest                    "step-000010", written last
+
+A checkpoint is complete only once ``latest`` names it (written after everything else,
+atomically), so a run killed while saving resumes from the previous one. ``run.resume``
+picks ``latest``; the learner reloads its state and pushes the weights to the engines,
+the problem stream continues at its cursor, and the RNGs are restored.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+LATEST = "latest"
+
+
+def checkpoint_root(output_dir: str | Path) -> Path:
+    return Path(output_dir) / "checkpoints"
+
+
+def step_dir(output_dir: str | Path, step: int) -> Path:
+    return checkpoint_root(output_dir) / f"step-{step:06d}"
+
+
+def rng_state() -> dict[str, Any]:
+    return {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+    }
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+
+
+def write_driver_state(directory: Path, state: dict[str, Any]) -> None:
+    """``driver.json`` (plain values) and ``rng.pt`` (RNG states) of the driver."""
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "driver.json").write_text(json.dumps(state, indent=1))
+    torch.save(rng_state(), directory / "rng.pt")
+
+
+def mark_latest(output_dir: str | Path, step: int, keep: int = 2) -> None:
+    """Point ``latest`` at ``step`` (atomic rename), then drop all but the newest ``keep``."""
+    root = checkpoint_root(output_dir)
+    tmp = root / f".{LATEST}.tmp"
+    tmp.write_text(step_dir(output_dir, step).name)
+    os.replace(tmp, root / LATEST)
+    done = sorted(p for p in root.glob("step-*") if p.is_dir())
+    for old in done[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def latest_checkpoint(output_dir: str | Path) -> Path | None:
+    """The newest complete checkpoint, or None."""
+    pointer = checkpoint_root(output_dir) / LATEST
+    if not pointer.exists():
+        return None
+    path = checkpoint_root(output_dir) / pointer.read_text().strip()
+    if not (path / "driver.json").exists():
+        raise FileNotFoundError(f"{pointer} names {path.name}, which has no driver.json")
+    return path
+
+
+def read_driver_state(directory: Path) -> dict[str, Any]:
+    """The driver state of a checkpoint; restores the driver's RNGs as a side effect."""
+    state = json.loads((directory / "driver.json").read_text())
+    set_rng_state(torch.load(directory / "rng.pt", weights_only=False))
+    return state

@@ -1,0 +1,357 @@
+"""Ray placement: learner ranks and rollout engines as actors, on one machine or a cluster.
+
+    ray_session = start_ray(cfg.ray, needs=cfg.learner.num_ranks + cfg.engine.num_engines)
+    placement = Placement(cfg)                      # one placement group for the whole run
+    engines = EngineGroup(cfg, placement)          # engines[i] on its bundle; .urls
+    learners = LearnerGroup(cfg, placement, total_steps=cfg.run.steps)
+    sums = learners.step(packs_per_rank, denominator)   # one update on every rank
+    learners.push_weights(engines.urls, version="3")    # ZeRO-3 gather → engines
+
+Each learner rank is a Ray actor that sets its torch.distributed variables (rank 0's node
+address and a free port there) before DeepSpeed initialises: NCCL on GPUs, gloo on CPU.
+Engines are actors that own a server process (SGLang on GPUs, ``arbor serve`` else) on
+their node; ``engine.kind: external`` adopts running servers instead. Reward checks run
+in the driver's process pool (:class:`arbor.rewards.RewardPool`).
+
+Placement: one bundle per learner rank, then one per engine; ``ray.colocate`` puts
+engine i on learner bundle i's GPU (the trainer releases the engine's memory during
+training). ``ray.address: auto`` joins a cluster started with ``ray start``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from arbor.config import Config, RayConfig
+
+# Environment every actor needs: no Ray auth token files, CPU DeepSpeed where no CUDA.
+_ACTOR_ENV = ("RAY_AUTH_MODE", "DS_ACCELERATOR", "HF_HUB_OFFLINE", "PYTHONPATH", "TRANSFORMERS_OFFLINE")
+
+
+def uses_gpu(cfg: Config) -> bool:
+    if cfg.learner.device == "auto":
+        return torch.cuda.is_available()
+    return cfg.learner.device == "cuda"
+
+
+def start_ray(ray_cfg: RayConfig, needs_cpus: int) -> None:
+    """Start a local Ray instance (or join ``ray.address``) unless one is running."""
+    import ray
+
+    if ray.is_initialized():
+        return
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    if not torch.cuda.is_available():
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    env = {k: os.environ[k] for k in _ACTOR_ENV if k in os.environ}
+    # Actors import arbor (and the user's rewards/agents) from the driver's directory.
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [os.getcwd(), env.get("PYTHONPATH")]))
+    runtime_env = {"env_vars": env}
+    if ray_cfg.address is not None:
+        ray.init(address=ray_cfg.address, runtime_env=runtime_env, log_to_driver=True)
+        return
+    # Actors ask for one logical CPU each; a small machine still runs them all (they take
+    # turns: rollout, then training).
+    cpus = ray_cfg.num_cpus or max(os.cpu_count() or 1, needs_cpus)
+    ray.init(num_cpus=cpus, num_gpus=ray_cfg.num_gpus, include_dashboard=False,
+             runtime_env=runtime_env, log_to_driver=True, configure_logging=False)
+
+
+class Placement:
+    """One placement group: learner bundles first, then engine bundles (unless colocated)."""
+
+    def __init__(self, cfg: Config) -> None:
+        from ray.util.placement_group import placement_group
+
+        self.gpu = uses_gpu(cfg)
+        self.colocate = cfg.ray.colocate and self.gpu
+        self.num_ranks = cfg.learner.num_ranks
+        engines = 0 if cfg.engine.kind == "external" else cfg.engine.num_engines
+        learner_bundle = {"CPU": 1, "GPU": 1} if self.gpu else {"CPU": 1}
+        engine_bundle = {"CPU": 1, "GPU": cfg.engine.tp_size} if self.gpu else {"CPU": 1}
+        if self.colocate and engines > self.num_ranks:
+            raise ValueError(
+                f"ray.colocate puts each engine on a learner GPU: engine.num_engines={engines} "
+                f"> learner.num_ranks={self.num_ranks}"
+            )
+        bundles = [learner_bundle] * self.num_ranks
+        if not self.colocate:
+            bundles += [engine_bundle] * engines
+        self.group = placement_group(bundles, strategy=cfg.ray.placement_strategy)
+        import ray
+
+        ready, _ = ray.wait([self.group.ready()], timeout=600)
+        if not ready:
+            raise RuntimeError(
+                f"Ray could not place {len(bundles)} bundles ({bundles}) within 600 s: the "
+                "cluster lacks the resources (check `ray status`, learner.num_ranks, engine.num_engines)"
+            )
+
+    def options(self, bundle: int, gpus: float) -> dict[str, Any]:
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        return {
+            "num_cpus": 1 if not self.colocate or bundle >= self.num_ranks else 0.5,
+            "num_gpus": gpus,
+            "scheduling_strategy": PlacementGroupSchedulingStrategy(
+                placement_group=self.group, placement_group_bundle_index=bundle
+            ),
+        }
+
+    def learner_options(self, rank: int) -> dict[str, Any]:
+        return self.options(rank, (0.5 if self.colocate else 1.0) if self.gpu else 0)
+
+    def engine_options(self, index: int, tp_size: int) -> dict[str, Any]:
+        if self.colocate:
+            return self.options(index, 0.5)
+        return self.options(self.num_ranks + index, tp_size if self.gpu else 0)
+
+    def remove(self) -> None:
+        from ray.util.placement_group import remove_placement_group
+
+        remove_placement_group(self.group)
+
+
+def node_address() -> str:
+    import ray
+
+    return ray.util.get_node_ip_address()
+
+
+def free_node_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+# -- learners ---------------------------------------------------------------------------------
+
+
+class LearnerWorker:
+    """One learner rank (run as a Ray actor; plain methods so tests may call them directly)."""
+
+    def __init__(self, cfg: Config, rank: int) -> None:
+        self.cfg = cfg
+        self.rank = rank
+        self.learner: Any = None
+        self.sync: Any = None
+
+    def address(self) -> tuple[str, int]:
+        return node_address(), free_node_port()
+
+    def setup(self, master: tuple[str, int], total_steps: int) -> None:
+        """Join the learner group and build the model, DeepSpeed engine and optimizer."""
+        cfg = self.cfg
+        os.environ.update(
+            RANK=str(self.rank), WORLD_SIZE=str(cfg.learner.num_ranks), LOCAL_RANK="0",
+            MASTER_ADDR=master[0], MASTER_PORT=str(master[1]),
+        )
+        if not uses_gpu(cfg):
+            # Rollout and training take turns, so each rank may use its share of the cores.
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // cfg.learner.num_ranks))
+        torch.manual_seed(cfg.run.seed + self.rank)
+        from arbor.learner import Learner
+
+        self.learner = Learner(cfg.model, cfg.learner, cfg.optim, cfg.loss, total_steps=total_steps)
+
+    def step(self, packs: Sequence[Any], denominator: float, filler: Any = None) -> dict[str, float]:
+        return self.learner.step_sums(packs, denominator, filler)
+
+    def push_weights(self, urls: list[str], version: str, export_dir: str) -> None:
+        """Gather the parameters (collective) and, on rank 0, send them to every engine.
+
+        ``learner.weight_sync: distributed`` broadcasts size-bounded buckets over a
+        gloo/NCCL group; ``disk`` writes an HF directory under ``export_dir`` that the
+        engines load (for engines the learner cannot reach over torch.distributed).
+        """
+        from arbor.weight_sync import gathered_parameters, named_tensor_buckets
+
+        cfg = self.cfg
+        if cfg.learner.weight_sync == "disk":
+            self.export_hf(export_dir)
+            if self.rank == 0:
+                asyncio.run(self._weight_sync(urls).push_directory(export_dir, version))
+            return
+        named = gathered_parameters(self.learner.model, self._zero_stage())
+        if self.rank != 0:
+            for _ in named:  # take part in each gather
+                pass
+            return
+        buckets = named_tensor_buckets(named, cfg.learner.sync_bucket_mb)
+        asyncio.run(self._weight_sync(urls).push(buckets, version))
+
+    def logprob_gap(self, samples: list[tuple[list[int], list[int], list[float]]]) -> float:
+        """Mean |engine − learner| logprob over probe samples (every rank: ZeRO-3 forwards are collective)."""
+        from arbor.weight_sync import logprob_gap
+
+        model = self.learner.model
+        was_training = model.training
+        model.eval()
+        try:
+            return logprob_gap(model, samples)
+        finally:
+            model.train(was_training)
+
+    def _weight_sync(self, urls: list[str]) -> Any:
+        if self.sync is None or self.sync.client.urls != [u.rstrip("/") for u in urls]:
+            from arbor.engines.client import SGLangClient
+            from arbor.weight_sync import WeightSync
+
+            client = SGLangClient(urls, timeout_s=self.cfg.engine.request_timeout_s,
+                                  max_retries=self.cfg.engine.max_retries)
+            self.sync = WeightSync(client, self.cfg.learner.weight_sync, master_address=node_address(),
+                                   export_dir=os.path.join(self.cfg.run.output_dir, "weight-sync"))
+        return self.sync
+
+    def _zero_stage(self) -> int:
+        return self.cfg.learner.zero_stage if self.cfg.learner.backend == "deepspeed" else 0
+
+    def save(self, directory: str) -> None:
+        self.learner.save(directory)
+
+    def load(self, directory: str) -> int:
+        self.learner.load(directory)
+        return self.learner.steps
+
+    def export_hf(self, directory: str) -> None:
+        tokenizer = None
+        if self.rank == 0:
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(
+                self.cfg.model.path, trust_remote_code=self.cfg.model.trust_remote_code
+            )
+        self.learner.export_hf(directory, tokenizer)
+
+    def state_checksum(self) -> float:
+        """Σ |parameters| of the whole model (collective under ZeRO-3): "did weights change"."""
+        return float(sum(t.double().abs().sum() for t in self.learner.full_state_dict().values()))
+
+
+class LearnerGroup:
+    """``learner.num_ranks`` :class:`LearnerWorker` actors forming one data-parallel group."""
+
+    def __init__(self, cfg: Config, placement: Placement, total_steps: int) -> None:
+        import ray
+
+        actor = ray.remote(LearnerWorker)
+        self.workers = [
+            actor.options(**placement.learner_options(rank)).remote(cfg, rank)
+            for rank in range(cfg.learner.num_ranks)
+        ]
+        master = ray.get(self.workers[0].address.remote())
+        self.call("setup", master, total_steps)
+
+    @property
+    def world_size(self) -> int:
+        return len(self.workers)
+
+    def call(self, method: str, *args: Any) -> list[Any]:
+        """``method(*args)`` on every rank at once (collectives need all ranks); results by rank."""
+        import ray
+
+        return ray.get([getattr(w, method).remote(*args) for w in self.workers])
+
+    def step(
+        self, packs_per_rank: Sequence[Sequence[Any]], denominator: float, filler: Any = None
+    ) -> list[dict[str, float]]:
+        """One update: rank r trains ``packs_per_rank[r]``; a rank without packs runs ``filler`` at zero loss."""
+        import ray
+
+        return ray.get([
+            w.step.remote(list(p), denominator, None if p else filler)
+            for w, p in zip(self.workers, packs_per_rank)
+        ])
+
+    def push_weights(self, urls: list[str], version: str, export_dir: str) -> None:
+        self.call("push_weights", urls, version, export_dir)
+
+    def logprob_gap(self, samples: list[tuple[list[int], list[int], list[float]]]) -> float:
+        return self.call("logprob_gap", samples)[0]
+
+    def shutdown(self) -> None:
+        import ray
+
+        for w in self.workers:
+            ray.kill(w)
+        self.workers = []
+
+
+# -- engines ----------------------------------------------------------------------------------
+
+
+class EngineWorker:
+    """Owns one engine server process on its node (a Ray actor)."""
+
+    def __init__(self, cfg: Config, index: int, log_dir: str, bind_node_address: bool) -> None:
+        from arbor.engines.launch import launch_engines
+
+        if not uses_gpu(cfg):
+            # Ray gives actors one thread; the server has the cores while rollouts run.
+            os.environ["OMP_NUM_THREADS"] = str(os.cpu_count() or 1)
+        host = node_address() if bind_node_address else cfg.engine.host
+        self.handle = launch_engines(
+            cfg.engine.kind, model_path=cfg.model.path, num_engines=1, host=host,
+            dtype=None if cfg.model.dtype == "auto" else cfg.model.dtype,
+            device=None if cfg.learner.device == "auto" else cfg.learner.device,
+            extra_args=engine_args(cfg), log_dir=os.path.join(log_dir, f"engine-{index}"),
+            startup_timeout_s=cfg.engine.startup_timeout_s,
+        )
+
+    def urls(self) -> list[str]:
+        return self.handle.urls
+
+    def shutdown(self) -> None:
+        self.handle.shutdown()
+
+
+def engine_args(cfg: Config) -> list[str]:
+    """Server flags from the config (the embedded server's cache bound, SGLang's memory)."""
+    from arbor.engines.launch import sglang_available
+
+    sglang = cfg.engine.kind == "sglang" or (cfg.engine.kind == "auto" and sglang_available())
+    if sglang:
+        args = ["--mem-fraction-static", str(cfg.engine.mem_fraction), "--tp-size", str(cfg.engine.tp_size)]
+    else:
+        args = ["--max-cached-tokens", str(cfg.engine.max_cached_tokens)]
+    return args + list(cfg.engine.extra_args)
+
+
+class EngineGroup:
+    """The run's rollout engines: Ray actors owning servers, or ``engine.urls`` (external)."""
+
+    def __init__(self, cfg: Config, placement: Placement, log_dir: str) -> None:
+        import ray
+
+        self.workers: list[Any] = []
+        if cfg.engine.kind == "external":
+            from arbor.engines.launch import launch_engines
+
+            self.urls = launch_engines("external", urls=cfg.engine.urls,
+                                       startup_timeout_s=cfg.engine.startup_timeout_s).urls
+            return
+        actor = ray.remote(EngineWorker)
+        self.workers = [
+            actor.options(**placement.engine_options(i, cfg.engine.tp_size)).remote(
+                cfg, i, log_dir, cfg.ray.address is not None
+            )
+            for i in range(cfg.engine.num_engines)
+        ]
+        self.urls = [u for urls in ray.get([w.urls.remote() for w in self.workers]) for u in urls]
+
+    def shutdown(self) -> None:
+        import ray
+
+        for w in self.workers:
+            try:
+                ray.get(w.shutdown.remote(), timeout=60)
+            finally:
+                ray.kill(w)
+        self.workers = []
+

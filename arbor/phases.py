@@ -1,0 +1,196 @@
+"""The phases of one RL step, each a function the trainer calls by name (ARCHITECTURE.md).
+
+    batch = collect_rollouts(ctx, step)          # sample trees, score leaves, dynamic sampling
+    advantages = batch_advantages(batch.trees, cfg.algorithm)
+    train = train_on_batch(ctx, batch.trees, advantages, step)   # PPO epochs × minibatches
+    sync = sync_weights(ctx, version=str(step), probe=batch.trees[:2])
+
+``ctx`` (:class:`arbor.trainer.RunContext`) holds the config, the engine client, the
+learner group, the reward pool and the tokenizer; the phases own nothing.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any
+
+from arbor.advantage import compute_advantages, dynamic_sampling_filter
+from arbor.answers import has_final_answer
+from arbor.config import AlgorithmConfig
+from arbor.data import format_prompt
+from arbor.learner import sums_metrics
+from arbor.packing import assign_to_ranks, loss_denominator, pack_trees
+from arbor.sampler import SampleStats, sample_trees
+from arbor.tree import RolloutTree
+
+if TYPE_CHECKING:
+    from arbor.trainer import RunContext
+
+
+@dataclass
+class Batch:
+    """One step's rollouts: the trees trained on and everything sampled for them."""
+
+    trees: list[RolloutTree]  # kept by dynamic sampling, at most data.prompts_per_step
+    sampled: list[RolloutTree] = field(default_factory=list)  # every tree sampled this step
+    stats: list[SampleStats] = field(default_factory=list)
+    correct: list[bool] = field(default_factory=list)  # per sampled leaf: first reward term > 0
+    reward_timeouts: int = 0
+    rounds: int = 0
+
+
+def step_seed(seed: int, step: int, round_: int = 0) -> int:
+    """Sampling seed of a step's round: a run with the same seed samples the same trees."""
+    return (seed * 1_000_003 + step * 1_009 + round_) % (2**31)
+
+
+def collect_rollouts(ctx: RunContext, step: int) -> Batch:
+    """Sample ``data.prompts_per_step`` trees, score them; refill what dynamic sampling drops."""
+    cfg = ctx.cfg
+    target = cfg.data.prompts_per_step
+    rounds = 1 + (cfg.algorithm.max_refill_rounds if cfg.algorithm.dynamic_sampling else 0)
+    batch = Batch(trees=[])
+    for round_ in range(rounds):
+        problems = ctx.stream.next_batch(target - len(batch.trees))
+        trees, stats = sample(ctx, problems, cfg.rollout, step_seed(cfg.run.seed, step, round_))
+        correct, timeouts = score_trees(ctx, trees)
+        batch.sampled += trees
+        batch.stats += stats
+        batch.correct += correct
+        batch.reward_timeouts += timeouts
+        batch.rounds = round_ + 1
+        batch.trees += dynamic_sampling_filter(trees) if cfg.algorithm.dynamic_sampling else trees
+        if len(batch.trees) >= target:
+            break
+    return batch
+
+
+def sample(ctx: RunContext, problems: list[dict], rollout_cfg: Any, seed: int) -> tuple[list[RolloutTree], list[SampleStats]]:
+    """Trees for ``problems`` from the engines (progress on the console)."""
+    tokenizer = ctx.tokenizer
+    prompts = [format_prompt(p, ctx.cfg.data, tokenizer, ctx.cfg.model.chat_template) for p in problems]
+    done = [0]
+
+    def progress(*_: Any) -> None:
+        done[0] += 1
+        ctx.log.status(f"rollout: {done[0]}/{len(problems)} trees")
+
+    def decode(ids: list[int]) -> str:
+        return tokenizer.decode(ids, skip_special_tokens=True)
+
+    return ctx.run_async(sample_trees(
+        ctx.client, problems, prompts, rollout_cfg, eos_token_ids=ctx.eos_token_ids, seed=seed,
+        is_final_answer=lambda ids: has_final_answer(decode(ids)), decode=decode, on_progress=progress,
+    ))
+
+
+def score_trees(ctx: RunContext, trees: list[RolloutTree]) -> tuple[list[bool], int]:
+    """Set every leaf's reward; returns per-leaf correctness (first reward term > 0) and timeouts."""
+    leaves = [(tree, leaf) for tree in trees for leaf in tree.leaves()]
+    items = [
+        (tree.problem, ctx.tokenizer.decode(tree.response_ids(leaf), skip_special_tokens=True))
+        for tree, leaf in leaves
+    ]
+    result = ctx.rewards.score(items, lambda d, n: ctx.log.status(f"rewards: {d}/{n}"))
+    for (_, leaf), score in zip(leaves, result.scores):
+        leaf.reward = score
+    first = next(iter(result.term_scores.values()), result.scores)
+    return [v > 0 for v in first], result.timeouts
+
+
+def batch_advantages(trees: list[RolloutTree], algorithm: AlgorithmConfig) -> list:
+    return compute_advantages(
+        trees, algorithm.advantage, treepo_aggregate=algorithm.treepo_aggregate,
+        std_normalize=algorithm.std_normalize, whiten_tokens=algorithm.whiten,
+    )
+
+
+def train_on_batch(ctx: RunContext, trees: list[RolloutTree], advantages: list, step: int) -> dict[str, float]:
+    """``ppo_epochs`` × ``minibatches`` learner updates over the batch; loss metrics."""
+    cfg = ctx.cfg
+    sums, norms, lrs = [], [], []
+    order = list(range(len(trees)))
+    for epoch in range(cfg.algorithm.ppo_epochs):
+        if epoch:
+            random.Random(step_seed(cfg.run.seed, step, 100 + epoch)).shuffle(order)
+        size = -(-len(order) // cfg.algorithm.minibatches)
+        for start in range(0, len(order), size):
+            chosen = order[start : start + size]
+            sub_trees, sub_adv = [trees[i] for i in chosen], [advantages[i] for i in chosen]
+            if cfg.loss.mode == "linear":
+                from arbor.packing import linearise_trees
+
+                sub_trees, sub_adv = linearise_trees(sub_trees, sub_adv)
+            packs = pack_trees(sub_trees, sub_adv, pack_tokens=cfg.learner.pack_tokens,
+                               normalize=cfg.loss.normalize)
+            per_rank = [[packs[i] for i in r] for r in assign_to_ranks(packs, ctx.learners.world_size)]
+            denominator = loss_denominator(sub_trees, cfg.loss.normalize)
+            results = ctx.learners.step(per_rank, denominator, filler=packs[0])
+            sums += results
+            norms.append(results[0]["grad_norm"])
+            lrs.append(results[0]["lr"])
+    metrics = {f"train/{k}": v for k, v in sums_metrics(sums).items()}
+    metrics["train/grad_norm"] = sum(norms) / len(norms)
+    metrics["train/lr"] = lrs[-1]
+    metrics["train/updates"] = float(len(norms))
+    return metrics
+
+
+def sync_weights(ctx: RunContext, version: str, probe: list[RolloutTree]) -> dict[str, float]:
+    """Learner weights → every engine (cache flushed, version checked), then the probe gap."""
+    from arbor.weight_sync import probe_samples
+
+    cfg = ctx.cfg
+    ctx.learners.push_weights(ctx.engines.urls, version, ctx.output_dir("weight-sync"))
+    metrics: dict[str, float] = {"sync/weight_version": float(version)}
+    if probe:
+        prompts = [t.prompt_ids for t in probe]
+        samples = ctx.run_async(probe_samples(ctx.client, prompts, max_new_tokens=cfg.rollout.segment_tokens))
+        metrics["sync/logprob_gap"] = ctx.learners.logprob_gap(samples)
+        # The probe's KV must not make the next step's cache state differ from a resumed run's.
+        ctx.run_async(ctx.client.flush_cache())
+    return metrics
+
+
+def evaluate(ctx: RunContext, problems: list[dict]) -> dict[str, float]:
+    """Greedy accuracy on ``problems`` (one answer each) through the engines."""
+    greedy = replace(ctx.cfg.rollout, mode="independent", width=1, temperature=0.0, top_k=-1, top_p=1.0)
+    trees, _ = sample(ctx, problems, greedy, seed=0)
+    correct, _ = score_trees(ctx, trees)
+    rewards = [leaf.reward for t in trees for leaf in t.leaves()]
+    return {
+        "eval/accuracy": sum(correct) / max(len(correct), 1),
+        "eval/reward_mean": sum(rewards) / max(len(rewards), 1),
+    }
+
+
+def rollout_metrics(batch: Batch) -> dict[str, float]:
+    """Reward, response, tree and rollout-cost metrics of everything sampled this step."""
+    leaves = [leaf for tree in batch.sampled for leaf in tree.leaves()]
+    rewards = [leaf.reward for leaf in leaves]
+    lengths = [leaf.end for leaf in leaves]
+    stats = [tree.stats() for tree in batch.sampled]
+    trained = [tree.stats() for tree in batch.trees]
+    n = max(len(leaves), 1)
+    computed = sum(s.tokens_computed for s in batch.stats)
+    prompt = sum(s.prompt_tokens for s in batch.stats)
+    return {
+        "reward/mean": sum(rewards) / n,
+        "reward/std": (sum((r - sum(rewards) / n) ** 2 for r in rewards) / n) ** 0.5,
+        "reward/accuracy": sum(batch.correct) / n,
+        "reward/timeouts": float(batch.reward_timeouts),
+        "response/length_mean": sum(lengths) / n,
+        "response/length_max": float(max(lengths, default=0)),
+        "response/finished": sum(leaf.finish_reason == "stop" for leaf in leaves) / n,
+        "tree/leaves": n / max(len(batch.sampled), 1),
+        "tree/depth_mean": sum(s.max_depth for s in stats) / max(len(stats), 1),
+        "tree/sharing_ratio": sum(s.linearised_tokens for s in stats) / max(sum(s.unique_tokens for s in stats), 1),
+        "rollout/trees": float(len(batch.sampled)),
+        "rollout/trees_trained": float(len(batch.trees)),
+        "rollout/refill_rounds": float(batch.rounds - 1),
+        "rollout/tokens_generated": float(sum(s.tokens_generated for s in batch.stats)),
+        "rollout/tokens_computed": float(computed),
+        "rollout/cached_ratio": sum(s.cached_tokens for s in batch.stats) / max(prompt, 1),
+        "train/tokens_saved": float(sum(s.linearised_tokens - s.unique_tokens for s in trained)),
+    }

@@ -1,0 +1,184 @@
+"""``arbor train CONFIG``: the RL loop. It knows the order of the phases, nothing of their insides.
+
+    problems → tree rollouts → rewards → dynamic sampling → advantages → packs →
+    learner update → weight sync → metrics → periodic eval, trees and checkpoint
+
+:class:`RunContext` starts and stops everything the phases use (Ray, learner ranks,
+engines, the reward pool, TensorBoard); :mod:`arbor.phases` holds the phases.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+from arbor import checkpoint, phases
+from arbor.config import Config, save_config
+from arbor.data import ProblemStream, load_problems
+from arbor.metrics import MetricsLog
+
+T = TypeVar("T")
+
+
+def train(cfg: Config, after_step: Callable[[RunContext, int, dict], None] | None = None) -> list[dict[str, float]]:
+    """Run (or resume) ``cfg``; returns the metrics of the steps this call ran.
+
+    ``after_step(ctx, step, metrics)`` is called after each step (notebooks, tests).
+    """
+    history = []
+    with RunContext(cfg) as ctx:
+        for step in range(ctx.start_step + 1, cfg.run.steps + 1):
+            with ctx.log.phase("rollout"):
+                batch = phases.collect_rollouts(ctx, step)
+            metrics = phases.rollout_metrics(batch)
+            if batch.trees:  # else every prompt's leaves scored the same: nothing to learn
+                with ctx.log.phase("advantage"):
+                    advantages = phases.batch_advantages(batch.trees, cfg.algorithm)
+                with ctx.log.phase("train"):
+                    metrics |= phases.train_on_batch(ctx, batch.trees, advantages, step)
+                with ctx.log.phase("sync"):
+                    metrics |= phases.sync_weights(ctx, str(step), probe=batch.trees[:2])
+            if cfg.run.eval_every and step % cfg.run.eval_every == 0 and ctx.eval_problems:
+                with ctx.log.phase("eval"):
+                    metrics |= phases.evaluate(ctx, ctx.eval_problems)
+            history.append(ctx.log.write(step, metrics | ctx.throughput(batch)))
+            if after_step is not None:
+                after_step(ctx, step, history[-1])
+            if cfg.run.save_trees_every and step % cfg.run.save_trees_every == 0:
+                ctx.save_trees(step, batch.sampled)
+            if step == cfg.run.steps or (cfg.run.save_every and step % cfg.run.save_every == 0):
+                ctx.save_checkpoint(step)
+        ctx.export_hf()
+    return history
+
+
+@dataclass
+class RunContext:
+    """Everything one run holds: config, data, engines, learners, rewards, metrics."""
+
+    cfg: Config
+    start_step: int = 0
+    eval_problems: list[dict] = field(default_factory=list)
+    _closers: list[Any] = field(default_factory=list)
+
+    def __enter__(self) -> RunContext:
+        from transformers import AutoTokenizer
+
+        from arbor.engines.client import SGLangClient
+        from arbor.orchestration import EngineGroup, LearnerGroup, Placement, start_ray
+        from arbor.plugins import default_search_dirs
+        from arbor.rewards import RewardPool, RewardTerm
+
+        cfg = self.cfg
+        out = Path(cfg.run.output_dir)
+        previous = checkpoint.latest_checkpoint(out)
+        if previous is not None and not cfg.run.resume:
+            raise SystemExit(
+                f"arbor train: {out} already holds a run (checkpoint {previous.name}); set "
+                "run.resume=true to continue it, or choose another run.output_dir"
+            )
+        out.mkdir(parents=True, exist_ok=True)
+        save_config(cfg, out / "config.yaml")
+        try:
+            self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.path, trust_remote_code=cfg.model.trust_remote_code)
+            self.eos_token_ids = [self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else []
+            self.stream = ProblemStream(load_problems(cfg.data.train_path, cfg.data), cfg.run.seed, cfg.data.shuffle)
+            if cfg.data.eval_path and cfg.run.eval_every:
+                self.eval_problems = load_problems(cfg.data.eval_path, cfg.data)
+            self.log = MetricsLog(cfg.run, cfg.run.steps)
+            self._closers.append(self.log.close)
+            search = default_search_dirs(cfg.source)
+            self.rewards = RewardPool([RewardTerm(t.fn, t.weight) for t in cfg.reward.functions],
+                                      workers=cfg.reward.workers, timeout_s=cfg.reward.timeout_s, search_dirs=search)
+            self._closers.append(self.rewards.close)
+            self.log.status("starting Ray, engines and learner ranks…")
+            start_ray(cfg.ray, needs_cpus=cfg.learner.num_ranks + cfg.engine.num_engines)
+            placement = Placement(cfg)
+            self._closers.append(placement.remove)
+            self.engines = EngineGroup(cfg, placement, str(out / "logs"))
+            self._closers.append(self.engines.shutdown)
+            self.client = SGLangClient(self.engines.urls, timeout_s=cfg.engine.request_timeout_s,
+                                       max_retries=cfg.engine.max_retries)
+            self.learners = LearnerGroup(cfg, placement, total_steps=cfg.run.steps * self.updates_per_step())
+            self._closers.append(self.learners.shutdown)
+            if previous is not None:
+                self.resume(previous)
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        while self._closers:
+            try:
+                self._closers.pop()()
+            except Exception as e:  # keep closing the rest
+                print(f"arbor train: while shutting down: {e!r}", file=sys.stderr)
+
+    def run_async(self, coroutine: Coroutine[Any, Any, T]) -> T:
+        """Run a coroutine on the engine client from this synchronous loop."""
+
+        async def run() -> T:
+            try:
+                return await coroutine
+            finally:
+                await self.client.close()  # its session belongs to this event loop
+
+        return asyncio.run(run())
+
+    def updates_per_step(self) -> int:
+        return self.cfg.algorithm.ppo_epochs * self.cfg.algorithm.minibatches
+
+    def output_dir(self, name: str) -> str:
+        return str(Path(self.cfg.run.output_dir) / name)
+
+    def throughput(self, batch: phases.Batch) -> dict[str, float]:
+        seconds = sum(self.log.phases.values()) or 1e-9
+        leaves = sum(len(t.leaves()) for t in batch.sampled)
+        tokens = sum(s.tokens_generated for s in batch.stats)
+        return {"throughput/trajectories_per_s": leaves / seconds, "throughput/tokens_per_s": tokens / seconds}
+
+    def save_trees(self, step: int, trees: list) -> None:
+        """A few trees of the step as JSON lines, for ``arbor view``."""
+        path = Path(self.output_dir("trees")) / f"step-{step:06d}.jsonl"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("".join(t.to_json() + "\n" for t in trees[:4]))
+
+    def save_checkpoint(self, step: int) -> None:
+        self.log.status(f"saving checkpoint of step {step}…")
+        directory = checkpoint.step_dir(self.cfg.run.output_dir, step)
+        self.learners.call("save", str(directory / "learner"))
+        checkpoint.write_driver_state(directory, {"step": step, "stream": self.stream.state_dict()})
+        checkpoint.mark_latest(self.cfg.run.output_dir, step)
+
+    def resume(self, directory: Path) -> None:
+        """Continue from a checkpoint: learner state, data cursor, RNG, engine weights."""
+        state = checkpoint.read_driver_state(directory)
+        self.learners.call("load", str(directory / "learner"))
+        self.stream.load_state_dict(state["stream"])
+        self.start_step = int(state["step"])
+        self.learners.push_weights(self.engines.urls, str(self.start_step), self.output_dir("weight-sync"))
+        self.run_async(self.client.flush_cache())
+        print(f"arbor train: resumed from {directory} (step {self.start_step})", flush=True)
+
+    def export_hf(self) -> None:
+        """The final policy as an HF directory (safetensors + tokenizer): ``<output_dir>/hf``."""
+        self.log.status("exporting the policy…")
+        self.learners.call("export_hf", self.output_dir("hf"))
+
+
+def main(cfg: Config) -> int:
+    history = train(cfg)
+    if history:
+        last = history[-1]
+        summary = {k: round(last[k], 4) for k in ("reward/mean", "reward/accuracy") if k in last}
+        print(f"arbor train: done; output in {cfg.run.output_dir}; last step {json.dumps(summary)}")
+    return 0
