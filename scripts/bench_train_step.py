@@ -35,8 +35,9 @@ weights, so both modes sample from the same policy in every repeat.
 After a warm-up step of each mode, ``--repeats`` steps per mode run alternately (the
 first mode alternates too); medians per phase. ``--threads`` sets ``torch.set_num_threads``
 here and ``OMP_NUM_THREADS`` of the server (default 1: the machine is shared). CPU
-seconds (this process + the server, from /proc) are printed beside wall time: less
-sensitive to other processes than wall time. Ends with
+seconds (this process + the server, from /proc) are printed beside wall time: the work
+done, less sensitive to other processes than wall time; during rollout the client and
+the server run at once, so there CPU seconds may exceed wall seconds. Ends with
 
     RESULT step_speedup=<grpo_linear / treepo_tree step seconds> rollout_ratio=...
            train_ratio=... train_tokens_ratio=... rollout_compute_ratio=... cpu_step_speedup=...
@@ -99,7 +100,7 @@ class StepRecord:
     """What one step of one mode cost."""
 
     seconds: dict[str, float]  # phase -> wall seconds
-    cpu: float  # CPU seconds of this process and the server over the step
+    cpu: dict[str, float]  # phase -> CPU seconds of this process and the server
     rollout_computed: int  # prefill + decode tokens the engine ran
     train_tokens: int  # tokens forwarded by the learner (Σ pack sizes)
     trained_tokens: int  # tokens entering the loss (unique in tree packs)
@@ -169,14 +170,14 @@ def run_step(mode: Mode, url: str, pid: int, pool: RewardPool, tokenizer, proble
              seed: int, args: argparse.Namespace) -> StepRecord:
     asyncio.run(flush(url))  # not timed: every step starts from an empty radix cache
     seconds: dict[str, float] = {}
-    cpu0 = time.process_time() + cpu_seconds(pid)
-    t = time.perf_counter()
+    cpu: dict[str, float] = {}
+    t, c = time.perf_counter(), time.process_time() + cpu_seconds(pid)
 
     def lap(phase: str) -> None:
-        nonlocal t
-        now = time.perf_counter()
-        seconds[phase] = now - t
-        t = now
+        nonlocal t, c
+        now, now_cpu = time.perf_counter(), time.process_time() + cpu_seconds(pid)
+        seconds[phase], cpu[phase] = now - t, now_cpu - c
+        t, c = now, now_cpu
 
     trees, stats = asyncio.run(rollout(url, mode, problems, prompts, seed))
     lap("rollout")
@@ -193,7 +194,7 @@ def run_step(mode: Mode, url: str, pid: int, pool: RewardPool, tokenizer, proble
     leaves = [leaf for tree in trees for leaf in tree.leaves()]
     return StepRecord(
         seconds=seconds,
-        cpu=time.process_time() + cpu_seconds(pid) - cpu0,
+        cpu=cpu,
         rollout_computed=sum(s.tokens_computed for s in stats),
         train_tokens=sum(p.num_tokens for p in packs),
         trained_tokens=sum(int(p.trained.sum()) for p in packs),
@@ -211,9 +212,10 @@ def median(records: list[StepRecord], key) -> float:
 
 def report(tree: list[StepRecord], linear: list[StepRecord]) -> None:
     rows: list[tuple[str, object]] = [(f"{p} s", lambda r, p=p: r.seconds[p]) for p in PHASES]
+    rows += [("step s", lambda r: r.step)]
+    rows += [(f"{p} cpu s", lambda r, p=p: r.cpu[p]) for p in ("rollout", "train")]
     rows += [
-        ("step s", lambda r: r.step),
-        ("step cpu s", lambda r: r.cpu),
+        ("step cpu s", lambda r: sum(r.cpu.values())),
         ("rollout tokens computed", lambda r: r.rollout_computed),
         ("train tokens forwarded", lambda r: r.train_tokens),
         ("tokens in the loss", lambda r: r.trained_tokens),
@@ -310,7 +312,7 @@ def main() -> None:
         f"train_ratio={ratio(lambda r: r.seconds['train']):.3f} "
         f"train_tokens_ratio={ratio(lambda r: r.train_tokens):.3f} "
         f"rollout_compute_ratio={ratio(lambda r: r.rollout_computed):.3f} "
-        f"cpu_step_speedup={ratio(lambda r: r.cpu):.3f} "
+        f"cpu_step_speedup={ratio(lambda r: sum(r.cpu.values())):.3f} "
         f"per_token_speedup={ratio(lambda r: r.step / r.response_tokens):.3f} "
         f"len_ratio={1 / ratio(lambda r: r.response_tokens):.3f}"
     )
