@@ -109,3 +109,17 @@ def test_resume_after_a_kill_repeats_the_next_step(run_inputs, tmp_path):
         tolerance = 1e-4 if key == "sync/logprob_gap" else 1e-5  # the probe gap is ~1e-7 noise
         assert got[key] == pytest.approx(value, rel=tolerance, abs=1e-6), key
     assert [m["step"] for m in read_metrics(tmp_path / "b")] == [1, 2, 3]
+
+
+def test_plain_torch_learner_linear_loss_and_disk_sync(run_inputs, tmp_path):
+    """The debugging set-up: one plain-torch rank, GRPO + linear training, weights via disk."""
+    root, model, data = run_inputs
+    cfg = config(root, model, data, tmp_path / "c", "learner.backend=torch", "learner.zero_stage=0",
+                 "loss.mode=linear", "algorithm.advantage=grpo", "learner.weight_sync=disk", "run.steps=1",
+                 "rollout.mode=independent")
+    versions = []
+    (metrics,) = train(cfg, after_step=lambda ctx, step, m: versions.append(ctx.run_async(ctx.client.get_weight_version())))
+    assert versions == [["1"]] and metrics["sync/logprob_gap"] <= 1e-4
+    # Linear training counts every trajectory's tokens: nothing is shared, nothing saved.
+    assert metrics["train/tokens"] == metrics["train/linearised_tokens"] > 0
+    assert (tmp_path / "c" / "weight-sync" / "model.safetensors").exists()
