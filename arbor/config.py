@@ -168,7 +168,9 @@ class RayConfig:
     address: str | None = None  # None: start a local instance; "auto": join a cluster
     num_cpus: int | None = None
     num_gpus: int | None = None
-    colocate: bool = False  # engines and learners share GPUs (engine memory released)
+    # Engines and learners share GPUs; the engines release their memory (KV cache, and on
+    # GPUs the weights) while the learners train. On CPU only the release applies.
+    colocate: bool = False
     placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
 
 
@@ -444,7 +446,6 @@ def validate(cfg: Config, where: str = "<config>") -> None:
         "engine.kind",
         "sglang needs GPUs; with learner.device: cpu use engine.kind: embedded or auto",
     )
-    need(not (cfg.ray.colocate and le.device == "cpu"), "ray.colocate", "is a GPU memory mode; unset it on CPU")
     need(
         not (le.attention == "flex" and le.device == "cpu"),
         "learner.attention",

@@ -12,7 +12,8 @@ from __future__ import annotations
 import asyncio
 import json
 import sys
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -39,7 +40,7 @@ def train(cfg: Config, after_step: Callable[[RunContext, int, dict], None] | Non
             if batch.trees:  # else every prompt's leaves scored the same: nothing to learn
                 with ctx.log.phase("advantage"):
                     advantages = phases.batch_advantages(batch.trees, cfg.algorithm)
-                with ctx.log.phase("train"):
+                with ctx.log.phase("train"), ctx.engines_released():
                     metrics |= phases.train_on_batch(ctx, batch.trees, advantages, step)
                 with ctx.log.phase("sync"):
                     metrics |= phases.sync_weights(ctx, str(step), probe=batch.trees[:2])
@@ -133,6 +134,18 @@ class RunContext:
                 await self.client.close()  # its session belongs to this event loop
 
         return asyncio.run(run())
+
+    @contextmanager
+    def engines_released(self) -> Iterator[None]:
+        """With ``ray.colocate``, the engines free their memory while the learners train."""
+        if not self.cfg.ray.colocate:
+            yield
+            return
+        self.run_async(self.client.release_memory_occupation())
+        try:
+            yield
+        finally:
+            self.run_async(self.client.resume_memory_occupation())
 
     def updates_per_step(self) -> int:
         return self.cfg.algorithm.ppo_epochs * self.cfg.algorithm.minibatches

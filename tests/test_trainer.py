@@ -112,11 +112,12 @@ def test_resume_after_a_kill_repeats_the_next_step(run_inputs, tmp_path):
 
 
 def test_plain_torch_learner_linear_loss_and_disk_sync(run_inputs, tmp_path):
-    """The debugging set-up: one plain-torch rank, GRPO + linear training, weights via disk."""
+    """The debugging set-up: one plain-torch rank, GRPO + linear training, weights via disk;
+    colocated, so the engine releases its memory while the learner trains."""
     root, model, data = run_inputs
     cfg = config(root, model, data, tmp_path / "c", "learner.backend=torch", "learner.zero_stage=0",
                  "loss.mode=linear", "algorithm.advantage=grpo", "learner.weight_sync=disk", "run.steps=1",
-                 "rollout.mode=independent")
+                 "rollout.mode=independent", "ray.colocate=true")
     versions = []
     (metrics,) = train(cfg, after_step=lambda ctx, step, m: versions.append(ctx.run_async(ctx.client.get_weight_version())))
     assert versions == [["1"]] and metrics["sync/logprob_gap"] <= 1e-4
