@@ -1,98 +1,283 @@
-"""Pieces of the embedded engine's decode loop: the padded KV batch and token sampling.
+"""Pieces of the embedded engine's decode loop: the rows' KV buffers, the one-token forward
+over them, and token sampling.
 
-Rows of different lengths decode together: each row's KV is left-padded to the batch's
-width, a ``[B, W]`` attention mask hides the padding, and the caller passes explicit
-position ids (the row's true length), so a padded row computes exactly what it would
-alone. Rows join (continuous batching) and leave (finished) between steps.
+Rows of different lengths decode together. Their KV lives in preallocated per-layer
+buffers ``[rows, H_kv, capacity, D]``: row ``b`` holds positions ``[0, lengths[b])``
+(right-padded), a step writes each row's new key and value at its own length, in place,
+and attends over ``[0, max length]`` with a per-row length mask. Nothing is concatenated
+per step, and a row joining (continuous batching) or leaving (finished) copies only its
+own KV. The buffers grow (rarely, geometrically) and are reused from batch to batch.
+
+    batch = DecodeBatch(device)
+    batch.add([(keys, values)])        # one row, per layer [H_kv, T, D]
+    decoder = make_decoder(model)
+    logits = decoder(batch, tokens)    # tokens [B] -> logits [B, V]; lengths grow by 1
+
+``make_decoder`` runs Llama-family models (Llama, Qwen2, Qwen3: pre-norm, rotary, GQA,
+full attention) straight from their modules, so a step is a few dozen tensor ops; any
+other causal LM runs its own ``forward`` over a ``DynamicCache`` view of the buffers
+(correct, but it copies the KV each step as ``DynamicCache`` concatenates).
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 
 class DecodeBatch:
-    """Per-layer KV ``[B, H_kv, W, D]`` of the rows being decoded, left-padded to ``W``."""
+    """Per-layer KV of the rows being decoded, in buffers written in place."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self.keys: list[torch.Tensor] = []  # per layer [B, H_kv, W, D]
-        self.values: list[torch.Tensor] = []  # per layer [B, H_kv, W, D]
-        self.mask = torch.zeros(0, 0, dtype=torch.long, device=device)  # [B, W], 1 = real
-        self.pad: list[int] = []  # left padding of each row
+        self.keys: list[torch.Tensor] = []  # per layer [row capacity, H_kv, token capacity, D]
+        self.values: list[torch.Tensor] = []  # per layer, as keys
+        self.lengths: list[int] = []  # KV length of each row = position of its next token
+        self._lengths = torch.zeros(0, dtype=torch.long, device=device)  # [row capacity]
+        self._rows = torch.zeros(0, dtype=torch.long, device=device)  # arange(row capacity)
 
     @property
     def size(self) -> int:
-        return len(self.pad)
+        return len(self.lengths)
+
+    def length_tensor(self) -> torch.Tensor:
+        """``lengths`` as a tensor ``[B]`` (a view, valid until the batch changes)."""
+        return self._lengths[: self.size]
+
+    def row_index(self) -> torch.Tensor:
+        """``arange(B)`` on the batch's device (a view)."""
+        return self._rows[: self.size]
 
     def add(self, rows_kv: list[tuple[list[torch.Tensor], list[torch.Tensor]]]) -> None:
         """Append rows given as (keys, values), per layer ``[H_kv, T_i, D]``."""
         if not rows_kv:
             return
         lengths = [keys[0].shape[1] for keys, _ in rows_kv]
-        width = max([self.mask.shape[1], *lengths])
-        if self.size and width > self.mask.shape[1]:  # widen the batch on the left
-            grow = width - self.mask.shape[1]
-            self.keys = [_pad_left(k, width, dim=2) for k in self.keys]
-            self.values = [_pad_left(v, width, dim=2) for v in self.values]
-            self.mask = _pad_left(self.mask, width, dim=1)
-            self.pad = [p + grow for p in self.pad]
-        num_layers = len(rows_kv[0][0])
-        new_keys = [
-            torch.stack([_pad_left(keys[layer], width, dim=1) for keys, _ in rows_kv])
-            for layer in range(num_layers)
-        ]
-        new_values = [
-            torch.stack([_pad_left(values[layer], width, dim=1) for _, values in rows_kv])
-            for layer in range(num_layers)
-        ]
-        new_mask = torch.zeros(len(rows_kv), width, dtype=torch.long, device=self.device)
-        for b, length in enumerate(lengths):
-            new_mask[b, width - length :] = 1
-        if self.size:
-            self.keys = [torch.cat(pair) for pair in zip(self.keys, new_keys)]
-            self.values = [torch.cat(pair) for pair in zip(self.values, new_values)]
-            self.mask = torch.cat([self.mask, new_mask])
-        else:
-            self.keys, self.values, self.mask = new_keys, new_values, new_mask
-        self.pad += [width - length for length in lengths]
+        first = self.size
+        self._reserve(first + len(rows_kv), max(lengths) + 1, len(rows_kv[0][0]), rows_kv[0][0][0])
+        for b, (keys, values) in enumerate(rows_kv, start=first):
+            for buffer, k in zip(self.keys, keys):
+                buffer[b, :, : k.shape[1]] = k
+            for buffer, v in zip(self.values, values):
+                buffer[b, :, : v.shape[1]] = v
+        self.lengths += lengths
+        self._lengths[first : self.size] = torch.tensor(lengths, device=self.device)
 
-    def past(self):
-        """A ``DynamicCache`` over the batch's KV, with the mask extended for one new token.
+    def reserve_step(self) -> int:
+        """Make room for one more token in every row; returns the attended width
+        (the longest row's length + 1)."""
+        width = max(self.lengths) + 1
+        self._reserve(self.size, width, len(self.keys), self.keys[0])
+        return width
 
-        Returns (cache, attention_mask ``[B, W + 1]``); call :meth:`absorb` with the
-        cache after the forward to keep the appended KV.
-        """
-        ones = torch.ones(self.size, 1, dtype=self.mask.dtype, device=self.device)
-        return make_cache(self.keys, self.values), torch.cat([self.mask, ones], dim=1)
-
-    def absorb(self, cache, mask: torch.Tensor) -> None:
-        self.keys = [layer.keys for layer in cache.layers]
-        self.values = [layer.values for layer in cache.layers]
-        self.mask = mask
+    def advance(self) -> None:
+        """Every row's KV grew by the token just written."""
+        self.lengths = [length + 1 for length in self.lengths]
+        self._lengths[: self.size] += 1
 
     def row_kv(self, b: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """Row ``b``'s unpadded KV, per layer ``[H_kv, T_b, D]`` (views)."""
-        return [k[b, :, self.pad[b] :] for k in self.keys], [
-            v[b, :, self.pad[b] :] for v in self.values
-        ]
+        """Row ``b``'s KV, per layer ``[H_kv, T_b, D]`` (views into the buffers)."""
+        length = self.lengths[b]
+        return [k[b, :, :length] for k in self.keys], [v[b, :, :length] for v in self.values]
 
-    def keep(self, rows: list[int]) -> None:
-        """Keep only the given row indices, in that order."""
-        index = torch.tensor(rows, dtype=torch.long, device=self.device)
-        self.keys = [k.index_select(0, index) for k in self.keys]
-        self.values = [v.index_select(0, index) for v in self.values]
-        self.mask = self.mask.index_select(0, index)
-        self.pad = [self.pad[b] for b in rows]
-        if rows:  # drop columns that are padding in every remaining row
-            trim = min(self.pad)
-            if trim:
-                self.keys = [k[:, :, trim:] for k in self.keys]
-                self.values = [v[:, :, trim:] for v in self.values]
-                self.mask = self.mask[:, trim:]
-                self.pad = [p - trim for p in self.pad]
-        else:
-            self.__init__(self.device)
+    def remove(self, done: list[int]) -> list[int]:
+        """Drop rows ``done``; returns the old index of each remaining row, in its new
+        order. The last rows move into the holes, so only they are copied."""
+        if not done:
+            return list(range(self.size))
+        gone = set(done)
+        keep = self.size - len(gone)
+        holes = sorted(b for b in gone if b < keep)
+        movers = [b for b in range(keep, self.size) if b not in gone]  # as many as holes
+        order = list(range(keep))
+        for hole, mover in zip(holes, movers):
+            order[hole] = mover
+        if movers:
+            width = max(self.lengths[b] for b in movers)
+            src = torch.tensor(movers, device=self.device)
+            dst = torch.tensor(holes, device=self.device)
+            for buffer in self.keys + self.values:
+                view = buffer[:, :, :width]
+                view.index_copy_(0, dst, view.index_select(0, src))
+        self.lengths = [self.lengths[b] for b in order]
+        if self.lengths:
+            self._lengths[:keep] = torch.tensor(self.lengths, device=self.device)
+        return order
+
+    def release(self) -> None:
+        """Free the buffers (the batch must be empty)."""
+        assert not self.lengths, "release with rows still decoding"
+        self.__init__(self.device)
+
+    def _reserve(self, rows: int, tokens: int, layers: int, like: torch.Tensor) -> None:
+        """Grow the buffers to hold ``rows`` rows of ``tokens`` tokens in ``layers`` layers
+        (``like``: a KV tensor whose head count, head size and dtype they take)."""
+        if self.keys and rows <= self.keys[0].shape[0] and tokens <= self.keys[0].shape[2]:
+            return
+        old_rows, old_tokens = (
+            (self.keys[0].shape[0], self.keys[0].shape[2]) if self.keys else (0, 0)
+        )
+        # Geometric growth: a long batch re-allocates O(log) times, not at every step.
+        new_rows = max(rows, 2 * old_rows, 4)
+        new_tokens = _round_up(max(tokens, old_tokens + old_tokens // 2), 64)
+        shape = (new_rows, like.shape[-3], new_tokens, like.shape[-1])
+        width = max(self.lengths, default=0)
+
+        def grown(old: torch.Tensor | None) -> torch.Tensor:
+            new = like.new_zeros(shape)
+            if old is not None and self.size:
+                new[: self.size, :, :width] = old[: self.size, :, :width]
+            return new
+
+        self.keys = [grown(self.keys[i] if self.keys else None) for i in range(layers)]
+        self.values = [grown(self.values[i] if self.values else None) for i in range(layers)]
+        lengths = torch.zeros(new_rows, dtype=torch.long, device=self.device)
+        lengths[: self.size] = self._lengths[: self.size]
+        self._lengths = lengths
+        self._rows = torch.arange(new_rows, device=self.device)
+
+
+def make_decoder(model: torch.nn.Module) -> LlamaDecoder | HFDecoder:
+    """The fastest correct one-token forward for ``model``: :class:`LlamaDecoder` when its
+    layout is supported, else :class:`HFDecoder`."""
+    return LlamaDecoder(model) if LlamaDecoder.supports(model) else HFDecoder(model)
+
+
+class LlamaDecoder:
+    """One decode step of a Llama-family model (Llama, Qwen2, Qwen3), run from its modules
+    over a :class:`DecodeBatch`: the same math as the model's eager forward (RMSNorm,
+    rotary, GQA attention with softmax in float32, MLP), minus the per-step masks, cache
+    objects and module plumbing that dominate a small model's step."""
+
+    model_types = ("llama", "qwen2", "qwen3")
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model  # modules are read at every call: weight loads and .to() stay live
+        config = model.config
+        self.num_heads: int = config.num_attention_heads
+        self.num_kv_heads: int = config.num_key_value_heads
+        self.head_dim: int = model.model.layers[0].self_attn.head_dim
+
+    @classmethod
+    def supports(cls, model: torch.nn.Module) -> bool:
+        """Llama-family layout with full attention in every layer (no sliding window)."""
+        base = getattr(model, "model", None)
+        if getattr(model.config, "model_type", None) not in cls.model_types or base is None:
+            return False
+        if not all(
+            hasattr(base, name) for name in ("embed_tokens", "layers", "norm", "rotary_emb")
+        ):
+            return False
+        for layer in base.layers:
+            attn = getattr(layer, "self_attn", None)
+            if attn is None or getattr(attn, "sliding_window", None) is not None:
+                return False
+            if not all(hasattr(attn, name) for name in ("q_proj", "k_proj", "v_proj", "o_proj")):
+                return False
+        return hasattr(model, "lm_head")
+
+    @torch.no_grad()
+    def __call__(self, batch: DecodeBatch, tokens: torch.Tensor) -> torch.Tensor:
+        """Feed ``tokens`` ``[B]`` (one per row) at each row's length; returns the logits
+        ``[B, V]`` and grows every row's KV by one."""
+        base = self.model.model
+        width = batch.reserve_step()
+        lengths, rows = batch.length_tensor(), batch.row_index()
+        hidden = base.embed_tokens(tokens)  # [B, E]
+        cos, sin = base.rotary_emb(hidden, lengths[:, None])  # [B, 1, D]: the row's position
+        # Row b attends to its own positions 0..lengths[b] (the last one is the new token).
+        hidden_cols = torch.arange(width, device=tokens.device) > lengths[:, None]  # [B, W]
+        bias = torch.zeros(hidden_cols.shape, dtype=hidden.dtype, device=tokens.device)
+        bias = bias.masked_fill_(hidden_cols, float("-inf"))[:, None, None, :]  # [B, 1, 1, W]
+        for layer, keys, values in zip(base.layers, batch.keys, batch.values):
+            attn = layer.self_attn
+            h = _rms_norm(layer.input_layernorm, hidden)
+            q = _linear(attn.q_proj, h).view(-1, self.num_heads, self.head_dim)
+            k = _linear(attn.k_proj, h).view(-1, self.num_kv_heads, self.head_dim)
+            v = _linear(attn.v_proj, h).view(-1, self.num_kv_heads, self.head_dim)
+            if hasattr(attn, "q_norm"):  # Qwen3: per-head RMSNorm before rotary
+                q, k = attn.q_norm(q), attn.k_norm(k)
+            q = q * cos + _rotate_half(q) * sin  # [B, H, D]
+            keys[rows, :, lengths] = k * cos + _rotate_half(k) * sin
+            values[rows, :, lengths] = v
+            out = _attend(
+                q.view(-1, self.num_kv_heads, self.num_heads // self.num_kv_heads, self.head_dim),
+                keys[: len(rows), :, :width],
+                values[: len(rows), :, :width],
+                bias,
+                attn.scaling,
+            )
+            hidden = hidden + _linear(attn.o_proj, out.reshape(len(rows), -1))
+            hidden = hidden + layer.mlp(_rms_norm(layer.post_attention_layernorm, hidden))
+        batch.advance()
+        return self.model.lm_head(_rms_norm(base.norm, hidden))
+
+
+class HFDecoder:
+    """One decode step through the model's own ``forward`` (any causal LM): a
+    ``DynamicCache`` over the batch's KV (which copies it) and a padding mask, then the
+    new token's KV is written back into the batch."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+
+    @torch.no_grad()
+    def __call__(self, batch: DecodeBatch, tokens: torch.Tensor) -> torch.Tensor:
+        """As :meth:`LlamaDecoder.__call__`."""
+        width = batch.reserve_step() - 1  # columns of past KV; the new token comes after
+        lengths, rows = batch.length_tensor(), batch.row_index()
+        past = make_cache(
+            [k[: len(rows), :, :width] for k in batch.keys],
+            [v[: len(rows), :, :width] for v in batch.values],
+        )
+        real = torch.arange(width, device=tokens.device) < lengths[:, None]  # [B, W]
+        mask = torch.cat([real, real.new_ones(len(rows), 1)], dim=1).long()  # [B, W + 1]
+        out = self.model(
+            input_ids=tokens[:, None],
+            position_ids=lengths[:, None],
+            attention_mask=mask,
+            past_key_values=past,
+            use_cache=True,
+        )
+        for layer, keys, values in zip(out.past_key_values.layers, batch.keys, batch.values):
+            keys[rows, :, lengths] = layer.keys[:, :, width]
+            values[rows, :, lengths] = layer.values[:, :, width]
+        batch.advance()
+        return out.logits[:, -1]
+
+
+def _attend(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Grouped-query attention of one new token per row.
+
+    q ``[B, H_kv, G, D]`` (query head ``j * G + g`` reads KV head ``j``, as ``repeat_kv``),
+    keys/values ``[B, H_kv, W, D]``, bias ``[B, 1, 1, W]`` (0 or -inf); returns
+    ``[B, H_kv, G, D]``. Softmax in float32, as the eager attention.
+    """
+    scores = torch.matmul(q, keys.transpose(-1, -2)) * scale + bias  # [B, H_kv, G, W]
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(probs, values)
+
+
+def _rms_norm(norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``norm(x)`` for a Llama-style RMSNorm; one fused op in float32."""
+    if x.dtype == torch.float32 and hasattr(norm, "variance_epsilon"):
+        return F.rms_norm(x, norm.weight.shape, norm.weight, norm.variance_epsilon)
+    return norm(x)  # the module's own upcasting for half precision
+
+
+def _linear(module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    return F.linear(x, module.weight, module.bias)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
 
 
 def sample_rows(
@@ -143,16 +328,6 @@ def sample_token(
     """:func:`sample_rows` for one row of logits ``[V]``."""
     tokens, logprobs = sample_rows(logits[None], [temperature], [top_p], [top_k], [generator])
     return tokens[0], logprobs[0]
-
-
-def _pad_left(tensor: torch.Tensor, width: int, dim: int) -> torch.Tensor:
-    """Zero-pad ``tensor`` at the front of ``dim`` up to ``width``."""
-    missing = width - tensor.shape[dim]
-    if missing == 0:
-        return tensor
-    shape = list(tensor.shape)
-    shape[dim] = missing
-    return torch.cat([tensor.new_zeros(shape), tensor], dim=dim)
 
 
 def make_cache(keys: list[torch.Tensor], values: list[torch.Tensor]):

@@ -12,9 +12,11 @@ How requests run (one scheduler thread, continuous batching):
    committed to the cache (so forks and children hit), and each fork's first token is
    sampled from that one prefill;
 3. a request with ``n = k`` becomes k rows sharing the prefix KV;
-4. rows decode together, one token per step, left-padded to a common KV length with a
-   per-row attention mask and explicit position ids (``decode_batch.py``); a finished
-   row leaves the batch, its sequence (prompt + output minus the last token, whose KV
+4. rows decode together, one token per step: each row's KV sits in preallocated
+   per-layer buffers (right-padded, written in place at the row's own length, attended
+   with a per-row length mask; ``decode_batch.py``), and Llama-family models run a lean
+   forward straight from their modules. A finished row leaves the batch (the last row
+   moves into its slot), its sequence (prompt + output minus the last token, whose KV
    was never computed) enters the cache, and its request returns once all its forks
    are done. Weight changes wait for the batch to drain (no new rows join meanwhile).
 
@@ -48,7 +50,13 @@ from pathlib import Path
 
 import torch
 
-from arbor.engines.decode_batch import DecodeBatch, make_cache, sample_rows, sample_token
+from arbor.engines.decode_batch import (
+    DecodeBatch,
+    make_cache,
+    make_decoder,
+    sample_rows,
+    sample_token,
+)
 from arbor.engines.radix_cache import PrefixHit, RadixKVCache
 from arbor.engines.types import GenerateOutput, GenerateRequest
 
@@ -118,6 +126,9 @@ class LocalEngine:
             eos if isinstance(eos, list) else [eos] if eos is not None else []
         )
         self.cache = RadixKVCache(max_cached_tokens)
+        self._decoder = make_decoder(self.model)
+        # The running rows' KV buffers, kept between batches (allocation is not free).
+        self._batch = DecodeBatch(self.device)
         self.stats = EngineStats()
         self.weight_version = "default"
         self.released = False
@@ -233,6 +244,7 @@ class LocalEngine:
         """Drop the KV cache and, on CUDA, move the weights to host memory."""
         with self._exclusive():
             self.cache.flush()
+            self._batch.release()
             if self.device.type == "cuda":
                 self.model.to("cpu")
                 torch.cuda.empty_cache()
@@ -288,7 +300,7 @@ class LocalEngine:
                     break
                 pending.append(job)
             with self._lock:
-                batch, rows = DecodeBatch(self.device), []
+                batch, rows = self._batch, []
                 try:
                     self._drain_queue(pending)
                     self._admit(pending, batch, rows)
@@ -301,6 +313,7 @@ class LocalEngine:
                             self._admit(pending, batch, rows)
                 except Exception as exc:  # every caller in the batch gets the error
                     _fail([r.job for r in rows], exc)
+                    batch.remove(list(range(batch.size)))
         self._stopping = True
         self._drain_queue(pending)
         _fail(list(pending), RuntimeError("engine shut down before running this request"))
@@ -403,41 +416,28 @@ class LocalEngine:
         """Feed every row's last token, sample the next; finished rows leave the batch."""
         # A row without output yet feeds its last prompt token (see _start).
         tokens = torch.tensor(
-            [[r.output[-1] if r.output else r.prompt[-1]] for r in rows], device=self.device
+            [r.output[-1] if r.output else r.prompt[-1] for r in rows], device=self.device
         )
         fresh = sum(1 for r in rows if not r.output)
         self.stats.prefill_tokens += fresh
-        positions = torch.tensor(
-            [[len(r.prompt) + len(r.output) - 1] for r in rows], device=self.device
-        )
-        past, mask = batch.past()
-        out = self.model(
-            input_ids=tokens,
-            position_ids=positions,
-            attention_mask=mask,
-            past_key_values=past,
-            use_cache=True,
-        )
-        batch.absorb(out.past_key_values, mask)
+        logits = self._decoder(batch, tokens)
         self.stats.decode_tokens += len(rows) - fresh
         params = [r.job.request.sampling for r in rows]
         tokens_out, logprobs_out = sample_rows(
-            out.logits[:, -1].float(),
+            logits.float(),
             [sp.temperature for sp in params],
             [sp.top_p for sp in params],
             [sp.top_k for sp in params],
             [r.generator for r in rows],
         )
-        keep = []
+        done = []
         for b, row in enumerate(rows):
             self._record(row, tokens_out[b], logprobs_out[b])
-            if row.finish_reason is None:
-                keep.append(b)
-            else:
+            if row.finish_reason is not None:
                 self._finish(row, *batch.row_kv(b))
-        if len(keep) < len(rows):
-            batch.keep(keep)
-            rows[:] = [rows[b] for b in keep]
+                done.append(b)
+        if done:
+            rows[:] = [rows[b] for b in batch.remove(done)]
 
     def _finish(self, row: _Row, keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:
         """Cache the row's sequence (prompt + output minus the last token, whose KV was
