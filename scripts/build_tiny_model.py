@@ -3,42 +3,60 @@
     python scripts/build_tiny_model.py                      # -> models/tiny-arith, data/arith
     python scripts/build_tiny_model.py --steps 50 --out /tmp/tiny --data /tmp/arith
 
-No download: the byte-level BPE tokenizer is trained here on the synthetic corpus, the
-model (Qwen2 architecture, ~1M parameters, a few MB) starts from random weights and is
-supervised on problems like "What is 37+48?" answered "37+48=85 \\boxed{85}", with
-arbor's tree-packed SFT loss. It stops early on purpose (``--steps``): the quickstart's
-RL run needs a policy that is right sometimes, not always, so that accuracy can rise.
-Writes the model directory (HF format, loadable by transformers and SGLang) and
-``train.jsonl`` / ``test.jsonl`` problem files with ``id``, ``prompt``, ``answer``.
+No download: the byte-level BPE tokenizer (digits always one per token) is trained here on
+the synthetic corpus, the model (Qwen2 architecture, ~0.9M parameters, 3.4 MB) starts
+from random weights and is supervised on problems like "What is 37+48?" answered
+"37+48=85 \\boxed{85}" with arbor's tree-packed SFT loss. The prompts are exactly what
+``arbor train`` feeds the model with ``data.chat_template: true``,
+``data.prompt_suffix: PROMPT_SUFFIX`` and no system prompt (``arbor.data.format_prompt``).
+
+It stops early on purpose: the quickstart's RL run needs a policy that is right
+sometimes, not always, when sampled at temperature 1.0, so that accuracy can rise.
+Training ends at ``--steps`` or as soon as the sampled accuracy on a validation slice
+reaches ``--target-acc``. Writes the model directory (HF format, loadable by
+transformers and SGLang) and ``train.jsonl`` / ``test.jsonl`` problem files with ``id``,
+``prompt``, ``answer``; the last line printed is
+``RESULT sampled_acc=... greedy_acc=... params=... build_s=...``.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import random
 import sys
 import time
+from collections import defaultdict
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from arbor.config import DataConfig  # noqa: E402
+from arbor.data import format_prompt  # noqa: E402
 from arbor.logprobs import sft_loss  # noqa: E402
 from arbor.tree import RolloutTree  # noqa: E402
 
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+EOS, PAD = "<|im_end|>", "<|endoftext|>"
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
-INSTRUCTION = " Put the answer in \\boxed{}."
+# The quickstart's data.prompt_suffix (data.chat_template: true, data.system_prompt: null).
+PROMPT_SUFFIX = " Put the answer in \\boxed{}."
+DATA_CFG = DataConfig(prompt_suffix=PROMPT_SUFFIX, system_prompt=None)
+N_PROBLEMS = 4000  # at most; fewer when the operand range has fewer distinct problems
 
 
-def make_problem(rng: random.Random, index: int) -> dict:
-    a, b = rng.randint(0, 99), rng.randint(0, 99)
+def make_problem(rng: random.Random, index: int, max_operand: int) -> dict[str, str]:
+    """``a+b`` or ``a-b`` (never negative) with operands in [0, max_operand]."""
+    a, b = rng.randint(0, max_operand), rng.randint(0, max_operand)
     op = rng.choice("+-")
     if op == "-" and b > a:
         a, b = b, a
@@ -47,12 +65,28 @@ def make_problem(rng: random.Random, index: int) -> dict:
             "solution": f"{a}{op}{b}={answer} \\boxed{{{answer}}}"}
 
 
-def build_tokenizer(corpus: list[str], vocab_size: int):
+def make_problems(seed: int, max_operand: int) -> list[dict[str, str]]:
+    """Distinct problems (no prompt in two splits), in a seeded order."""
+    rng, seen, problems = random.Random(seed), set(), []
+    n = min(N_PROBLEMS, (max_operand + 1) ** 2 + (max_operand + 1) * (max_operand + 2) // 2)  # distinct a+b, a-b
+    while len(problems) < n:
+        p = make_problem(rng, len(problems), max_operand)
+        if p["prompt"] not in seen:
+            seen.add(p["prompt"])
+            problems.append(p)
+    return problems
+
+
+def build_tokenizer(corpus: list[str], vocab_size: int, out: Path) -> Any:
+    """Byte-level BPE that never merges digits, saved to ``out`` and reloaded from there."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
     core = Tokenizer(models.BPE())
-    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    core.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Digits(individual_digits=True),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+    ])
     core.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size, special_tokens=SPECIAL, show_progress=False,
@@ -60,100 +94,180 @@ def build_tokenizer(corpus: list[str], vocab_size: int):
     )
     core.train_from_iterator(corpus, trainer)
     tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=core, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-        additional_special_tokens=SPECIAL[:2],
+        tokenizer_object=core, eos_token=EOS, pad_token=PAD, additional_special_tokens=SPECIAL[:2],
     )
     tokenizer.chat_template = CHAT_TEMPLATE
-    return tokenizer
+    tokenizer.save_pretrained(out)
+    # Train with the tokenizer users will load (transformers picks the class from the files).
+    return AutoTokenizer.from_pretrained(out)
 
 
-def prompt_ids(tokenizer, problem: dict) -> list[int]:
-    ids = tokenizer.apply_chat_template(
-        [{"role": "user", "content": problem["prompt"] + INSTRUCTION}], add_generation_prompt=True,
-        tokenize=True,
-    )
-    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+def prompt_ids(tokenizer: Any, problem: dict[str, str]) -> list[int]:
+    """Exactly what ``arbor train`` feeds the policy for this problem."""
+    return format_prompt(problem, DATA_CFG, tokenizer, chat_template=True)
+
+
+def answer_ids(tokenizer: Any, problem: dict[str, str]) -> list[int]:
+    return list(tokenizer(problem["solution"], add_special_tokens=False)["input_ids"]) + [tokenizer.eos_token_id]
 
 
 @torch.no_grad()
-def accuracy(model, tokenizer, problems: list[dict], max_new_tokens: int = 24) -> float:
-    """Greedy answers checked by exact match of the boxed number."""
-    correct = 0
-    for problem in problems:
-        ids = torch.tensor([prompt_ids(tokenizer, problem)])
-        out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False,
-                             eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
-        text = tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
-        correct += f"\\boxed{{{problem['answer']}}}" in text
-    return correct / len(problems)
+def evaluate(model: Any, tokenizer: Any, problems: Sequence[dict[str, str]], samples: int,
+             seed: int, max_new_tokens: int = 32) -> dict[str, float]:
+    """Accuracy (exact match of the last boxed number) and format rate of ``samples``
+    completions per problem at temperature 1.0 (``samples=0``: one greedy completion).
+
+    Prompts of equal length go in one batch, so no padding is involved."""
+    from arbor.answers import last_boxed
+
+    generator = torch.Generator().manual_seed(seed)
+    groups: dict[int, list[tuple[dict[str, str], list[int]]]] = defaultdict(list)
+    for p in problems:
+        ids = prompt_ids(tokenizer, p)
+        groups[len(ids)].append((p, ids))
+    eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
+    correct = formatted = total = 0
+    lengths: list[int] = []
+    for _, group in sorted(groups.items()):
+        for start in range(0, len(group), 64):
+            chunk = group[start:start + 64]
+            reps = max(samples, 1)
+            x = torch.tensor([ids for _, ids in chunk for _ in range(reps)])
+            done = torch.zeros(len(x), dtype=torch.bool)
+            past, inp, out = None, x, []
+            for _ in range(max_new_tokens):
+                res = model(input_ids=inp, past_key_values=past, use_cache=True)
+                past, logits = res.past_key_values, res.logits[:, -1].float()
+                if samples:
+                    nxt = torch.multinomial(torch.softmax(logits, -1), 1, generator=generator)[:, 0]
+                else:
+                    nxt = logits.argmax(-1)
+                nxt = torch.where(done, torch.full_like(nxt, pad), nxt)
+                out.append(nxt)
+                done |= nxt == eos
+                if done.all():
+                    break
+                inp = nxt[:, None]
+            gen = torch.stack(out, 1).tolist()
+            for i, toks in enumerate(gen):
+                p = chunk[i // reps][0]
+                ended = eos in toks
+                toks = toks[: toks.index(eos)] if ended else toks
+                lengths.append(len(toks) + ended)
+                text = tokenizer.decode(toks, skip_special_tokens=True)
+                boxed = last_boxed(text)
+                correct += boxed is not None and boxed.strip() == p["answer"]
+                formatted += ended and boxed is not None and text.rstrip().endswith("}")
+                total += 1
+    return {"acc": correct / total, "format": formatted / total, "max_len": max(lengths),
+            "mean_len": sum(lengths) / len(lengths)}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default=str(REPO / "models" / "tiny-arith"))
     parser.add_argument("--data", default=str(REPO / "data" / "arith"))
-    parser.add_argument("--steps", type=int, default=300, help="SFT steps (fewer: a weaker start)")
+    parser.add_argument("--steps", type=int, default=2500, help="SFT steps at most")
+    parser.add_argument("--target-acc", type=float, default=0.35,
+                        help="stop once the sampled (T=1) validation accuracy reaches this")
+    parser.add_argument("--eval-every", type=int, default=100)
+    parser.add_argument("--val-problems", type=int, default=100, help="validation problems for early stopping")
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--max-operand", type=int, default=29)
     parser.add_argument("--vocab", type=int, default=384)
+    parser.add_argument("--hidden", type=int, default=128)
+    parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--eval-problems", type=int, default=100)
+    parser.add_argument("--eval-problems", type=int, default=200, help="test problems for the final report")
+    parser.add_argument("--eval-samples", type=int, default=8, help="samples per test problem at T=1")
     args = parser.parse_args()
 
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
+    t_start = time.monotonic()
     torch.manual_seed(args.seed)
     rng = random.Random(args.seed)
-    problems = [make_problem(rng, i) for i in range(4000)]
-    train, test = problems[:3800], problems[3800:]
+    problems = make_problems(args.seed, args.max_operand)
+    # Four disjoint splits: test (reported), valid (early stopping), train (the RL run's
+    # problems, never seen in SFT, so RL has to generalise too) and sft (the warm-up's).
+    n_test, n_valid = min(200, len(problems) // 5), min(100, len(problems) // 10)
+    n_train = (len(problems) - n_test - n_valid) * 2 // 5
+    test, valid = problems[:n_test], problems[n_test:n_test + n_valid]
+    train = problems[n_test + n_valid:n_test + n_valid + n_train]
+    sft = problems[n_test + n_valid + n_train:]
     data = Path(args.data)
     data.mkdir(parents=True, exist_ok=True)
-    for name, rows in (("train", train), ("test", test)):
+    for name, rows in (("train", train), ("test", test), ("sft", sft)):
         with (data / f"{name}.jsonl").open("w") as f:
             for p in rows:
                 f.write(json.dumps({k: p[k] for k in ("id", "prompt", "answer")}) + "\n")
 
-    corpus = [p["prompt"] + INSTRUCTION + " " + p["solution"] for p in train]
     out = Path(args.out)
-    build_tokenizer(corpus, args.vocab).save_pretrained(out)
-    # Train with the tokenizer users will load: transformers 5 loads it as Qwen2Tokenizer,
-    # whose own pre-tokenizer (digits one by one) differs from the one it was trained with.
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(out)
+    corpus = [CHAT_TEMPLATE] + [f"user\n{p['prompt']}{PROMPT_SUFFIX}\nassistant\n{p['solution']}" for p in problems]
+    tokenizer = build_tokenizer(corpus, args.vocab, out)
     config = Qwen2Config(
-        vocab_size=len(tokenizer), hidden_size=128, intermediate_size=384, num_hidden_layers=4,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-        tie_word_embeddings=True, eos_token_id=tokenizer.eos_token_id,
+        vocab_size=len(tokenizer), hidden_size=args.hidden, intermediate_size=3 * args.hidden,
+        num_hidden_layers=args.layers, num_attention_heads=args.hidden // 32, num_key_value_heads=args.hidden // 32,
+        max_position_embeddings=256, tie_word_embeddings=True, eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id, bos_token_id=None, attn_implementation="sdpa",
     )
     model = Qwen2ForCausalLM(config)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 20))
-    eos = tokenizer.eos_token_id
-    print(f"model: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, vocab {len(tokenizer)}")
+    n_params = sum(p.numel() for p in model.parameters())
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01, betas=(0.9, 0.98))
+    warmup = min(100, max(args.steps // 10, 1))
+
+    def lr_factor(step: int) -> float:  # linear warm-up, cosine decay to 10 %
+        if step < warmup:
+            return (step + 1) / warmup
+        return 0.1 + 0.45 * (1 + math.cos(math.pi * (step - warmup) / max(args.steps - warmup, 1)))
+
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
+    print(f"model: {n_params / 1e6:.2f}M parameters, vocab {len(tokenizer)}; "
+          f"{len(sft)} sft / {len(train)} train / {len(test)} test problems, operands ≤ {args.max_operand}", flush=True)
+    encoded = {p["id"]: (prompt_ids(tokenizer, p), answer_ids(tokenizer, p)) for p in sft}
+    first_loss = last_loss = float("nan")
     t0 = time.monotonic()
-    model.train()
     for step in range(args.steps):
-        batch = rng.sample(train, args.batch)
-        trees = [
-            RolloutTree.from_sequences(prompt_ids(tokenizer, p), [tokenizer(p["solution"])["input_ids"] + [eos]])
-            for p in batch
-        ]
+        model.train()
+        batch = rng.sample(sft, args.batch)
+        trees = [RolloutTree.from_sequences(encoded[p["id"]][0], [encoded[p["id"]][1]]) for p in batch]
         loss = sft_loss(model, trees)
         optimizer.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         schedule.step()
-        if step % 50 == 0 or step == args.steps - 1:
-            print(f"step {step:4d}/{args.steps}  loss {loss.item():.3f}  {time.monotonic() - t0:.0f} s", flush=True)
+        last_loss = loss.item()
+        if step == 0:
+            first_loss = last_loss
+        done = step == args.steps - 1
+        if (step + 1) % args.eval_every == 0 or done:
+            model.eval()
+            val = evaluate(model, tokenizer, valid[: args.val_problems], samples=4, seed=args.seed)
+            print(f"step {step + 1:5d}/{args.steps}  loss {last_loss:.3f}  lr {schedule.get_last_lr()[0]:.1e}  "
+                  f"val sampled acc {val['acc']:.2f} format {val['format']:.2f}  "
+                  f"{time.monotonic() - t0:.0f} s", flush=True)
+            if val["acc"] >= args.target_acc:
+                print(f"reached --target-acc {args.target_acc}: stopping at step {step + 1}", flush=True)
+                break
+    print(f"loss: first {first_loss:.3f} last {last_loss:.3f}", flush=True)
+
     model.eval()
-    acc = accuracy(model, tokenizer, test[: args.eval_problems])
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.save_pretrained(out)
     model.generation_config.save_pretrained(out)
-    print(f"greedy accuracy on {args.eval_problems} held-out problems: {acc:.2f}")
-    print(f"saved {out} ({sum(f.stat().st_size for f in out.iterdir()) / 2**20:.1f} MiB) and {data}")
+    evaluated = test[: args.eval_problems]
+    sampled = evaluate(model, tokenizer, evaluated, samples=args.eval_samples, seed=args.seed + 1)
+    greedy = evaluate(model, tokenizer, evaluated, samples=0, seed=args.seed)
+    size = sum(f.stat().st_size for f in out.iterdir()) / 2**20
+    print(f"{len(evaluated)} test problems: sampled (T=1, {args.eval_samples} each) acc {sampled['acc']:.3f} "
+          f"format {sampled['format']:.3f} answer tokens mean {sampled['mean_len']:.1f} max {sampled['max_len']}; "
+          f"greedy acc {greedy['acc']:.3f} format {greedy['format']:.3f}")
+    print(f"saved {out} ({size:.1f} MiB) and {data}")
+    print(f"RESULT sampled_acc={sampled['acc']:.3f} greedy_acc={greedy['acc']:.3f} params={n_params} "
+          f"build_s={time.monotonic() - t_start:.0f}", flush=True)
 
 
 if __name__ == "__main__":

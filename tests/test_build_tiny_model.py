@@ -1,32 +1,68 @@
 """scripts/build_tiny_model.py makes a model directory transformers loads, and problem files."""
 
+import importlib.util
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from arbor.config import DataConfig
+from arbor.data import format_prompt
+
 REPO = Path(__file__).resolve().parents[1]
+# What configs/quickstart.yaml sets: data.chat_template true, no system prompt, this suffix.
+QUICKSTART_SUFFIX = " Put the answer in \\boxed{}."
+
+
+def _script():
+    spec = importlib.util.spec_from_file_location("build_tiny_model", REPO / "scripts/build_tiny_model.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def test_builder_writes_loadable_model_and_data(tmp_path):
     out, data = tmp_path / "model", tmp_path / "data"
     run = subprocess.run(
-        [sys.executable, str(REPO / "scripts/build_tiny_model.py"), "--steps", "3", "--batch", "4",
-         "--eval-problems", "2", "--out", str(out), "--data", str(data)],
+        [sys.executable, str(REPO / "scripts/build_tiny_model.py"), "--steps", "30", "--batch", "8",
+         "--hidden", "64", "--layers", "2", "--eval-every", "1000", "--val-problems", "4",
+         "--eval-problems", "4", "--eval-samples", "2", "--out", str(out), "--data", str(data)],
         capture_output=True, text=True, timeout=300,
     )
     assert run.returncode == 0, run.stderr[-3000:]
-    assert "greedy accuracy on 2 held-out problems" in run.stdout
+    first, last = map(float, re.search(r"loss: first ([\d.]+) last ([\d.]+)", run.stdout).groups())
+    assert last < 0.7 * first, run.stdout
+    assert re.search(r"^RESULT sampled_acc=[\d.]+ greedy_acc=[\d.]+ params=\d+ build_s=\d+$", run.stdout, re.M)
+
     tokenizer = AutoTokenizer.from_pretrained(out)
     model = AutoModelForCausalLM.from_pretrained(out)
     assert model.config.vocab_size == len(tokenizer) and model.config.eos_token_id == tokenizer.eos_token_id
-    assert tokenizer.decode(tokenizer("What is 37+48? \\boxed{85}")["input_ids"]) == "What is 37+48? \\boxed{85}"
-    ids = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True,
-                                        tokenize=False)
-    assert ids.endswith("<|im_start|>assistant\n")
-    rows = [json.loads(line) for line in (data / "train.jsonl").read_text().splitlines()]
-    assert len(rows) == 3800 and set(rows[0]) == {"id", "prompt", "answer"}
-    a, op, b = rows[0]["prompt"].removeprefix("What is ").removesuffix("?").partition("+" if "+" in rows[0]["prompt"] else "-")
-    assert str(int(a) + int(b) if op == "+" else int(a) - int(b)) == rows[0]["answer"]
+    assert tokenizer.eos_token == "<|im_end|>" and model.generation_config.eos_token_id == tokenizer.eos_token_id
+    text = "What is 37+48? \\boxed{85}"
+    assert tokenizer.decode(tokenizer(text)["input_ids"]) == text
+    assert tokenizer.tokenize("1234") == ["1", "2", "3", "4"]  # digits one per token
+
+    # The SFT prompts are exactly what `arbor train` feeds the policy with the quickstart's data config.
+    script = _script()
+    assert script.PROMPT_SUFFIX == QUICKSTART_SUFFIX
+    problem = {"id": "p", "prompt": "What is 37+48?", "answer": "85", "solution": "37+48=85 \\boxed{85}"}
+    rl_ids = format_prompt(problem, DataConfig(prompt_suffix=QUICKSTART_SUFFIX, system_prompt=None), tokenizer,
+                           chat_template=True)
+    assert script.prompt_ids(tokenizer, problem) == rl_ids
+    chat = f"<|im_start|>user\nWhat is 37+48?{QUICKSTART_SUFFIX}<|im_end|>\n<|im_start|>assistant\n"
+    assert rl_ids == tokenizer(chat, add_special_tokens=False)["input_ids"]
+    # ...and the SFT target ends with the eos the sampler stops on.
+    answer = script.answer_ids(tokenizer, problem)
+    assert answer[-1] == tokenizer.eos_token_id and tokenizer.decode(answer[:-1]) == problem["solution"]
+
+    splits = {name: [json.loads(line) for line in (data / f"{name}.jsonl").read_text().splitlines()]
+              for name in ("train", "test", "sft")}
+    assert all(rows and set(rows[0]) == {"id", "prompt", "answer"} for rows in splits.values())
+    prompts = [{r["prompt"] for r in rows} for rows in splits.values()]
+    assert sum(map(len, prompts)) == len(set.union(*prompts))  # disjoint splits
+    for row in splits["train"][:50]:
+        a, op, b = re.fullmatch(r"What is (\d+)([+-])(\d+)\?", row["prompt"]).groups()
+        assert str(int(a) + int(b) if op == "+" else int(a) - int(b)) == row["answer"]
