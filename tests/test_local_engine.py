@@ -44,6 +44,23 @@ def test_radix_cache_match_split_and_lru_eviction():
     assert cache.num_tokens == 0 and cache.match([1, 2]).length == 0
 
 
+def test_radix_hit_is_edge_views_and_upto_truncates():
+    cache = RadixKVCache(max_tokens=100)
+    cache.insert([1, 2, 3, 4], *kv([1, 2, 3, 4]))
+    cache.insert([1, 2, 7, 8], *kv([1, 2, 7, 8]))  # edges [1, 2] | [3, 4] and [7, 8]
+    hit = cache.match([1, 2, 3, 4, 5])
+    assert hit.length == 4 and [p.shape[1] for p in hit.key_parts[0]] == [2, 2]
+    assert hit.keys[0].flatten().tolist() == [1.0, 2.0, 3.0, 4.0]
+    head = hit.upto(3)  # all but the last token, as a fork's row needs
+    assert head.length == 3 and [p.shape[1] for p in head.value_parts[1]] == [2, 1]
+    assert head.values[1].flatten().tolist() == [-2.0, -3.0, -4.0]
+    cache.insert([9] * 99, *kv([9] * 99))  # evicts the [1, 2, ...] edges: the views live on
+    assert cache.match([1, 2]).length == 0
+    assert head.keys[0].flatten().tolist() == [1.0, 2.0, 3.0]
+    with pytest.raises(ValueError, match="covers 3"):
+        head.upto(4)
+
+
 def test_sample_top_k_top_p_and_logprob_semantics():
     logits = torch.tensor([2.0, 1.0, 0.5, -1.0])
     gen = torch.Generator().manual_seed(0)

@@ -24,6 +24,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+RowKV = torch.Tensor | list[torch.Tensor]  # one layer's [H_kv, T, D], or consecutive parts
+
 
 class DecodeBatch:
     """Per-layer KV of the rows being decoded, in buffers written in place."""
@@ -48,18 +50,21 @@ class DecodeBatch:
         """``arange(B)`` on the batch's device (a view)."""
         return self._rows[: self.size]
 
-    def add(self, rows_kv: list[tuple[list[torch.Tensor], list[torch.Tensor]]]) -> None:
-        """Append rows given as (keys, values), per layer ``[H_kv, T_i, D]``."""
+    def add(self, rows_kv: list[tuple[list[RowKV], list[RowKV]]]) -> None:
+        """Append rows given as (keys, values), per layer ``[H_kv, T_i, D]`` or a list of
+        consecutive parts of it (a radix-cache hit's edges: concatenated straight into
+        the buffer, no intermediate copy)."""
         if not rows_kv:
             return
-        lengths = [keys[0].shape[1] for keys, _ in rows_kv]
+        lengths = [sum(p.shape[1] for p in _parts(keys[0])) for keys, _ in rows_kv]
         first = self.size
-        self._reserve(first + len(rows_kv), max(lengths) + 1, len(rows_kv[0][0]), rows_kv[0][0][0])
-        for b, (keys, values) in enumerate(rows_kv, start=first):
+        like = _parts(rows_kv[0][0][0])[0]
+        self._reserve(first + len(rows_kv), max(lengths) + 1, len(rows_kv[0][0]), like)
+        for b, (keys, values), length in zip(range(first, first + len(rows_kv)), rows_kv, lengths):
             for buffer, k in zip(self.keys, keys):
-                buffer[b, :, : k.shape[1]] = k
+                torch.cat(_parts(k), dim=1, out=buffer[b, :, :length])
             for buffer, v in zip(self.values, values):
-                buffer[b, :, : v.shape[1]] = v
+                torch.cat(_parts(v), dim=1, out=buffer[b, :, :length])
         self.lengths += lengths
         self._lengths[first : self.size] = torch.tensor(lengths, device=self.device)
 
@@ -274,6 +279,10 @@ def _linear(module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def _parts(kv: RowKV) -> list[torch.Tensor]:
+    return kv if isinstance(kv, list) else [kv]
 
 
 def _round_up(value: int, multiple: int) -> int:

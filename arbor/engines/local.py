@@ -381,7 +381,8 @@ class LocalEngine:
         if len(prompt) > 1 and hit.length >= len(prompt) - 1:
             cached = len(prompt) - 1
             self.stats.cached_tokens += cached
-            kv = ([k[:, :cached] for k in hit.keys], [v[:, :cached] for v in hit.values])
+            prefix = hit.upto(cached)  # views into the cache, copied once into the batch
+            kv = (prefix.key_parts, prefix.value_parts)
             return [(_Row(job, fork, g, cached), kv) for fork, g in enumerate(generators)]
         keys, values, logits, cached = self._prefill(prompt, hit)
         forks = []
@@ -395,9 +396,9 @@ class LocalEngine:
     def _prefill(self, prompt: list[int], hit: PrefixHit):
         """KV of ``prompt`` (per layer ``[H, T, D]``), last-position logits ``[V]``, cached count."""
         cached = min(hit.length, len(prompt) - 1)  # the last token is recomputed for its logits
+        prefix = hit.upto(cached)
         past = make_cache(
-            [k[:, :cached].unsqueeze(0) for k in hit.keys] if cached else [],
-            [v[:, :cached].unsqueeze(0) for v in hit.values] if cached else [],
+            [k.unsqueeze(0) for k in prefix.keys], [v.unsqueeze(0) for v in prefix.values]
         )
         rest = torch.tensor([prompt[cached:]], device=self.device)
         positions = torch.arange(cached, len(prompt), device=self.device).unsqueeze(0)

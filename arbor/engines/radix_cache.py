@@ -9,10 +9,12 @@ whose prefix is cached computes only the rest (SGLang's radix cache, in miniatur
     cache.insert([5, 6, 7], keys, values)      # keys[l]: [H_kv, 3, D]
     hit = cache.match([5, 6, 9])               # hit.length == 2, hit.keys[l]: [H_kv, 2, D]
 
-Matching copies the prefix KV out (``torch.cat``), so a request never holds a reference
-into the trie: every node is evictable at any time and eviction needs no reference
-counts. The bound counts cached tokens (one token = its K and V in every layer);
-least-recently-used leaves are evicted first.
+A hit holds the prefix KV as the edges' slices (views; ``hit.keys`` concatenates them),
+so the engine copies them once, straight into its decode buffers. Holding a view never
+pins the trie: edges' tensors are never written after insertion (insert clones, a split
+slices, eviction only unlinks), so every node is evictable at any time and eviction
+needs no reference counts. The bound counts cached tokens (one token = its K and V in
+every layer); least-recently-used leaves are evicted first.
 """
 
 from __future__ import annotations
@@ -36,8 +38,27 @@ class _Node:
 @dataclass
 class PrefixHit:
     length: int  # number of leading prompt tokens found in the cache
-    keys: list[torch.Tensor]  # per layer [H_kv, length, D] (fresh tensors, not views)
-    values: list[torch.Tensor]  # per layer [H_kv, length, D]
+    key_parts: list[list[torch.Tensor]]  # per layer, the edges' [H_kv, t_i, D] (Σ t_i = length)
+    value_parts: list[list[torch.Tensor]]  # per layer, as key_parts
+
+    @property
+    def keys(self) -> list[torch.Tensor]:
+        """Per layer ``[H_kv, length, D]`` (fresh tensors)."""
+        return [torch.cat(parts, dim=1) for parts in self.key_parts]
+
+    @property
+    def values(self) -> list[torch.Tensor]:
+        return [torch.cat(parts, dim=1) for parts in self.value_parts]
+
+    def upto(self, length: int) -> PrefixHit:
+        """The hit's first ``length`` tokens (views)."""
+        if length > self.length:
+            raise ValueError(f"the hit covers {self.length} tokens, asked for {length}")
+        return PrefixHit(
+            length,
+            [_first(parts, length) for parts in self.key_parts],
+            [_first(parts, length) for parts in self.value_parts],
+        )
 
 
 class RadixKVCache:
@@ -76,13 +97,11 @@ class RadixKVCache:
         if pos == 0:
             return PrefixHit(0, [], [])
         num_layers = len(key_parts[0])
-        keys = [
-            torch.cat([part[layer] for part in key_parts], dim=1) for layer in range(num_layers)
-        ]
-        values = [
-            torch.cat([part[layer] for part in value_parts], dim=1) for layer in range(num_layers)
-        ]
-        return PrefixHit(pos, keys, values)
+        return PrefixHit(
+            pos,
+            [[part[layer] for part in key_parts] for layer in range(num_layers)],
+            [[part[layer] for part in value_parts] for layer in range(num_layers)],
+        )
 
     def insert(
         self, tokens: list[int], keys: list[torch.Tensor], values: list[torch.Tensor]
@@ -150,8 +169,21 @@ class RadixKVCache:
         return out
 
 
+def _first(parts: list[torch.Tensor], length: int) -> list[torch.Tensor]:
+    """The leading ``length`` tokens of consecutive parts ``[H_kv, t_i, D]``."""
+    out = []
+    for part in parts:
+        if length <= 0:
+            break
+        out.append(part[:, :length])
+        length -= part.shape[1]
+    return out
+
+
 def _common_length(edge: tuple[int, ...], tokens: list[int], start: int) -> int:
     n = min(len(edge), len(tokens) - start)
+    if edge[:n] == tuple(tokens[start : start + n]):  # the usual case, compared in C
+        return n
     i = 0
     while i < n and edge[i] == tokens[start + i]:
         i += 1
