@@ -165,7 +165,8 @@ class LlamaDecoder:
 
     @classmethod
     def supports(cls, model: torch.nn.Module) -> bool:
-        """Llama-family layout with full attention in every layer (no sliding window)."""
+        """Llama-family layout with full attention in every layer (no sliding window)
+        and one attention scale."""
         base = getattr(model, "model", None)
         if getattr(model.config, "model_type", None) not in cls.model_types or base is None:
             return False
@@ -179,7 +180,9 @@ class LlamaDecoder:
                 return False
             if not all(hasattr(attn, name) for name in ("q_proj", "k_proj", "v_proj", "o_proj")):
                 return False
-        return hasattr(model, "lm_head")
+        # One score scale for all layers: it is folded into the queries' rotary once a step.
+        scales = {getattr(layer.self_attn, "scaling", None) for layer in base.layers}
+        return hasattr(model, "lm_head") and len(scales) == 1 and None not in scales
 
     @torch.no_grad()
     def __call__(self, batch: DecodeBatch, tokens: torch.Tensor) -> torch.Tensor:
@@ -190,6 +193,11 @@ class LlamaDecoder:
         lengths, rows = batch.length_tensor(), batch.row_index()
         hidden = base.embed_tokens(tokens)  # [B, E]
         cos, sin = base.rotary_emb(hidden, lengths[:, None])  # [B, 1, D]: the row's position
+        # Rotary as x * cos + roll(x, D/2) * (-sin | sin): rotate_half in one op.
+        half = self.head_dim // 2
+        sin = torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)
+        scale = base.layers[0].self_attn.scaling
+        cos_q, sin_q = cos * scale, sin * scale  # the score scale, applied once to q
         # Row b attends to its own positions 0..lengths[b] (the last one is the new token).
         hidden_cols = torch.arange(width, device=tokens.device) > lengths[:, None]  # [B, W]
         bias = torch.zeros(hidden_cols.shape, dtype=hidden.dtype, device=tokens.device)
@@ -202,15 +210,14 @@ class LlamaDecoder:
             v = _linear(attn.v_proj, h).view(-1, self.num_kv_heads, self.head_dim)
             if hasattr(attn, "q_norm"):  # Qwen3: per-head RMSNorm before rotary
                 q, k = attn.q_norm(q), attn.k_norm(k)
-            q = q * cos + _rotate_half(q) * sin  # [B, H, D]
-            keys[rows, :, lengths] = k * cos + _rotate_half(k) * sin
+            q = torch.addcmul(q * cos_q, q.roll(half, -1), sin_q)  # [B, H, D], scaled
+            keys[rows, :, lengths] = torch.addcmul(k * cos, k.roll(half, -1), sin)
             values[rows, :, lengths] = v
             out = _attend(
                 q.view(-1, self.num_kv_heads, self.num_heads // self.num_kv_heads, self.head_dim),
                 keys[: len(rows), :, :width],
                 values[: len(rows), :, :width],
                 bias,
-                attn.scaling,
             )
             hidden = hidden + _linear(attn.o_proj, out.reshape(len(rows), -1))
             hidden = hidden + layer.mlp(_rms_norm(layer.post_attention_layernorm, hidden))
@@ -252,15 +259,16 @@ class HFDecoder:
 
 
 def _attend(
-    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor, scale: float
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor
 ) -> torch.Tensor:
     """Grouped-query attention of one new token per row.
 
-    q ``[B, H_kv, G, D]`` (query head ``j * G + g`` reads KV head ``j``, as ``repeat_kv``),
+    q ``[B, H_kv, G, D]``, already scaled (query head ``j * G + g`` reads KV head ``j``, as
+    ``repeat_kv``),
     keys/values ``[B, H_kv, W, D]``, bias ``[B, 1, 1, W]`` (0 or -inf); returns
     ``[B, H_kv, G, D]``. Softmax in float32, as the eager attention.
     """
-    scores = torch.matmul(q, keys.transpose(-1, -2)) * scale + bias  # [B, H_kv, G, W]
+    scores = torch.matmul(q, keys.transpose(-1, -2)).add_(bias)  # [B, H_kv, G, W]
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
     return torch.matmul(probs, values)
 
@@ -274,11 +282,6 @@ def _rms_norm(norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 def _linear(module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     return F.linear(x, module.weight, module.bias)
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
 def _parts(kv: RowKV) -> list[torch.Tensor]:
