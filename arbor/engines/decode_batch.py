@@ -24,8 +24,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-RowKV = torch.Tensor | list[torch.Tensor]  # one layer's [H_kv, T, D], or consecutive parts
-
 
 class DecodeBatch:
     """Per-layer KV of the rows being decoded, in buffers written in place."""
@@ -50,21 +48,19 @@ class DecodeBatch:
         """``arange(B)`` on the batch's device (a view)."""
         return self._rows[: self.size]
 
-    def add(self, rows_kv: list[tuple[list[RowKV], list[RowKV]]]) -> None:
-        """Append rows given as (keys, values), per layer ``[H_kv, T_i, D]`` or a list of
-        consecutive parts of it (a radix-cache hit's edges: concatenated straight into
-        the buffer, no intermediate copy)."""
+    def add(self, rows_kv: list[tuple[list[torch.Tensor], list[torch.Tensor]]]) -> None:
+        """Append rows given as (keys, values), per layer ``[H_kv, T_i, D]``."""
         if not rows_kv:
             return
-        lengths = [sum(p.shape[1] for p in _parts(keys[0])) for keys, _ in rows_kv]
+        lengths = [keys[0].shape[1] for keys, _ in rows_kv]
         first = self.size
-        like = _parts(rows_kv[0][0][0])[0]
+        like = rows_kv[0][0][0]
         self._reserve(first + len(rows_kv), max(lengths) + 1, len(rows_kv[0][0]), like)
         for b, (keys, values), length in zip(range(first, first + len(rows_kv)), rows_kv, lengths):
             for buffer, k in zip(self.keys, keys):
-                torch.cat(_parts(k), dim=1, out=buffer[b, :, :length])
+                buffer[b, :, :length] = k
             for buffer, v in zip(self.values, values):
-                torch.cat(_parts(v), dim=1, out=buffer[b, :, :length])
+                buffer[b, :, :length] = v
         self.lengths += lengths
         self._lengths[first : self.size] = torch.tensor(lengths, device=self.device)
 
@@ -282,10 +278,6 @@ def _rms_norm(norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 def _linear(module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     return F.linear(x, module.weight, module.bias)
-
-
-def _parts(kv: RowKV) -> list[torch.Tensor]:
-    return kv if isinstance(kv, list) else [kv]
 
 
 def _round_up(value: int, multiple: int) -> int:

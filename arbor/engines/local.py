@@ -381,8 +381,9 @@ class LocalEngine:
         if len(prompt) > 1 and hit.length >= len(prompt) - 1:
             cached = len(prompt) - 1
             self.stats.cached_tokens += cached
-            prefix = hit.upto(cached)  # views into the cache, copied once into the batch
-            kv = (prefix.key_parts, prefix.value_parts)
+            # One concatenation per request; its forks copy it into their rows.
+            prefix = hit.upto(cached)
+            kv = (prefix.keys, prefix.values)
             return [(_Row(job, fork, g, cached), kv) for fork, g in enumerate(generators)]
         keys, values, logits, cached = self._prefill(prompt, hit)
         forks = []
