@@ -10,9 +10,10 @@ whose prefix is cached computes only the rest (SGLang's radix cache, in miniatur
     hit = cache.match([5, 6, 9])               # hit.length == 2, hit.keys[l]: [H_kv, 2, D]
 
 A hit holds the prefix KV as the edges' slices (views; ``hit.keys`` concatenates them,
-``hit.upto(n)`` cuts them without copying). Holding a view never pins the trie: edges' tensors are never written after insertion (insert clones, a split
-slices, eviction only unlinks), so every node is evictable at any time and eviction
-needs no reference counts. The bound counts cached tokens (one token = its K and V in
+``hit.upto(n)`` cuts them without copying). Holding a view never pins the trie: edges'
+tensors are never written after insertion (insert clones, a split slices, eviction only
+unlinks), so every node is evictable at any time and eviction needs no reference
+counts. The bound counts cached tokens (one token = its K and V in
 every layer); least-recently-used leaves are evicted first.
 """
 
