@@ -23,15 +23,16 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Coroutine, Sequence
+from typing import Any, TypeVar
 
 import torch
 
 from arbor.config import Config, RayConfig
 
 # Environment every actor needs: no Ray auth token files, CPU DeepSpeed where no CUDA.
-_ACTOR_ENV = ("RAY_AUTH_MODE", "DS_ACCELERATOR", "HF_HUB_OFFLINE", "PYTHONPATH", "TRANSFORMERS_OFFLINE")
+_ACTOR_ENV = ("RAY_AUTH_MODE", "DS_ACCELERATOR", "HF_HUB_OFFLINE", "PYTHONPATH", "TRANSFORMERS_OFFLINE", "PYTHONWARNINGS")
+T = TypeVar("T")
 
 
 def uses_gpu(cfg: Config) -> bool:
@@ -50,6 +51,8 @@ def start_ray(ray_cfg: RayConfig, needs_cpus: int) -> None:
     if not torch.cuda.is_available():
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     env = {k: os.environ[k] for k in _ACTOR_ENV if k in os.environ}
+    # torch.distributed's deprecation notices, once per collective, would flood the console.
+    env.setdefault("PYTHONWARNINGS", "ignore::FutureWarning")
     # Actors import arbor (and the user's rewards/agents) from the driver's directory.
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [os.getcwd(), env.get("PYTHONPATH")]))
     runtime_env = {"env_vars": env}
@@ -118,6 +121,14 @@ class Placement:
         remove_placement_group(self.group)
 
 
+async def closing(client: Any, coroutine: Coroutine[Any, Any, T]) -> T:
+    """Await ``coroutine``, then close ``client``'s HTTP session (it belongs to this event loop)."""
+    try:
+        return await coroutine
+    finally:
+        await client.close()
+
+
 def node_address() -> str:
     import ray
 
@@ -176,7 +187,8 @@ class LearnerWorker:
         if cfg.learner.weight_sync == "disk":
             self.export_hf(export_dir)
             if self.rank == 0:
-                asyncio.run(self._weight_sync(urls).push_directory(export_dir, version))
+                sync = self._weight_sync(urls)
+                asyncio.run(closing(sync.client, sync.push_directory(export_dir, version)))
             return
         named = gathered_parameters(self.learner.model, self._zero_stage())
         if self.rank != 0:
@@ -184,7 +196,8 @@ class LearnerWorker:
                 pass
             return
         buckets = named_tensor_buckets(named, cfg.learner.sync_bucket_mb)
-        asyncio.run(self._weight_sync(urls).push(buckets, version))
+        sync = self._weight_sync(urls)
+        asyncio.run(closing(sync.client, sync.push(buckets, version)))
 
     def logprob_gap(self, samples: list[tuple[list[int], list[int], list[float]]]) -> float:
         """Mean |engine − learner| logprob over probe samples (every rank: ZeRO-3 forwards are collective)."""

@@ -22,6 +22,7 @@ from arbor import checkpoint, phases
 from arbor.config import Config, save_config
 from arbor.data import ProblemStream, load_problems
 from arbor.metrics import MetricsLog
+from arbor.orchestration import closing
 
 T = TypeVar("T")
 
@@ -33,6 +34,9 @@ def train(cfg: Config, after_step: Callable[[RunContext, int, dict], None] | Non
     """
     history = []
     with RunContext(cfg) as ctx:
+        if ctx.start_step == 0 and cfg.run.eval_every and ctx.eval_problems:
+            with ctx.log.phase("eval"):  # where the policy starts
+                ctx.log.write(0, phases.evaluate(ctx, ctx.eval_problems))
         for step in range(ctx.start_step + 1, cfg.run.steps + 1):
             with ctx.log.phase("rollout"):
                 batch = phases.collect_rollouts(ctx, step)
@@ -126,14 +130,7 @@ class RunContext:
 
     def run_async(self, coroutine: Coroutine[Any, Any, T]) -> T:
         """Run a coroutine on the engine client from this synchronous loop."""
-
-        async def run() -> T:
-            try:
-                return await coroutine
-            finally:
-                await self.client.close()  # its session belongs to this event loop
-
-        return asyncio.run(run())
+        return asyncio.run(closing(self.client, coroutine))
 
     @contextmanager
     def engines_released(self) -> Iterator[None]:

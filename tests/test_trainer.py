@@ -124,3 +124,24 @@ def test_plain_torch_learner_linear_loss_and_disk_sync(run_inputs, tmp_path):
     # Linear training counts every trajectory's tokens: nothing is shared, nothing saved.
     assert metrics["train/tokens"] == metrics["train/linearised_tokens"] > 0
     assert (tmp_path / "c" / "weight-sync" / "model.safetensors").exists()
+
+
+def test_quickstart_command_runs(tmp_path):
+    """`arbor train configs/quickstart.yaml`, shortened: the README's main command stays runnable."""
+    import subprocess
+    import sys
+
+    repo = Path(__file__).resolve().parents[1]
+    out = tmp_path / "qs"
+    command = [sys.executable, "-m", "arbor", "train", "configs/quickstart.yaml", "run.steps=2", "run.eval_every=2",
+               "data.prompts_per_step=4", f"run.output_dir={out}"]
+    done = subprocess.run(command, cwd=repo, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "step 2/2" in done.stdout and "eval acc" in done.stdout
+    logged = read_metrics(out)
+    assert [m["step"] for m in logged] == [0, 1, 2] and "eval/accuracy" in logged[0]
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    exported = AutoModelForCausalLM.from_pretrained(out / "hf")  # the HF export loads as a model
+    assert exported.config.model_type == "qwen2" and AutoTokenizer.from_pretrained(out / "hf").eos_token == "<|im_end|>"
+    assert (out / "checkpoints" / "latest").read_text() == "step-000002"
