@@ -38,7 +38,8 @@ bound: 4 KB of fp32 K and V per row-token). Per batch of 4 prompts that is rough
 fixed 1.0-1.3 s in both modes; matmuls ~0.9 s (tree) vs ~1.3 s (independent), the
 part that follows ``compute_ratio``; attention ~1.2 s vs ~1.6 s, only ~1.3x apart
 because the tree saves its tokens where the KV is short. Hence ``trajps_ratio`` of about
-1.1-1.3 depending on the machine's load, against ``compute_ratio`` 1.46. Reading each
+1.0-1.15 on a loaded 2-core machine (the engine thread's own CPU time: up to ~1.3),
+against ``compute_ratio`` 1.46. Reading each
 shared prefix once per group of rows (cascade attention over the radix tree) was tried:
 with these tiny matrices the grouped matmuls and masks cost what they save, and the
 independent baseline (16 forks of one prompt) gains as much as the tree.
