@@ -53,8 +53,10 @@ def collect_rollouts(ctx: RunContext, step: int) -> Batch:
     batch = Batch(trees=[])
     for round_ in range(rounds):
         problems = ctx.stream.next_batch(target - len(batch.trees))
-        trees, stats = sample(ctx, problems, cfg.rollout, step_seed(cfg.run.seed, step, round_))
-        correct, timeouts = score_trees(ctx, trees)
+        with ctx.log.phase("rollout"):
+            trees, stats = sample(ctx, problems, cfg.rollout, step_seed(cfg.run.seed, step, round_))
+        with ctx.log.phase("reward"):
+            correct, timeouts = score_trees(ctx, trees)
         batch.sampled += trees
         batch.stats += stats
         batch.correct += correct

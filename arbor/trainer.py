@@ -36,10 +36,10 @@ def train(cfg: Config, after_step: Callable[[RunContext, int, dict], None] | Non
     with RunContext(cfg) as ctx:
         if ctx.start_step == 0 and cfg.run.eval_every and ctx.eval_problems:
             with ctx.log.phase("eval"):  # where the policy starts
-                ctx.log.write(0, phases.evaluate(ctx, ctx.eval_problems))
+                start = phases.evaluate(ctx, ctx.eval_problems)
+            ctx.log.write(0, start)
         for step in range(ctx.start_step + 1, cfg.run.steps + 1):
-            with ctx.log.phase("rollout"):
-                batch = phases.collect_rollouts(ctx, step)
+            batch = phases.collect_rollouts(ctx, step)  # times its "rollout" and "reward" phases
             metrics = phases.rollout_metrics(batch)
             if batch.trees:  # else every prompt's leaves scored the same: nothing to learn
                 with ctx.log.phase("advantage"):

@@ -69,7 +69,7 @@ def test_two_zero3_ranks_under_ray_with_arbor_serve(run_inputs, tmp_path):
     assert (tmp_path / "out" / "checkpoints" / "latest").read_text() == "step-000002"
     logged = read_metrics(tmp_path / "out")
     for key in ("reward/mean", "reward/accuracy", "response/length_mean", "tree/sharing_ratio", "tree/leaves",
-                "rollout/tokens_computed", "train/tokens_saved", "train/loss", "time/rollout_s", "time/train_s"):
+                "rollout/tokens_computed", "train/tokens_saved", "train/loss", "time/rollout_s", "time/reward_s", "time/train_s"):
         assert key in logged[-1], key
     assert [m["step"] for m in logged] == [1, 2] and history[-1]["reward/mean"] == logged[-1]["reward/mean"]
 
