@@ -314,7 +314,7 @@ class EngineWorker:
             dtype=None if cfg.model.dtype == "auto" else cfg.model.dtype,
             device=None if cfg.learner.device == "auto" else cfg.learner.device,
             extra_args=engine_args(cfg), log_dir=os.path.join(log_dir, f"engine-{index}"),
-            startup_timeout_s=cfg.engine.startup_timeout_s,
+            startup_timeout_s=cfg.engine.startup_timeout_s, gpus_per_engine=cfg.engine.tp_size,
         )
 
     def urls(self) -> list[str]:

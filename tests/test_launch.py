@@ -77,5 +77,6 @@ def test_server_command_lines():
     embedded = _command("embedded", "/m", "127.0.0.1", 5, None, [])
     assert embedded[1:] == ["-m", "arbor.engines.server", "--model", "/m", "--host", "127.0.0.1", "--port", "5"]  # fmt: skip
     assert _gpu_for(1, {"CUDA_VISIBLE_DEVICES": "4,6"}) == "6"
-    with pytest.raises(EngineLaunchError, match="needs a GPU"):
+    assert _gpu_for(1, {"CUDA_VISIBLE_DEVICES": "0,1,2,3"}, per_engine=2) == "2,3"  # tensor parallel
+    with pytest.raises(EngineLaunchError, match="needs 1 GPU"):
         _gpu_for(2, {"CUDA_VISIBLE_DEVICES": "4,6"})

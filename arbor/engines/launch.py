@@ -128,6 +128,7 @@ def launch_engines(
     log_dir: str | Path | None = None,
     startup_timeout_s: float = 600.0,
     wait: bool = True,
+    gpus_per_engine: int = 1,
 ) -> EngineHandle:
     """Start ``num_engines`` servers of ``kind`` (or adopt ``urls``) and wait until healthy.
 
@@ -165,7 +166,7 @@ def launch_engines(
             command = _command(kind, model_path, host, port, dtype, extra)
             env = dict(os.environ)
             if kind == "sglang":
-                env["CUDA_VISIBLE_DEVICES"] = _gpu_for(index, env)
+                env["CUDA_VISIBLE_DEVICES"] = _gpu_for(index, env, gpus_per_engine)
             log_file = log_root / f"engine-{index}.log"
             with open(log_file, "wb") as log:
                 process = subprocess.Popen(
@@ -196,13 +197,15 @@ def _command(
     return command + list(extra)
 
 
-def _gpu_for(index: int, env: dict[str, str]) -> str:
-    """Engine i gets the i-th visible GPU (one GPU per engine)."""
+def _gpu_for(index: int, env: dict[str, str], per_engine: int = 1) -> str:
+    """Engine i gets the i-th group of ``per_engine`` visible GPUs (its tensor-parallel ranks)."""
     visible = env.get("CUDA_VISIBLE_DEVICES")
     devices = visible.split(",") if visible else [str(i) for i in range(_cuda_count())]
-    if index >= len(devices):
-        raise EngineLaunchError(f"engine {index} needs a GPU, only {len(devices)} visible")
-    return devices[index]
+    if (index + 1) * per_engine > len(devices):
+        raise EngineLaunchError(
+            f"engine {index} needs {per_engine} GPU(s), only {len(devices)} visible for all engines"
+        )
+    return ",".join(devices[index * per_engine : (index + 1) * per_engine])
 
 
 def _cuda_count() -> int:
