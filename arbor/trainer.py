@@ -103,13 +103,13 @@ class RunContext:
             self._closers.append(self.rewards.close)
             self.log.status("starting Ray, engines and learner ranks…")
             start_ray(cfg.ray, needs_cpus=cfg.learner.num_ranks + cfg.engine.num_engines)
-            placement = Placement(cfg)
-            self._closers.append(placement.remove)
-            self.engines = EngineGroup(cfg, placement, str(out / "logs"))
+            self.placement = Placement(cfg)
+            self._closers.append(self.placement.remove)
+            self.engines = EngineGroup(cfg, self.placement, str(out / "logs"))
             self._closers.append(self.engines.shutdown)
             self.client = SGLangClient(self.engines.urls, timeout_s=cfg.engine.request_timeout_s,
                                        max_retries=cfg.engine.max_retries)
-            self.learners = LearnerGroup(cfg, placement, total_steps=cfg.run.steps * self.updates_per_step())
+            self.learners = LearnerGroup(cfg, self.placement, total_steps=cfg.run.steps * self.updates_per_step())
             self._closers.append(self.learners.shutdown)
             if previous is not None:
                 self.resume(previous)

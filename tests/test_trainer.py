@@ -145,3 +145,30 @@ def test_quickstart_command_runs(tmp_path):
     exported = AutoModelForCausalLM.from_pretrained(out / "hf")  # the HF export loads as a model
     assert exported.config.model_type == "qwen2" and AutoTokenizer.from_pretrained(out / "hf").eos_token == "<|im_end|>"
     assert (out / "checkpoints" / "latest").read_text() == "step-000002"
+
+
+def test_joins_a_ray_cluster_and_spreads_learner_ranks(run_inputs, tmp_path):
+    """`ray.address` joins a running cluster (two nodes here, on one machine); ranks spread
+    over the nodes find each other through rank 0's node address, engines bind theirs."""
+    import ray
+    from ray.cluster_utils import Cluster
+
+    ray.shutdown()  # a local instance of an earlier test
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2})
+    try:
+        cluster.add_node(num_cpus=2)
+        root, model, data = run_inputs
+        cfg = config(root, model, data, tmp_path / "d", f"ray.address={cluster.address}", "learner.num_ranks=2",
+                     "ray.placement_strategy=SPREAD", "run.steps=1")
+        nodes = []
+
+        def check(ctx, step, metrics):
+            placement = ray.util.placement_group_table(ctx.placement.group)
+            nodes.extend(placement["bundles_to_node_id"].values())
+            assert metrics["sync/logprob_gap"] <= 1e-4
+
+        train(cfg, after_step=check)
+        assert len(set(nodes)) == 2  # the three bundles (2 learner ranks, 1 engine) use both nodes
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
