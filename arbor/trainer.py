@@ -113,6 +113,15 @@ class RunContext:
             self._closers.append(self.learners.shutdown)
             if previous is not None:
                 self.resume(previous)
+            elif cfg.run.resume:
+                print(f"arbor train: run.resume=true but {out} has no checkpoint yet: starting at step 1")
+            le = cfg.learner
+            print(
+                f"arbor train: {cfg.run.name}, steps {self.start_step + 1}..{cfg.run.steps} -> {out}; "
+                f"engines {', '.join(self.engines.urls)}; {le.num_ranks} learner rank(s), "
+                + (f"DeepSpeed ZeRO-{le.zero_stage}" if le.backend == "deepspeed" else "plain torch"),
+                flush=True,
+            )
         except BaseException:
             self.close()
             raise
