@@ -175,6 +175,25 @@ class RayConfig:
 
 
 @dataclass
+class SftConfig:
+    """``arbor sft``: supervised fine-tuning on conversations or trees of branches (jsonl)."""
+
+    train_path: str = "data/sft/train.jsonl"
+    epochs: int = 1
+    batch_size: int = 32  # examples (conversations or trees) per optimizer step
+    normalize: Literal["token", "sequence"] = "token"
+
+
+@dataclass
+class EvalConfig:
+    """``arbor eval`` and the trainer's periodic eval: accuracy through the engines."""
+
+    path: str | None = None  # jsonl problems; None: data.eval_path
+    samples: int = 1  # answers per problem (k of pass@k / maj@k)
+    temperature: float = 0.0  # 0: greedy (then samples must be 1)
+
+
+@dataclass
 class RunConfig:
     name: str = "arbor"
     output_dir: str = "runs/arbor"
@@ -200,6 +219,8 @@ class Config:
     optim: OptimConfig = field(default_factory=OptimConfig)
     learner: LearnerConfig = field(default_factory=LearnerConfig)
     ray: RayConfig = field(default_factory=RayConfig)
+    sft: SftConfig = field(default_factory=SftConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     run: RunConfig = field(default_factory=RunConfig)
     # Where the config was loaded from (not a key): relative extension specs resolve here.
     source: str | None = field(default=None, compare=False, repr=False)
