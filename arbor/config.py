@@ -188,9 +188,15 @@ class SftConfig:
 class EvalConfig:
     """``arbor eval`` and the trainer's periodic eval: accuracy through the engines."""
 
-    path: str | None = None  # jsonl problems; None: data.eval_path
+    # The set `arbor eval` scores; None: data.eval_path (the trainer scores data.eval_path).
+    path: str | None = None
+    max_problems: int = 0  # the first N problems of the set; 0: all
     samples: int = 1  # answers per problem (k of pass@k / maj@k)
     temperature: float = 0.0  # 0: greedy (then samples must be 1)
+    top_p: float = 1.0
+    max_response_tokens: int | None = None  # None: rollout.segment_tokens · rollout.max_depth
+    output: str | None = None  # `arbor eval`'s JSON report; None: <run.output_dir>/eval.json
+    step: int = 0  # `arbor eval`'s TensorBoard step (e.g. the evaluated checkpoint's step)
 
 
 @dataclass
@@ -472,6 +478,17 @@ def validate(cfg: Config, where: str = "<config>") -> None:
         "learner.attention",
         "flex needs CUDA (FlexAttention has no backward on CPU); use blocks or auto",
     )
+
+    ev = cfg.eval
+    need(ev.max_problems >= 0, "eval.max_problems", f"must be ≥ 0 (0: all), got {ev.max_problems}")
+    need(ev.samples >= 1, "eval.samples", f"must be ≥ 1, got {ev.samples}")
+    need(ev.temperature >= 0, "eval.temperature", f"must be ≥ 0 (0: greedy), got {ev.temperature}")
+    need(ev.temperature > 0 or ev.samples == 1, "eval.samples",
+         f"must be 1 with eval.temperature: 0 (greedy answers are all the same), got {ev.samples}")
+    need(0 < ev.top_p <= 1, "eval.top_p", f"must be in (0, 1], got {ev.top_p}")
+    need(ev.max_response_tokens is None or ev.max_response_tokens >= 1, "eval.max_response_tokens",
+         f"must be ≥ 1 or null (rollout's budget), got {ev.max_response_tokens}")
+    need(ev.step >= 0, "eval.step", f"must be ≥ 0, got {ev.step}")
 
     need(cfg.data.prompts_per_step >= 1, "data.prompts_per_step", "must be ≥ 1")
     need(cfg.data.max_prompt_tokens >= 1, "data.max_prompt_tokens", "must be ≥ 1")
