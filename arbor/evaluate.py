@@ -1,0 +1,331 @@
+"""``arbor eval CONFIG``: pass@k, maj@k and response length of a model on a jsonl set.
+
+    arbor eval configs/quickstart.yaml                                  # greedy accuracy
+    arbor eval configs/quickstart.yaml eval.samples=8 eval.temperature=1.0 \\
+        model.path=runs/quickstart/hf eval.output=runs/quickstart/eval-hf.json
+
+It starts the engine(s) of ``engine``/``model`` (no Ray), samples ``eval.samples`` answers
+per problem of ``eval.path`` (default ``data.eval_path``), scores them with
+``reward.functions``, prints a summary and writes ``<run.output_dir>/eval.json`` (metrics
+plus one record per problem) and TensorBoard scalars under
+``<run.output_dir>/tensorboard/eval``. The trainer calls :func:`run_eval` every
+``run.eval_every`` steps (``arbor.phases.evaluate``) and logs the same ``eval/*`` metrics.
+
+In code, with any :class:`~arbor.engines.types.RolloutEngine` and a reward pool:
+
+    report = run_eval(engine, rewards, problems, prompts, cfg.eval, cfg.rollout, decode=decode)
+    report.metrics["eval/pass@4"], report.problems[0].majority
+
+Definitions (n = k = ``eval.samples`` answers per problem, c of them correct):
+- a sample is **correct** when the first reward term scores it > 0 (as in training);
+- ``eval/accuracy``: mean correctness over all samples (= the unbiased pass@1);
+- ``eval/pass@k``: mean over problems of 1 − C(n−c, k)/C(n, k), which with n = k is the
+  fraction of problems with at least one correct sample;
+- ``eval/maj@k``: fraction of problems whose majority answer is correct. A sample's answer
+  is its last ``\\boxed{}`` with whitespace and enclosing ``$`` removed (samples without one
+  do not vote); the most frequent answer wins, ties go to the answer given first, and it
+  counts as correct when the first sample giving it is correct. Answers are compared as
+  strings: ``0.5`` and ``\\frac12`` vote apart even though the reward accepts both;
+- ``eval/length_mean`` / ``eval/length_max``: response tokens per sample (EOS included);
+- ``eval/finished``: samples that ended on EOS; ``eval/answered``: samples with an answer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import re
+import sys
+import time
+from collections.abc import Callable, Coroutine, Sequence
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+
+from arbor.answers import last_boxed
+from arbor.config import Config, EvalConfig, RolloutConfig
+from arbor.engines.types import RolloutEngine
+from arbor.rewards import Item, RewardPool, RewardTerm, ScoreResult
+from arbor.sampler import sample_trees
+from arbor.tree import RolloutTree
+
+if TYPE_CHECKING:
+    from arbor.engines.launch import EngineHandle
+
+
+class Scorer(Protocol):
+    """What scoring needs: :class:`arbor.rewards.RewardPool` is one."""
+
+    def score(self, items: Sequence[Item], on_progress: Callable[[int, int], None] | None = None) -> ScoreResult: ...
+
+
+@dataclass
+class SampleRecord:
+    """One answer to a problem."""
+
+    response: str
+    answer: str | None  # normalised last \boxed{} content; None: no (well-formed) box
+    reward: float  # Σ weight · term
+    correct: bool  # first reward term > 0
+    tokens: int  # response length
+    finish_reason: str  # "stop" (EOS) | "max_length" | "repetition" | "abort"
+
+
+@dataclass
+class ProblemRecord:
+    """A problem's samples and its verdicts."""
+
+    id: str
+    gold: Any
+    samples: list[SampleRecord]
+    correct: int  # c: correct samples
+    pass_at_k: float  # 1 − C(n−c, k)/C(n, k)
+    majority: str | None  # the winning answer; None when no sample has one
+    majority_correct: bool
+
+
+@dataclass
+class EvalReport:
+    k: int
+    metrics: dict[str, float]  # eval/accuracy, eval/pass@k, eval/maj@k, eval/length_mean, ...
+    problems: list[ProblemRecord]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"k": self.k, "metrics": self.metrics, "problems": [asdict(p) for p in self.problems]}
+
+
+# -- the metrics: pure functions ----------------------------------------------------------
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Chance that k of the n samples, drawn without replacement, hold a correct one.
+
+    The unbiased estimator 1 − C(n−c, k)/C(n, k) (Chen et al., 2021):
+    ``pass_at_k(3, 1, 3) == 1.0``, ``pass_at_k(4, 1, 1) == 0.25``, ``pass_at_k(4, 1, 2) == 0.5``.
+    """
+    if not 1 <= k <= n or not 0 <= c <= n:
+        raise ValueError(f"pass@k needs 1 ≤ k ≤ n and 0 ≤ c ≤ n, got n={n}, c={c}, k={k}")
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+def normalise_answer(completion: str) -> str | None:
+    """The completion's final answer for voting: last ``\\boxed{}``, no whitespace or ``$``.
+
+    ``normalise_answer(r"so \\boxed{ \\frac{1}{2} }.") == r"\\frac{1}{2}"``; no box: None.
+    """
+    boxed = last_boxed(completion)
+    if boxed is None:
+        return None
+    answer = re.sub(r"\s+", "", boxed).strip("$")
+    return answer or None
+
+
+def majority_vote(answers: Sequence[str | None]) -> int | None:
+    """Index of the first sample giving the most frequent answer (ties: the earliest answer).
+
+    ``majority_vote(["4", "3", "3"]) == 1``, ``majority_vote(["4", "3"]) == 0``,
+    ``majority_vote([None, None]) is None`` (samples without an answer do not vote).
+    """
+    counts: dict[str, int] = {}
+    first: dict[str, int] = {}
+    for i, answer in enumerate(answers):
+        if answer is not None:
+            counts[answer] = counts.get(answer, 0) + 1
+            first.setdefault(answer, i)
+    if not counts:
+        return None
+    # max() keeps the first of equal keys, and dicts iterate in first-occurrence order.
+    return first[max(counts, key=lambda a: counts[a])]
+
+
+def problem_record(problem: dict, samples: list[SampleRecord], k: int) -> ProblemRecord:
+    correct = sum(s.correct for s in samples)
+    winner = majority_vote([s.answer for s in samples])
+    return ProblemRecord(
+        id=str(problem.get("id")),
+        gold=problem.get("answer"),
+        samples=samples,
+        correct=correct,
+        pass_at_k=pass_at_k(len(samples), correct, k),
+        majority=None if winner is None else samples[winner].answer,
+        majority_correct=winner is not None and samples[winner].correct,
+    )
+
+
+def summarise(records: Sequence[ProblemRecord], k: int) -> dict[str, float]:
+    """The ``eval/*`` metrics of scored problems (means over problems or over samples)."""
+    samples = [s for r in records for s in r.samples]
+    problems, n = max(len(records), 1), max(len(samples), 1)
+    return {
+        "eval/accuracy": sum(s.correct for s in samples) / n,
+        f"eval/pass@{k}": sum(r.pass_at_k for r in records) / problems,
+        f"eval/maj@{k}": sum(r.majority_correct for r in records) / problems,
+        "eval/reward_mean": sum(s.reward for s in samples) / n,
+        "eval/length_mean": sum(s.tokens for s in samples) / n,
+        "eval/length_max": float(max((s.tokens for s in samples), default=0)),
+        "eval/finished": sum(s.finish_reason == "stop" for s in samples) / n,
+        "eval/answered": sum(s.answer is not None for s in samples) / n,
+        "eval/problems": float(len(records)),
+    }
+
+
+# -- sampling and scoring through an engine -----------------------------------------------
+
+
+def eval_rollout_config(eval_cfg: EvalConfig, rollout_cfg: RolloutConfig) -> RolloutConfig:
+    """The sampler's settings for eval: ``eval.samples`` independent answers, one request each."""
+    budget = eval_cfg.max_response_tokens or rollout_cfg.max_response_tokens
+    return replace(
+        rollout_cfg, mode="independent", width=eval_cfg.samples, branch=1, segment_tokens=budget,
+        max_depth=1, temperature=eval_cfg.temperature, top_p=eval_cfg.top_p, top_k=-1,
+        init_divergence=0, agent=None,
+    )
+
+
+def run_eval(
+    engine: RolloutEngine,
+    rewards: Scorer,
+    problems: Sequence[dict],
+    prompts: Sequence[Sequence[int]],
+    eval_cfg: EvalConfig,
+    rollout_cfg: RolloutConfig,
+    *,
+    decode: Callable[[list[int]], str],
+    eos_token_ids: Sequence[int] = (),
+    seed: int = 0,
+    run_async: Callable[[Coroutine[Any, Any, Any]], Any] = asyncio.run,
+    status: Callable[[str], None] = lambda text: None,
+) -> EvalReport:
+    """Sample ``eval_cfg.samples`` answers per problem, score them, compute the metrics.
+
+    ``prompts[i]`` are problem i's prompt token ids; ``decode(ids) -> str`` gives the text
+    the reward sees; ``run_async`` runs the sampling coroutine (the trainer's closes its
+    client's session); ``status(text)`` reports progress.
+    """
+    k = eval_cfg.samples
+    done = [0]
+
+    def sampled(*_: Any) -> None:
+        done[0] += 1
+        status(f"eval: sampled {done[0]}/{len(problems)} problems")
+
+    trees: list[RolloutTree]
+    trees, _ = run_async(sample_trees(
+        engine, list(problems), prompts, eval_rollout_config(eval_cfg, rollout_cfg),
+        eos_token_ids=eos_token_ids, seed=seed, decode=decode, on_progress=sampled,
+    ))
+    leaves = [(tree, leaf) for tree in trees for leaf in tree.leaves()]
+    texts = [decode(tree.response_ids(leaf)) for tree, leaf in leaves]
+    result = rewards.score([(tree.problem, text) for (tree, _), text in zip(leaves, texts)],
+                           lambda d, n: status(f"eval: scored {d}/{n} answers"))
+    first_term = next(iter(result.term_scores.values()), result.scores)
+    records, at = [], 0
+    for tree in trees:
+        samples = []
+        for leaf in tree.leaves():
+            samples.append(SampleRecord(
+                response=texts[at], answer=normalise_answer(texts[at]), reward=result.scores[at],
+                correct=first_term[at] > 0, tokens=leaf.end, finish_reason=leaf.finish_reason or "?",
+            ))
+            at += 1
+        records.append(problem_record(tree.problem or {}, samples, k))
+    metrics = summarise(records, k) | {"eval/reward_timeouts": float(result.timeouts)}
+    return EvalReport(k, metrics, records)
+
+
+# -- arbor eval CONFIG ---------------------------------------------------------------------
+
+
+def main(cfg: Config) -> int:
+    """Start the engines of ``cfg``, evaluate ``eval.path``, write the JSON and TensorBoard."""
+    from transformers import AutoTokenizer
+
+    from arbor.data import format_prompt, load_problems
+    from arbor.engines.client import SGLangClient
+    from arbor.orchestration import closing
+
+    e = cfg.eval
+    path = e.path or cfg.data.eval_path
+    if path is None:
+        print("arbor eval: no set to evaluate: set eval.path or data.eval_path", file=sys.stderr)
+        return 2
+    problems = load_problems(path, cfg.data)[: e.max_problems or None]
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model.path, trust_remote_code=cfg.model.trust_remote_code)
+    prompts = [format_prompt(p, cfg.data, tokenizer, cfg.model.chat_template) for p in problems]
+    eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    out_dir = Path(cfg.run.output_dir)
+    output = Path(e.output) if e.output else out_dir / "eval.json"
+    print(f"arbor eval: {cfg.model.path} on {path}: {len(problems)} problems x {e.samples} answer(s), "
+          + (f"temperature {e.temperature}" if e.temperature > 0 else "greedy"), flush=True)
+
+    def decode(ids: list[int]) -> str:
+        return tokenizer.decode(ids, skip_special_tokens=True)
+
+    t0 = time.perf_counter()
+    with _reward_pool(cfg) as rewards, _start_engines(cfg, out_dir / "logs" / "eval") as engines:
+        print(f"arbor eval: engines {', '.join(engines.urls)}", flush=True)
+        client = SGLangClient(engines.urls, timeout_s=cfg.engine.request_timeout_s, max_retries=cfg.engine.max_retries)
+        report = run_eval(
+            client, rewards, problems, prompts, e, cfg.rollout, decode=decode, eos_token_ids=eos,
+            seed=cfg.run.seed, run_async=lambda coroutine: asyncio.run(closing(client, coroutine)),
+            status=_console_status,
+        )
+    _console_status("")
+    report.metrics["eval/seconds"] = time.perf_counter() - t0
+    write_report(output, report, cfg, str(path))
+    if cfg.run.tensorboard:
+        write_scalars(out_dir / "tensorboard" / "eval", report.metrics, e.step)
+    m, k = report.metrics, report.k
+    print(f"arbor eval: pass@{k} {m[f'eval/pass@{k}']:.3f}  maj@{k} {m[f'eval/maj@{k}']:.3f}  "
+          f"accuracy {m['eval/accuracy']:.3f}  length {m['eval/length_mean']:.1f} tokens  "
+          f"({m['eval/seconds']:.1f} s) -> {output}", flush=True)
+    return 0
+
+
+def _reward_pool(cfg: Config) -> RewardPool:
+    from arbor.plugins import default_search_dirs
+
+    terms = [RewardTerm(t.fn, t.weight) for t in cfg.reward.functions]
+    return RewardPool(terms, workers=cfg.reward.workers, timeout_s=cfg.reward.timeout_s,
+                      search_dirs=default_search_dirs(cfg.source))
+
+
+def _start_engines(cfg: Config, log_dir: Path) -> EngineHandle:
+    """The run's engines as the trainer starts them, but in this process (no Ray)."""
+    from arbor.engines.launch import launch_engines
+    from arbor.orchestration import engine_args
+
+    return launch_engines(
+        cfg.engine.kind, model_path=cfg.model.path, num_engines=cfg.engine.num_engines, urls=cfg.engine.urls,
+        host=cfg.engine.host, dtype=None if cfg.model.dtype == "auto" else cfg.model.dtype,
+        device=None if cfg.learner.device == "auto" else cfg.learner.device, extra_args=engine_args(cfg),
+        log_dir=log_dir, startup_timeout_s=cfg.engine.startup_timeout_s, gpus_per_engine=cfg.engine.tp_size,
+    )
+
+
+def write_report(output: Path, report: EvalReport, cfg: Config, data_path: str) -> None:
+    """``eval.json``: what was evaluated, how, the metrics and every problem's record."""
+    e = cfg.eval
+    settings = {"model": cfg.model.path, "data": data_path, "samples": e.samples, "temperature": e.temperature,
+                "top_p": e.top_p, "seed": cfg.run.seed, "step": e.step}
+    output.parent.mkdir(parents=True, exist_ok=True)
+    output.write_text(json.dumps(settings | report.to_dict(), indent=1) + "\n")
+
+
+def write_scalars(directory: Path, metrics: dict[str, float], step: int) -> None:
+    from torch.utils.tensorboard import SummaryWriter
+
+    writer = SummaryWriter(str(directory))
+    try:
+        for key, value in metrics.items():
+            writer.add_scalar(key, value, step)
+    finally:
+        writer.close()
+
+
+def _console_status(text: str) -> None:
+    """Progress on a terminal: one line rewritten in place (nothing in logs)."""
+    if sys.stdout.isatty():
+        sys.stdout.write(f"\r\033[K{text}")
+        sys.stdout.flush()
