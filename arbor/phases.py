@@ -12,7 +12,7 @@ learner group, the reward pool and the tokenizer; the phases own nothing.
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from arbor.advantage import compute_advantages, dynamic_sampling_filter
@@ -156,15 +156,21 @@ def sync_weights(ctx: RunContext, version: str, probe: list[RolloutTree]) -> dic
 
 
 def evaluate(ctx: RunContext, problems: list[dict]) -> dict[str, float]:
-    """Greedy accuracy on ``problems`` (one answer each) through the engines."""
-    greedy = replace(ctx.cfg.rollout, mode="independent", width=1, temperature=0.0, top_k=-1, top_p=1.0)
-    trees, _ = sample(ctx, problems, greedy, seed=0)
-    correct, _ = score_trees(ctx, trees)
-    rewards = [leaf.reward for t in trees for leaf in t.leaves()]
-    return {
-        "eval/accuracy": sum(correct) / max(len(correct), 1),
-        "eval/reward_mean": sum(rewards) / max(len(rewards), 1),
-    }
+    """``eval/*`` metrics (pass@k, maj@k, accuracy, length) on ``problems``: :mod:`arbor.evaluate`."""
+    from arbor.evaluate import run_eval
+
+    cfg, tokenizer = ctx.cfg, ctx.tokenizer
+    problems = problems[: cfg.eval.max_problems or None]
+    prompts = [format_prompt(p, cfg.data, tokenizer, cfg.model.chat_template) for p in problems]
+
+    def decode(ids: list[int]) -> str:
+        return tokenizer.decode(ids, skip_special_tokens=True)
+
+    report = run_eval(
+        ctx.client, ctx.rewards, problems, prompts, cfg.eval, cfg.rollout, decode=decode,
+        eos_token_ids=ctx.eos_token_ids, seed=cfg.run.seed, run_async=ctx.run_async, status=ctx.log.status,
+    )
+    return report.metrics
 
 
 def rollout_metrics(batch: Batch) -> dict[str, float]:
