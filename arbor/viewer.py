@@ -280,6 +280,7 @@ def render_section(
     color: str,
     scale: tuple[float, float],
     visible: bool,
+    decoded: bool,
 ) -> tuple[str, dict[str, Any]]:
     """One tree's stats panel and drawing, and the data its JS needs."""
     leaves = tree.leaves()
@@ -300,10 +301,12 @@ def render_section(
         labels[leaf.id] = " · ".join(parts)
     counts = tree.leaf_counts()
     data = {
+        # Token ids (no tokenizer) need a space between segments; decoded text has its own.
+        "separator": "" if decoded else " ",
         "nodes": {
             n.id: _node_record(n, tree, texts[n.id], values[n.id], adv_of.get(n.id), counts[n.id])
             for n in _all(tree)
-        }
+        },
     }
     s = tree.stats()
     known = [r for r in rewards if r is not None]
@@ -411,7 +414,7 @@ document.addEventListener('click', e => {
   path.forEach(id => {
     const span = document.createElement('span');
     span.className = nodes[id].parent === null ? 'prompt' : (id === h.id ? 'here' : '');
-    span.textContent = nodes[id].text + (nodes[id].parent === null ? '\\n' : '');
+    span.textContent = nodes[id].text + (nodes[id].parent === null ? '\\n' : DATA[h.tree].separator);
     box.appendChild(span);
   });
 });
@@ -442,7 +445,14 @@ def render_html(
     sections, data = [], {}
     for k, (tree, index, adv) in enumerate(zip(trees, indices, advantages)):
         section, data[index] = render_section(
-            tree, index, node_texts(tree, tokenizer), adv, color, scale, visible=k == 0
+            tree,
+            index,
+            node_texts(tree, tokenizer),
+            adv,
+            color,
+            scale,
+            visible=k == 0,
+            decoded=tokenizer is not None,
         )
         sections.append(section)
     selector = ""
