@@ -33,7 +33,7 @@ ROW = 26  # vertical pitch: one row per leaf
 BOX_H = 18
 GAP = 22  # horizontal room for the edge between a parent and its children
 MIN_W = 8  # a one-token segment stays visible
-PROMPT_W = 70
+PROMPT_W = 84
 MAX_PX_PER_TOKEN = 6.0
 TARGET_W = 900  # widest path, when tokens allow
 MARK_W = 10  # the leaf mark
@@ -519,6 +519,15 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def load_tokenizer(model_dir: str) -> Any:
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(model_dir)
+    except (OSError, ValueError) as e:
+        raise ViewError(f"--tokenizer {model_dir}: cannot load a tokenizer ({e})") from None
+
+
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
     try:
@@ -533,24 +542,23 @@ def main(argv: list[str]) -> int:
             indices = [args.index]
         if args.color == "advantage" and all(advantages[i] is None for i in indices):
             raise ViewError("--color advantage needs trees whose leaves all have rewards")
+        tokenizer = load_tokenizer(args.tokenizer) if args.tokenizer else None
+        page = render_html(
+            [trees[i] for i in indices],
+            indices,
+            f"arbor view: {args.path.name}",
+            tokenizer=tokenizer,
+            color=args.color,
+            advantages=[advantages[i] for i in indices],
+        )
+        suffix = "" if args.index is None else f"-{args.index}"
+        out = args.out or args.path.with_name(f"{args.path.stem}{suffix}.html")
+        try:
+            out.write_text(page, encoding="utf-8")
+        except OSError as e:
+            raise ViewError(f"cannot write {out}: {e.strerror or e}") from None
     except ViewError as e:
         print(f"arbor view: error: {e}", file=sys.stderr)
         return 2
-    tokenizer = None
-    if args.tokenizer:
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
-    suffix = "" if args.index is None else f"-{args.index}"
-    out = args.out or args.path.with_name(f"{args.path.stem}{suffix}.html")
-    page = render_html(
-        [trees[i] for i in indices],
-        indices,
-        f"arbor view: {args.path.name}",
-        tokenizer=tokenizer,
-        color=args.color,
-        advantages=[advantages[i] for i in indices],
-    )
-    out.write_text(page, encoding="utf-8")
     print(out)
     return 0

@@ -157,6 +157,8 @@ def test_tokenizer_decodes_the_text(tmp_path):
         ("", [], "no trees"),
         ("TREE\n", ["--index", "3"], "--index 3 is out of range"),
         ("UNSCORED\n", ["--color", "advantage"], "needs trees whose leaves all have rewards"),
+        ("TREE\n", ["--tokenizer", "/nonexistent/model"], "cannot load a tokenizer"),
+        ("TREE\n", ["--out", "/nonexistent/dir/x.html"], "cannot write /nonexistent/dir/x.html"),
     ],
 )
 def test_bad_input_exits_2_and_says_why(tmp_path, capsys, content, args, message):
