@@ -19,7 +19,7 @@ from __future__ import annotations
 import importlib
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import fields
 from pathlib import Path
 from typing import Any
@@ -189,6 +189,35 @@ class Learner:
                 loss.backward()
             if not idle:
                 total = sums if total is None else total + sums
+        return total
+
+    def backward_with(
+        self,
+        packs: Sequence[PackedBatch],
+        loss_of: Callable[[Any, PackedBatch], torch.Tensor],
+        filler: PackedBatch | None = None,
+    ) -> float:
+        """Accumulate the gradients of ``loss_of(model, pack)`` over ``packs``; their summed value.
+
+        The same accumulation as :meth:`backward` for any per-pack loss that is already
+        divided by its global denominator (e.g. SFT's NLL): idle passes on ``filler`` keep
+        ZeRO-3 ranks in step, and the world-size factor undoes DeepSpeed's gradient mean.
+        ``model`` is the DeepSpeed engine when there is one (its forward counts micro-steps).
+        """
+        total = 0.0
+        scale = float(self.world_size) if self.engine is not None else 1.0
+        for i in range(self._passes(len(packs), filler is not None)):
+            idle = i >= len(packs)
+            pack = packs[min(i, len(packs) - 1)] if packs else filler
+            loss = loss_of(self.engine or self.model, pack)
+            if idle:
+                loss = loss * 0.0
+            else:
+                total += float(loss.detach())
+            if self.engine is not None:
+                self.engine.backward(loss * scale)
+            else:
+                loss.backward()
         return total
 
     def _passes(self, n: int, has_filler: bool) -> int:
