@@ -178,10 +178,12 @@ class RayConfig:
 class SftConfig:
     """``arbor sft``: supervised fine-tuning on conversations or trees of branches (jsonl)."""
 
-    train_path: str = "data/sft/train.jsonl"
+    train_path: str = "data/sft/train.jsonl"  # jsonl: {"messages": [...]} or {"prompt": ..., "branches": [...]}
     epochs: int = 1
-    batch_size: int = 32  # examples (conversations or trees) per optimizer step
+    batch_size: int = 32  # examples (conversations or trees) per optimizer step, over all ranks
     normalize: Literal["token", "sequence"] = "token"
+    max_steps: int = 0  # stop after this many optimizer steps; 0: when the epochs are done
+    shuffle: bool = True  # a new order each epoch (seeded by run.seed)
 
 
 @dataclass
@@ -489,6 +491,11 @@ def validate(cfg: Config, where: str = "<config>") -> None:
     need(ev.max_response_tokens is None or ev.max_response_tokens >= 1, "eval.max_response_tokens",
          f"must be ≥ 1 or null (rollout's budget), got {ev.max_response_tokens}")
     need(ev.step >= 0, "eval.step", f"must be ≥ 0, got {ev.step}")
+
+    sft = cfg.sft
+    need(sft.epochs >= 1, "sft.epochs", f"must be ≥ 1, got {sft.epochs}")
+    need(sft.batch_size >= 1, "sft.batch_size", f"must be ≥ 1, got {sft.batch_size}")
+    need(sft.max_steps >= 0, "sft.max_steps", f"must be ≥ 0 (0: epochs decide), got {sft.max_steps}")
 
     need(cfg.data.prompts_per_step >= 1, "data.prompts_per_step", "must be ≥ 1")
     need(cfg.data.max_prompt_tokens >= 1, "data.max_prompt_tokens", "must be ≥ 1")
