@@ -6,7 +6,8 @@
 No download: the byte-level BPE tokenizer (digits always one per token) is trained here on
 the synthetic corpus, the model (Qwen2 architecture, ~0.9M parameters, 3.4 MB) starts
 from random weights and is supervised on problems like "What is 37+48?" answered
-"37+48=85 \\boxed{85}" with arbor's tree-packed SFT loss. The prompts are exactly what
+"37+48=85 \\boxed{85}" by ``arbor sft``'s step (``arbor.sft.sft_step`` on a plain-torch
+learner, each problem a one-branch tree example). The prompts are exactly what
 ``arbor train`` feeds the model with ``data.chat_template: true``,
 ``data.prompt_suffix: PROMPT_SUFFIX`` and no system prompt (``arbor.data.format_prompt``).
 
@@ -23,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import random
 import sys
 import time
@@ -37,10 +37,10 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from arbor.config import DataConfig  # noqa: E402
+from arbor.config import DataConfig, LearnerConfig, LossConfig, ModelConfig, OptimConfig  # noqa: E402
 from arbor.data import format_prompt  # noqa: E402
-from arbor.logprobs import sft_loss  # noqa: E402
-from arbor.tree import RolloutTree  # noqa: E402
+from arbor.learner import Learner  # noqa: E402
+from arbor.sft import SftExample, encode_example, sft_step  # noqa: E402
 
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 EOS, PAD = "<|im_end|>", "<|endoftext|>"
@@ -109,6 +109,12 @@ def prompt_ids(tokenizer: Any, problem: dict[str, str]) -> list[int]:
 
 def answer_ids(tokenizer: Any, problem: dict[str, str]) -> list[int]:
     return list(tokenizer(problem["solution"], add_special_tokens=False)["input_ids"]) + [tokenizer.eos_token_id]
+
+
+def sft_example(tokenizer: Any, problem: dict[str, str]) -> SftExample:
+    """The problem as an ``arbor sft`` data line: the prompt and one branch, the solution."""
+    row = {"prompt": problem["prompt"], "branches": [problem["solution"]]}
+    return encode_example(row, problem["id"], tokenizer, DATA_CFG, chat_template=True, max_tokens=256)
 
 
 @torch.no_grad()
@@ -214,38 +220,27 @@ def main() -> None:
     )
     model = Qwen2ForCausalLM(config)
     n_params = sum(p.numel() for p in model.parameters())
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01, betas=(0.9, 0.98))
-    warmup = min(100, max(args.steps // 10, 1))
-
-    def lr_factor(step: int) -> float:  # linear warm-up, cosine decay to 10 %
-        if step < warmup:
-            return (step + 1) / warmup
-        return 0.1 + 0.45 * (1 + math.cos(math.pi * (step - warmup) / max(args.steps - warmup, 1)))
-
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
+    # Linear warm-up, then cosine decay to 10 %; gradients clipped at norm 1.
+    optim = OptimConfig(lr=args.lr, weight_decay=0.01, betas=[0.9, 0.98], warmup_steps=min(100, max(args.steps // 10, 1)),
+                        schedule="cosine", min_lr_ratio=0.1, max_grad_norm=1.0)
+    learner = Learner(ModelConfig(path=str(out)), LearnerConfig(backend="torch", device="cpu", dtype="float32"), optim,
+                      LossConfig(), total_steps=args.steps, model=model)
     print(f"model: {n_params / 1e6:.2f}M parameters, vocab {len(tokenizer)}; "
           f"{len(sft)} sft / {len(train)} train / {len(test)} test problems, operands ≤ {args.max_operand}", flush=True)
-    encoded = {p["id"]: (prompt_ids(tokenizer, p), answer_ids(tokenizer, p)) for p in sft}
+    examples = {p["id"]: sft_example(tokenizer, p) for p in sft}
     first_loss = last_loss = float("nan")
     t0 = time.monotonic()
     for step in range(args.steps):
         model.train()
         batch = rng.sample(sft, args.batch)
-        trees = [RolloutTree.from_sequences(encoded[p["id"]][0], [encoded[p["id"]][1]]) for p in batch]
-        loss = sft_loss(model, trees)
-        optimizer.zero_grad()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        schedule.step()
-        last_loss = loss.item()
+        last_loss = sft_step(learner, [examples[p["id"]] for p in batch])["sft/loss"]
         if step == 0:
             first_loss = last_loss
         done = step == args.steps - 1
         if (step + 1) % args.eval_every == 0 or done:
             model.eval()
             val = evaluate(model, tokenizer, valid[: args.val_problems], samples=4, seed=args.seed)
-            print(f"step {step + 1:5d}/{args.steps}  loss {last_loss:.3f}  lr {schedule.get_last_lr()[0]:.1e}  "
+            print(f"step {step + 1:5d}/{args.steps}  loss {last_loss:.3f}  lr {learner.current_lr():.1e}  "
                   f"val sampled acc {val['acc']:.2f} format {val['format']:.2f}  "
                   f"{time.monotonic() - t0:.0f} s", flush=True)
             if val["acc"] >= args.target_acc:

@@ -57,6 +57,10 @@ def test_builder_writes_loadable_model_and_data(tmp_path):
     # ...and the SFT target ends with the eos the sampler stops on.
     answer = script.answer_ids(tokenizer, problem)
     assert answer[-1] == tokenizer.eos_token_id and tokenizer.decode(answer[:-1]) == problem["solution"]
+    # The warm-up trains on arbor sft's encoding of the problem: that prompt, then that answer.
+    example = script.sft_example(tokenizer, problem)
+    (leaf,) = example.tree.leaves()
+    assert example.tree.prompt_ids == rl_ids and example.tree.response_ids(leaf) == answer
 
     splits = {name: [json.loads(line) for line in (data / f"{name}.jsonl").read_text().splitlines()]
               for name in ("train", "test", "sft")}
