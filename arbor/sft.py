@@ -16,7 +16,7 @@ Data (``sft.train_path``), one JSON object a line, either
 - a conversation ``{"messages": [{"role": "user", "content": "..."}, {"role":
   "assistant", "content": "..."}, ...]}``: rendered by the tokenizer's chat template as
   given; the loss is on the assistant turns only (their content and the template's
-  end-of-turn tokens up to the EOS token), or
+  end-of-turn tokens through the EOS token; template text after EOS is context), or
 - a tree ``{"prompt": "..." or [messages], "branches": ["completion a", ...]}``: several
   completions of one prompt, each followed by the EOS token. A text prompt is formatted
   exactly as ``arbor train`` formats a problem (``model.chat_template``,
@@ -32,10 +32,11 @@ An example must fit in ``learner.pack_tokens``. Bad lines fail before training w
 ``file:line`` and what is wrong.
 
 Steps: ``sft.epochs`` passes over the data, ``sft.batch_size`` examples (over all ranks)
-per optimizer step, at most ``sft.max_steps``; ``optim.*`` is the optimizer and schedule.
-Outputs under ``run.output_dir``: the loss of each step on rank 0's console,
-TensorBoard ``sft/loss``, ``sft/tokens``, ``sft/lr``, ``sft/grad_norm`` and
-``metrics.jsonl``, checkpoints every ``run.save_every`` steps and at the end
+per optimizer step, at most ``sft.max_steps`` (``run.steps`` is RL's); ``optim.*`` is the
+optimizer and schedule. Outputs under ``run.output_dir``: the loss of each step on rank
+0's console, TensorBoard ``sft/loss``, ``sft/tokens`` (trained tokens, every path
+counted), ``sft/packed_tokens`` (tokens forwarded), ``sft/lr``, ``sft/grad_norm``, the
+same in ``metrics.jsonl``, checkpoints every ``run.save_every`` steps and at the end
 (``run.resume`` continues the latest; nodes must share ``run.output_dir``), and the
 final model as an HF directory in ``<output_dir>/hf``.
 
@@ -352,8 +353,8 @@ def run_sft(cfg: Config) -> list[dict[str, float]]:
         # MetricsLog's console line shows RL metrics; the SFT line is printed below.
         log = MetricsLog(cfg.run, len(batches), stream=open(os.devnull, "w"))  # noqa: SIM115 (closed with log)
         le = cfg.learner
-        print(f"arbor sft: {len(examples)} examples from {cfg.sft.train_path}, steps {start + 1}..{len(batches)} "
-              f"of {cfg.sft.batch_size}, {world_size} rank(s), "
+        print(f"arbor sft: {len(examples)} examples from {cfg.sft.train_path}; steps {start + 1}..{len(batches)}, "
+              f"{cfg.sft.batch_size} examples each, {world_size} rank(s), "
               + (f"DeepSpeed ZeRO-{le.zero_stage}" if le.backend == "deepspeed" else "plain torch")
               + f" -> {out}", flush=True)
     history = []
