@@ -190,7 +190,7 @@ class SftConfig:
 class EvalConfig:
     """``arbor eval`` and the trainer's periodic eval: accuracy through the engines."""
 
-    # The set `arbor eval` scores; None: data.eval_path (the trainer scores data.eval_path).
+    # The set `arbor eval` and the trainer's periodic eval score; None: data.eval_path.
     path: str | None = None
     max_problems: int = 0  # the first N problems of the set; 0: all
     samples: int = 1  # answers per problem (k of pass@k / maj@k)
@@ -502,8 +502,8 @@ def validate(cfg: Config, where: str = "<config>") -> None:
     need(cfg.run.steps >= 0, "run.steps", "must be ≥ 0")
     for name in ("log_every", "eval_every", "save_every", "save_trees_every"):
         need(getattr(cfg.run, name) >= 0, f"run.{name}", "must be ≥ 0")
-    need(cfg.run.eval_every == 0 or cfg.data.eval_path is not None, "run.eval_every",
-         "needs data.eval_path (a set to evaluate on)")
+    need(cfg.run.eval_every == 0 or (cfg.eval.path or cfg.data.eval_path) is not None, "run.eval_every",
+         "needs eval.path or data.eval_path (a set to evaluate on)")
 
 
 # -- dumping ------------------------------------------------------------------------------

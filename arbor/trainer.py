@@ -93,8 +93,9 @@ class RunContext:
             self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.path, trust_remote_code=cfg.model.trust_remote_code)
             self.eos_token_ids = [self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else []
             self.stream = ProblemStream(load_problems(cfg.data.train_path, cfg.data), cfg.run.seed, cfg.data.shuffle)
-            if cfg.data.eval_path and cfg.run.eval_every:
-                self.eval_problems = load_problems(cfg.data.eval_path, cfg.data)
+            eval_path = cfg.eval.path or cfg.data.eval_path
+            if eval_path and cfg.run.eval_every:
+                self.eval_problems = load_problems(eval_path, cfg.data)
             self.log = MetricsLog(cfg.run, cfg.run.steps)
             self._closers.append(self.log.close)
             search = default_search_dirs(cfg.source)
