@@ -85,6 +85,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 2
+    # The deepspeed launcher appends --local_rank=N; ranks read LOCAL_RANK from the environment.
+    extra = [item for item in extra if not item.startswith(("--local_rank=", "--local-rank="))]
     for item in extra:
         if item.startswith("-"):
             parser.error(f"unrecognized argument: {item}")

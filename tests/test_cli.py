@@ -40,6 +40,11 @@ def test_good_config_prints_resolved_form():
     assert resolved["rollout"]["segment_tokens"] == 512
     out = arbor("config", "configs/math.yaml")
     assert out.returncode == 0 and yaml.safe_load(out.stdout)["learner"]["zero_stage"] == 3
+    # What the deepspeed launcher appends is accepted (ranks read LOCAL_RANK); other flags are not.
+    out = arbor("sft", "configs/math.yaml", "--dry-run", "--local_rank=1")
+    assert out.returncode == 0, out.stderr
+    out = arbor("sft", "configs/math.yaml", "--dry-run", "--verbose")
+    assert out.returncode == 2 and "--verbose" in out.stderr
 
 
 def test_bad_reward_function_name_fails_naming_the_key():
