@@ -55,7 +55,7 @@ def train(cfg: Config, after_step: Callable[[RunContext, int, dict], None] | Non
             if after_step is not None:
                 after_step(ctx, step, history[-1])
             if cfg.run.save_trees_every and step % cfg.run.save_trees_every == 0:
-                ctx.save_trees(step, batch.sampled)
+                ctx.save_trees(step, batch.trees + [t for t in batch.sampled if t not in batch.trees])
             if step == cfg.run.steps or (cfg.run.save_every and step % cfg.run.save_every == 0):
                 ctx.save_checkpoint(step)
         ctx.export_hf()
@@ -167,7 +167,8 @@ class RunContext:
         return {"throughput/trajectories_per_s": leaves / seconds, "throughput/tokens_per_s": tokens / seconds}
 
     def save_trees(self, step: int, trees: list) -> None:
-        """A few trees of the step as JSON lines, for ``arbor view``."""
+        """A few trees of the step as JSON lines, for ``arbor view`` (trained ones first: their
+        leaves disagree, which is what is worth looking at)."""
         path = Path(self.output_dir("trees")) / f"step-{step:06d}.jsonl"
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text("".join(t.to_json() + "\n" for t in trees[:4]))
