@@ -113,14 +113,18 @@ def test_resume_after_a_kill_repeats_the_next_step(run_inputs, tmp_path):
 
 def test_plain_torch_learner_linear_loss_and_disk_sync(run_inputs, tmp_path):
     """The debugging set-up: one plain-torch rank, GRPO + linear training, weights via disk;
-    colocated, so the engine releases its memory while the learner trains."""
+    colocated, so the engine releases its memory while the learner trains; two minibatches
+    and a KL penalty to the frozen reference model."""
     root, model, data = run_inputs
     cfg = config(root, model, data, tmp_path / "c", "learner.backend=torch", "learner.zero_stage=0",
                  "loss.mode=linear", "algorithm.advantage=grpo", "learner.weight_sync=disk", "run.steps=1",
-                 "rollout.mode=independent", "ray.colocate=true")
+                 "rollout.mode=independent", "ray.colocate=true", "algorithm.minibatches=2", "loss.kl_coef=0.01")
     versions = []
     (metrics,) = train(cfg, after_step=lambda ctx, step, m: versions.append(ctx.run_async(ctx.client.get_weight_version())))
     assert versions == [["1"]] and metrics["sync/logprob_gap"] <= 1e-4
+    # Two minibatches, two updates; the second one sees a policy that moved away from the
+    # frozen reference (the initial model), so the KL term is live.
+    assert metrics["train/updates"] == 2 and metrics["train/kl"] > 0
     # Linear training counts every trajectory's tokens: nothing is shared, nothing saved.
     assert metrics["train/tokens"] == metrics["train/linearised_tokens"] > 0
     assert (tmp_path / "c" / "weight-sync" / "model.safetensors").exists()
