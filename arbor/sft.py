@@ -2,13 +2,13 @@
 
     arbor sft configs/sft.yaml [section.key=value ...]                # one process
     torchrun --nproc_per_node 2 -m arbor sft configs/sft.yaml         # 2 data-parallel ranks
-    deepspeed --hostfile hosts --no_local_rank --module arbor sft configs/sft.yaml   # nodes
+    deepspeed --hostfile hosts --module arbor sft configs/sft.yaml    # several nodes
 
 Every process runs the same program (SPMD) under DeepSpeed ZeRO-3 (``learner.*``): it
 reads the whole data file, takes the same batch each step, and trains on its share of
 that batch's tree packs. The launchers set ``RANK WORLD_SIZE LOCAL_RANK MASTER_ADDR
-MASTER_PORT``; a plain ``arbor sft`` is world size 1. The ``deepspeed`` launcher needs
-``--no_local_rank`` (``arbor`` takes no ``--local_rank`` flag). ``learner.backend: torch``
+MASTER_PORT``; a plain ``arbor sft`` is world size 1. The ``--local_rank=N`` the
+``deepspeed`` launcher appends is ignored (ranks read ``LOCAL_RANK``). ``learner.backend: torch``
 is single-process; ``learner.num_ranks`` is the RL trainer's and is ignored here.
 
 Data (``sft.train_path``), one JSON object a line, either
