@@ -170,6 +170,8 @@ def evaluate(ctx: RunContext, problems: list[dict]) -> dict[str, float]:
         ctx.client, ctx.rewards, problems, prompts, cfg.eval, cfg.rollout, decode=decode,
         eos_token_ids=ctx.eos_token_ids, seed=cfg.run.seed, run_async=ctx.run_async, status=ctx.log.status,
     )
+    # As after the probe: the next step starts from the cache state a resumed run has.
+    ctx.run_async(ctx.client.flush_cache())
     return report.metrics
 
 

@@ -51,6 +51,10 @@ class ScriptedEngine:
 
     def __init__(self) -> None:
         self.requests: list[GenerateRequest] = []
+        self.flushes = 0
+
+    async def flush_cache(self) -> None:
+        self.flushes += 1
 
     async def generate(self, request: GenerateRequest) -> list[GenerateOutput]:
         self.requests.append(request)
@@ -148,6 +152,7 @@ def test_the_trainers_eval_phase_logs_the_same_metrics(rewards):
     assert metrics["eval/pass@3"] == 2 / 3 and metrics["eval/maj@3"] == 1 / 3
     assert metrics["eval/accuracy"] == pytest.approx(3 / 9)
     assert "eval: sampled 3/3 problems" in statuses
+    assert ctx.client.flushes == 1  # the next step starts from an empty cache, as a resumed run does
 
 
 def test_config_checks_the_eval_section():
