@@ -37,6 +37,10 @@ def check_extensions(cfg: Config) -> None:
 
     terms = [RewardTerm(t.fn, t.weight) for t in cfg.reward.functions]
     load_reward_terms(terms, search_dirs=default_search_dirs(cfg.source))
+    if cfg.rollout.agent is not None:
+        from arbor.agents import load_agent
+
+        load_agent(cfg.rollout.agent, "rollout.agent", default_search_dirs(cfg.source))
 
 
 def print_config(cfg: Config) -> int:

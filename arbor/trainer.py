@@ -80,6 +80,12 @@ class RunContext:
         from arbor.rewards import RewardPool, RewardTerm
 
         cfg = self.cfg
+        if cfg.rollout.agent is not None:
+            # Loaded and checked by the CLI; the sampler does not run multi-turn episodes yet.
+            raise SystemExit(
+                f"arbor train: rollout.agent={cfg.rollout.agent!r}: multi-turn agents are not wired "
+                "into the sampler yet (issue #6); leave rollout.agent unset for single-turn answers"
+            )
         out = Path(cfg.run.output_dir)
         previous = checkpoint.latest_checkpoint(out)
         if previous is not None and not cfg.run.resume:

@@ -57,3 +57,10 @@ def test_reward_specs_resolve_from_another_directory(tmp_path):
     # Relative specs are looked up beside the config file too, not only in the cwd.
     out = arbor("config", str(REPO / "configs/math.yaml"), cwd=tmp_path)
     assert out.returncode == 0, out.stderr
+
+
+def test_bad_agent_fails_at_start_naming_the_key(tmp_path):
+    out = arbor("train", "configs/quickstart.yaml", "--dry-run", "rollout.agent=agents/single_turn.py:Nope")
+    assert out.returncode == 2 and "rollout.agent" in out.stderr and "Nope" in out.stderr
+    out = arbor("config", "configs/quickstart.yaml", "rollout.agent=agents/single_turn.py:SingleTurn")
+    assert out.returncode == 0, out.stderr

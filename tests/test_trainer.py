@@ -176,3 +176,11 @@ def test_joins_a_ray_cluster_and_spreads_learner_ranks(run_inputs, tmp_path):
     finally:
         ray.shutdown()
         cluster.shutdown()
+
+
+def test_multi_turn_agents_are_refused_until_the_sampler_runs_them(run_inputs, tmp_path):
+    root, model, data = run_inputs
+    cfg = config(root, model, data, tmp_path / "e", "rollout.agent=agents/single_turn.py:SingleTurn")
+    with pytest.raises(SystemExit, match="not wired into the sampler yet"):
+        train(cfg)
+    assert not (tmp_path / "e").exists()  # refused before anything was written

@@ -1,0 +1,19 @@
+"""The default agent: one user message, one model turn.
+
+    rollout:
+      agent: agents/single_turn.py:SingleTurn
+
+An agent decides what follows each finished model turn (``arbor/agents.py``): ``start``
+gives the first messages, ``step`` the messages after a model turn, or None to end the
+episode. This one ends every episode after the first answer.
+"""
+
+from __future__ import annotations
+
+
+class SingleTurn:
+    def start(self, problem: dict) -> list[dict[str, str]]:
+        return [{"role": "user", "content": problem["prompt"]}]
+
+    def step(self, problem: dict, history: list[dict[str, str]]) -> list[dict[str, str]] | None:
+        return None

@@ -1,0 +1,88 @@
+"""Agents: what follows each finished model turn of an episode (issue #6).
+
+    agent = load_agent("agents/python_tool.py:PythonTool", key="rollout.agent")
+    messages = agent.start(problem)                 # the first prompt, as chat messages
+    more = agent.step(problem, history)             # after a model turn: tool results, or None
+
+An agent is any object (or a class taking no arguments) with ``start`` and ``step``,
+named ``module:attr`` in the config. It is stateless: everything it needs is in the
+problem and the history, so any node of a rollout tree can be forked and continued.
+
+Token ids are only ever appended. The model's own turn stays exactly the ids it
+sampled; what the agent adds (tool output, the template's turn markers, the next
+generation prompt) is rendered by the tokenizer's chat template as a *continuation* —
+:func:`continuation_ids` — and carries ``loss_mask = 0``: the model did not generate it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Protocol, runtime_checkable
+
+from arbor.errors import ConfigError
+from arbor.plugins import load_object
+
+Message = dict[str, str]  # {"role": "user" | "assistant" | "tool" | "system", "content": ...}
+
+
+@runtime_checkable
+class Agent(Protocol):
+    def start(self, problem: dict) -> list[Message]: ...
+
+    def step(self, problem: dict, history: list[Message]) -> list[Message] | None: ...
+
+
+def load_agent(spec: str, key: str = "rollout.agent", search_dirs: Sequence[str] = ()) -> Agent:
+    """Resolve ``spec`` to an agent instance; a :class:`ConfigError` names ``key`` otherwise."""
+    obj = load_object(spec, key, search_dirs)
+    if isinstance(obj, type):
+        try:
+            obj = obj()
+        except TypeError as e:
+            raise ConfigError(f"{key}: {spec!r} is a class that cannot be built without arguments: {e}") from None
+    missing = [name for name in ("start", "step") if not callable(getattr(obj, name, None))]
+    if missing:
+        raise ConfigError(
+            f"{key}: {spec!r} is not an agent: it has no {' and no '.join(missing)} method "
+            "(an agent needs start(problem) -> messages and step(problem, history) -> messages | None)"
+        )
+    return obj
+
+
+def _template_ids(tokenizer: Any, messages: list[Message], generation_prompt: bool) -> list[int]:
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=True)
+    if isinstance(ids, dict) or hasattr(ids, "input_ids"):  # BatchEncoding in newer transformers
+        ids = ids["input_ids"]
+    return [int(t) for t in ids]
+
+
+# A finished conversation the template renders in full; the continuation of what an agent
+# adds is what the template appends after it. Nothing of the real history is re-tokenised.
+_ANCHOR: list[Message] = [{"role": "user", "content": "."}, {"role": "assistant", "content": "."}]
+
+
+def continuation_ids(tokenizer: Any, messages: list[Message], eos_token_id: int | None = None) -> list[int]:
+    """Ids to append after a model turn that ended with ``eos_token_id`` (default: the
+    tokenizer's EOS): the rest of the template's turn ending, ``messages`` and the next
+    generation prompt, as the chat template renders them (all loss mask 0).
+
+    Computed as the template's rendering of an anchor conversation + ``messages`` minus
+    that of the anchor cut after its assistant turn's EOS (what the model itself emits);
+    raises when the template does not render that as a prefix (it rewrites earlier
+    turns, so appending ids would not match it).
+    """
+    if not messages:
+        raise ValueError("continuation_ids needs at least one message")
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError("the tokenizer has no chat template: multi-turn agents need one")
+    eos = tokenizer.eos_token_id if eos_token_id is None else eos_token_id
+    base = _template_ids(tokenizer, _ANCHOR, generation_prompt=False)
+    if eos in base:  # the model's turn stops at its EOS; what the template puts after is ours
+        base = base[: len(base) - base[::-1].index(eos)]
+    full = _template_ids(tokenizer, _ANCHOR + list(messages), generation_prompt=True)
+    if full[: len(base)] != base:
+        raise ValueError(
+            "the chat template rewrites earlier turns when messages are added, so tool "
+            "output cannot be appended as token ids; use a template that renders turns independently"
+        )
+    return full[len(base) :]

@@ -1,0 +1,57 @@
+"""Agents: loading with errors naming the key, and tool turns appended as template ids."""
+
+from pathlib import Path
+
+import pytest
+from transformers import AutoTokenizer
+
+from arbor.agents import continuation_ids, load_agent
+from arbor.errors import ConfigError
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_the_default_agent_loads_and_ends_after_one_turn():
+    agent = load_agent("agents/single_turn.py:SingleTurn", search_dirs=[str(REPO)])
+    problem = {"id": "p", "prompt": "What is 2+2?", "answer": "4"}
+    assert agent.start(problem) == [{"role": "user", "content": "What is 2+2?"}]
+    assert agent.step(problem, [{"role": "assistant", "content": "4"}]) is None
+
+
+def test_invalid_agents_fail_naming_the_key(tmp_path):
+    (tmp_path / "bad.py").write_text(
+        "class NoStep:\n    def start(self, problem):\n        return []\n"
+        "class NeedsArgs:\n    def __init__(self, x):\n        pass\n"
+        "def start(problem):\n    return []\n"
+    )
+    for spec, message in (("bad.py:NoStep", "has no step method"),
+                          ("bad.py:NeedsArgs", "cannot be built without arguments"),
+                          ("bad.py:Nothing", "has no attribute"),
+                          ("nowhere.py:X", "rollout.agent")):
+        with pytest.raises(ConfigError, match="rollout.agent") as info:
+            load_agent(spec, search_dirs=[str(tmp_path)])
+        assert message in str(info.value), (spec, str(info.value))
+
+
+def test_tool_turns_are_appended_as_the_templates_ids():
+    tokenizer = AutoTokenizer.from_pretrained(REPO / "models" / "tiny-arith")  # ChatML, EOS <|im_end|>
+    tool = [{"role": "tool", "content": "x = 5"}]
+    ids = continuation_ids(tokenizer, tool)
+    # After the model's own <|im_end|>: the template's newline, the tool turn, the next prompt.
+    assert tokenizer.decode(ids) == "\n<|im_start|>tool\nx = 5<|im_end|>\n<|im_start|>assistant\n"
+    # Appending to a real conversation gives exactly what the template renders for it.
+    turn = [{"role": "user", "content": "What is 2+3?"}]
+    prompt = tokenizer.apply_chat_template(turn, add_generation_prompt=True, tokenize=True)["input_ids"]
+    answer = tokenizer.encode("2+3=5 \\boxed{5}", add_special_tokens=False) + [tokenizer.eos_token_id]
+    rendered = tokenizer.apply_chat_template(
+        turn + [{"role": "assistant", "content": "2+3=5 \\boxed{5}"}] + tool, add_generation_prompt=True,
+        tokenize=True)["input_ids"]
+    assert list(prompt) + answer + ids == list(rendered)
+
+
+def test_templates_that_rewrite_history_are_refused(tmp_path):
+    tokenizer = AutoTokenizer.from_pretrained(REPO / "models" / "tiny-arith")
+    # Renders only the last message: adding one changes what came before.
+    tokenizer.chat_template = "{{ messages[-1]['content'] }}{% if add_generation_prompt %}>{% endif %}"
+    with pytest.raises(ValueError, match="rewrites earlier turns"):
+        continuation_ids(tokenizer, [{"role": "tool", "content": "x"}])
