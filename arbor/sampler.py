@@ -37,6 +37,7 @@ import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from arbor.agents import Agent, Message
 from arbor.config import RolloutConfig
 from arbor.engines.types import GenerateOutput, GenerateRequest, RolloutEngine, SamplingParams
 from arbor.sampler_budget import assign_branches, is_repetitive, next_total, request_seed
@@ -56,6 +57,7 @@ class SampleStats:
     prompt_tokens: int = 0  # Σ over outputs of their input length
     cached_tokens: int = 0  # Σ over outputs of input tokens served from the radix cache
     fallbacks: int = 0
+    tool_turns: int = 0  # agent turns appended (multi-turn episodes)
     finish_reasons: dict[str, int] = field(default_factory=dict)  # leaf reason → count
     shortfall_reason: str | None = None
 
@@ -82,6 +84,8 @@ async def sample_trees(
     is_final_answer: Callable[[list[int]], bool] | None = None,
     decode: Callable[[list[int]], str] | None = None,
     on_progress: Callable[[int, RolloutTree, SampleStats], None] | None = None,
+    agent: Agent | None = None,
+    render: Callable[[list[Message]], list[int]] | None = None,
 ) -> tuple[list[RolloutTree], list[SampleStats]]:
     """One tree per prompt, sampled concurrently; returns ``(trees, stats)`` in prompt order.
 
@@ -89,7 +93,17 @@ async def sample_trees(
     ``is_final_answer(response_ids)`` says whether a response holds a final answer;
     ``decode(ids) -> str`` makes the repetition rule work on text. ``on_progress(i,
     tree, stats)`` is called as each tree completes.
+
+    With an ``agent`` (multi-turn episodes), a model turn that ends on a stop token is a
+    decision point: ``agent.step(problem, history)`` (run in a thread, so the tool calls
+    of different branches run concurrently) either ends the episode (None) or gives
+    messages whose ids, ``render(messages)`` (e.g. :func:`arbor.agents.continuation_ids`),
+    are appended as a node with ``loss_mask = 0``; the path then continues and may fork
+    there like at any segment boundary. The history holds ``agent.start(problem)``, then
+    each model turn decoded (``decode`` is required) and each tool turn as given.
     """
+    if agent is not None and (render is None or decode is None):
+        raise ValueError("sampling with an agent needs render (messages -> ids) and decode")
     if len(problems) != len(prompts):
         raise ValueError(f"{len(problems)} problems but {len(prompts)} prompts")
     if cfg.mode not in ("tree", "independent"):
@@ -97,7 +111,7 @@ async def sample_trees(
 
     async def one(index: int) -> tuple[RolloutTree, SampleStats]:
         sampler = _TreeSampler(
-            engine, cfg, index, list(eos_token_ids), seed, is_final_answer, decode
+            engine, cfg, index, list(eos_token_ids), seed, is_final_answer, decode, agent, render
         )
         tree = RolloutTree(list(prompts[index]), problems[index])
         stats = await sampler.run(tree)
@@ -126,8 +140,12 @@ class _TreeSampler:
         seed: int,
         is_final_answer: Callable[[list[int]], bool] | None,
         decode: Callable[[list[int]], str] | None,
+        agent: Agent | None = None,
+        render: Callable[[list[Message]], list[int]] | None = None,
     ) -> None:
         self.engine, self.cfg, self.index = engine, cfg, index
+        self.agent, self.render = agent, render
+        self.tool_messages: dict[int, list[Message]] = {}  # tool node id → the agent's messages
         self.stop_ids, self.seed = stop_ids, seed
         self.is_final_answer, self.decode = is_final_answer, decode
         self.stats = SampleStats()
@@ -202,6 +220,7 @@ class _TreeSampler:
         survivors: list[_Path] = []
         ended = 0
         # Children are added in request order so node ids (and seeds) are reproducible.
+        turns: list[tuple[Node, float]] = []  # finished model turns: decision points
         for path, request, outputs in zip(active, requests, results):
             if len(outputs) != request.sampling.n:
                 raise RuntimeError(
@@ -209,11 +228,54 @@ class _TreeSampler:
                 )
             for out in outputs:
                 node = self._add(tree, path.node, out)
+                logprob = path.logprob + sum(out.logprobs)
                 if node.finish_reason in (None, "length"):
-                    survivors.append(_Path(node, path.logprob + sum(out.logprobs)))
+                    survivors.append(_Path(node, logprob))
+                elif self.agent is not None and node.finish_reason == FINISHED:
+                    turns.append((node, logprob))
+                else:
+                    ended += 1
+        if turns:
+            replies = await asyncio.gather(
+                *(asyncio.to_thread(self.agent.step, tree.problem, self._history(tree, n)) for n, _ in turns)
+            )
+            for (node, logprob), messages in zip(turns, replies):
+                tool = self._add_tool_turn(tree, node, messages) if messages else None
+                if tool is not None and tool.finish_reason is None:
+                    survivors.append(_Path(tool, logprob))
                 else:
                     ended += 1
         return survivors, ended
+
+    def _add_tool_turn(self, tree: RolloutTree, node: Node, messages: list[Message]) -> Node:
+        """Append the agent's messages after a model turn, as untrained template ids."""
+        ids = self.render(messages)
+        # Never trained (mask 0); logprob 0 stands in for "not sampled" so paths stay uniform.
+        tool = tree.add_segment(node, ids, [0.0] * len(ids), [0] * len(ids))
+        self.tool_messages[tool.id] = list(messages)
+        self.stats.tool_turns += 1
+        tool.finish_reason = "max_length" if tool.end >= self.cfg.max_response_tokens else None
+        return tool
+
+    def _history(self, tree: RolloutTree, node: Node) -> list[Message]:
+        """The episode so far as messages: the agent's start, model turns decoded, tool turns."""
+        history = list(self.agent.start(tree.problem))
+        turn: list[int] = []
+        for n in tree.path(node):
+            if n.id in self.tool_messages:
+                history.append(self._assistant(turn))
+                history += self.tool_messages[n.id]
+                turn = []
+            else:
+                turn += n.token_ids
+        history.append(self._assistant(turn))
+        return history
+
+    def _assistant(self, turn: list[int]) -> Message:
+        """A model turn as a message; its stop token belongs to the template, not the content."""
+        if turn and turn[-1] in self.stop_ids:
+            turn = turn[:-1]
+        return {"role": "assistant", "content": self.decode(turn)}
 
     def _add(self, tree: RolloutTree, parent: Node, out: GenerateOutput) -> Node:
         """Record one segment and decide whether its path ended (sets ``finish_reason``)."""
