@@ -11,11 +11,13 @@ learner group, the reward pool and the tokenizer; the phases own nothing.
 
 from __future__ import annotations
 
+import functools
 import random
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from arbor.advantage import compute_advantages, dynamic_sampling_filter
+from arbor.agents import continuation_ids
 from arbor.answers import has_final_answer
 from arbor.config import AlgorithmConfig
 from arbor.data import format_prompt
@@ -71,7 +73,11 @@ def collect_rollouts(ctx: RunContext, step: int) -> Batch:
 def sample(ctx: RunContext, problems: list[dict], rollout_cfg: Any, seed: int) -> tuple[list[RolloutTree], list[SampleStats]]:
     """Trees for ``problems`` from the engines (progress on the console)."""
     tokenizer = ctx.tokenizer
-    prompts = [format_prompt(p, ctx.cfg.data, tokenizer, ctx.cfg.model.chat_template) for p in problems]
+    agent = ctx.agent  # multi-turn episodes (rollout.agent), or None
+    if agent is not None:
+        prompts = [agent_prompt(ctx, agent, p) for p in problems]
+    else:
+        prompts = [format_prompt(p, ctx.cfg.data, tokenizer, ctx.cfg.model.chat_template) for p in problems]
     done = [0]
 
     def progress(*_: Any) -> None:
@@ -81,10 +87,25 @@ def sample(ctx: RunContext, problems: list[dict], rollout_cfg: Any, seed: int) -
     def decode(ids: list[int]) -> str:
         return tokenizer.decode(ids, skip_special_tokens=True)
 
+    render = None
+    if agent is not None:
+        render = functools.partial(continuation_ids, tokenizer, eos_token_id=ctx.eos_token_ids[0])
     return ctx.run_async(sample_trees(
         ctx.client, problems, prompts, rollout_cfg, eos_token_ids=ctx.eos_token_ids, seed=seed,
         is_final_answer=lambda ids: has_final_answer(decode(ids)), decode=decode, on_progress=progress,
+        agent=agent, render=render,
     ))
+
+
+def agent_prompt(ctx: RunContext, agent: Any, problem: dict) -> list[int]:
+    """The episode's first ids: ``data.system_prompt`` and the agent's start, chat-templated."""
+    messages = agent.start(problem)
+    if ctx.cfg.data.system_prompt and not any(m["role"] == "system" for m in messages):
+        messages = [{"role": "system", "content": ctx.cfg.data.system_prompt}, *messages]
+    ids = ctx.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+        ids = ids["input_ids"]
+    return [int(t) for t in ids]
 
 
 def score_trees(ctx: RunContext, trees: list[RolloutTree]) -> tuple[list[bool], int]:
@@ -203,4 +224,10 @@ def rollout_metrics(batch: Batch) -> dict[str, float]:
         "rollout/tokens_computed": float(computed),
         "rollout/cached_ratio": sum(s.cached_tokens for s in batch.stats) / max(prompt, 1),
         "train/tokens_saved": float(sum(s.linearised_tokens - s.unique_tokens for s in trained)),
+        # Multi-turn episodes (rollout.agent): tool turns on each trajectory's path, errors.
+        "agent/tool_calls_per_episode": sum(
+            sum(1 for node in tree.path(leaf) if node.loss_mask and not any(node.loss_mask))
+            for tree in batch.sampled for leaf in tree.leaves()
+        ) / n,
+        "agent/tool_errors": float(sum(s.tool_errors for s in batch.stats)),
     }

@@ -58,6 +58,7 @@ class SampleStats:
     cached_tokens: int = 0  # Σ over outputs of input tokens served from the radix cache
     fallbacks: int = 0
     tool_turns: int = 0  # agent turns appended (multi-turn episodes)
+    tool_errors: int = 0  # agent messages marked "error" (a tool timed out, raised, ...)
     finish_reasons: dict[str, int] = field(default_factory=dict)  # leaf reason → count
     shortfall_reason: str | None = None
 
@@ -254,6 +255,7 @@ class _TreeSampler:
         tool = tree.add_segment(node, ids, [0.0] * len(ids), [0] * len(ids))
         self.tool_messages[tool.id] = list(messages)
         self.stats.tool_turns += 1
+        self.stats.tool_errors += sum(1 for m in messages if m.get("error"))
         tool.finish_reason = "max_length" if tool.end >= self.cfg.max_response_tokens else None
         return tool
 

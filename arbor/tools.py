@@ -24,6 +24,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -108,6 +109,13 @@ class ToolPool:
             )
         self._semaphore: asyncio.Semaphore | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread_slots = threading.BoundedSemaphore(workers)
+
+    def run_python_sync(self, code: str, **limits: float) -> ToolResult:
+        """:meth:`run_python` from a worker thread (agents' ``step`` runs in threads): at
+        most ``workers`` calls at once over all threads."""
+        with self._thread_slots:
+            return asyncio.run(self.run_python(code, **limits))
 
     def _slots(self) -> asyncio.Semaphore:
         loop = asyncio.get_running_loop()

@@ -80,12 +80,6 @@ class RunContext:
         from arbor.rewards import RewardPool, RewardTerm
 
         cfg = self.cfg
-        if cfg.rollout.agent is not None:
-            # Loaded and checked by the CLI; the sampler does not run multi-turn episodes yet.
-            raise SystemExit(
-                f"arbor train: rollout.agent={cfg.rollout.agent!r}: multi-turn agents are not wired "
-                "into the sampler yet (issue #6); leave rollout.agent unset for single-turn answers"
-            )
         out = Path(cfg.run.output_dir)
         previous = checkpoint.latest_checkpoint(out)
         if previous is not None and not cfg.run.resume:
@@ -98,6 +92,11 @@ class RunContext:
         try:
             self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.path, trust_remote_code=cfg.model.trust_remote_code)
             self.eos_token_ids = [self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else []
+            self.agent = None
+            if cfg.rollout.agent is not None:
+                from arbor.agents import load_agent
+
+                self.agent = load_agent(cfg.rollout.agent, "rollout.agent", default_search_dirs(cfg.source))
             self.stream = ProblemStream(load_problems(cfg.data.train_path, cfg.data), cfg.run.seed, cfg.data.shuffle)
             eval_path = cfg.eval.path or cfg.data.eval_path
             if eval_path and cfg.run.eval_every:

@@ -55,3 +55,16 @@ def test_templates_that_rewrite_history_are_refused(tmp_path):
     tokenizer.chat_template = "{{ messages[-1]['content'] }}{% if add_generation_prompt %}>{% endif %}"
     with pytest.raises(ValueError, match="rewrites earlier turns"):
         continuation_ids(tokenizer, [{"role": "tool", "content": "x"}])
+
+
+def test_python_tool_runs_the_last_code_block_and_reports_errors():
+    agent = load_agent("agents/python_tool.py:PythonTool", search_dirs=[str(REPO)])
+    problem = {"id": "p", "prompt": "What is 6*7?", "answer": "42"}
+    assert "```python" in agent.start(problem)[0]["content"]
+    history = agent.start(problem) + [{"role": "assistant", "content": "```python\nprint(6*7)\n```"}]
+    assert agent.step(problem, history) == [{"role": "tool", "content": "42\n"}]
+    crash = agent.start(problem) + [{"role": "assistant", "content": "```python\nraise ValueError('no')\n```"}]
+    (message,) = agent.step(problem, crash)
+    assert message["error"] == "1" and "ValueError: no" in message["content"]
+    done = history + [{"role": "tool", "content": "42\n"}, {"role": "assistant", "content": "\\boxed{42}"}]
+    assert agent.step(problem, done) is None  # no code: the episode ends
