@@ -196,7 +196,9 @@ def test_tree_sft_gradients_equal_linear_sft(seed, normalize):
     loss = sft_loss(reference, trees, [e.weights for e in examples], normalize=normalize, mode="linear")
     loss.backward()
     assert metrics["sft/loss"] == pytest.approx(loss.item(), rel=1e-9, abs=1e-12)
-    assert metrics["sft/packed_tokens"] <= sum(t.stats().linearised_tokens for t in trees)
+    # Every token is forwarded at least once; a tree split over packs repeats its root-path
+    # context, so with this small budget packing can even exceed the linearised count.
+    assert metrics["sft/packed_tokens"] >= sum(t.stats().unique_tokens for t in trees)
     for (name, p), q in zip(model.named_parameters(), reference.parameters()):
         # HF's RMSNorm computes in float32 even in a float64 model: compare to the scale.
         assert (p.grad - q.grad).abs().max() <= 1e-6 * q.grad.abs().max() + 1e-12, name
