@@ -158,7 +158,11 @@ class _TreeSampler:
     async def run(self, tree: RolloutTree) -> SampleStats:
         cfg, width = self.cfg, self.cfg.width
         if cfg.mode == "independent":
-            await self._round(tree, [_Path(tree.root, 0.0)], [width], cfg.max_response_tokens)
+            # One request n = width; with an agent, each episode then goes on alone.
+            active, counts = [_Path(tree.root, 0.0)], [width]
+            while active:
+                active, _ = await self._round(tree, active, counts, cfg.max_response_tokens)
+                counts = [1] * len(active)
             return self._done(tree)
         copies = 1
         if cfg.init_divergence >= 2:

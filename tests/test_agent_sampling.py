@@ -66,14 +66,14 @@ class ScriptedAgent:
         return [{"role": "tool", "content": f"ran: {history[-1]['content'][10:18]}"}]
 
 
-def sample(tokenizer, width=4):
+def sample(tokenizer, width=4, mode="tree"):
     agent, engine = ScriptedAgent(), ScriptedEngine(tokenizer)
     problems = [{"id": f"p{i}", "prompt": f"What is {i}+{i}?", "answer": str(2 * i)} for i in range(2)]
     prompts = [
         tokenizer.apply_chat_template(agent.start(p), add_generation_prompt=True, tokenize=True)["input_ids"]
         for p in problems
     ]
-    cfg = RolloutConfig(mode="tree", width=width, branch=2, segment_tokens=64, max_depth=12)
+    cfg = RolloutConfig(mode=mode, width=width, branch=2, segment_tokens=64, max_depth=12)
     trees, stats = asyncio.run(sample_trees(
         engine, problems, prompts, cfg, eos_token_ids=[tokenizer.eos_token_id], seed=3, agent=agent,
         render=functools.partial(continuation_ids, tokenizer), decode=lambda ids: tokenizer.decode(ids),
@@ -129,3 +129,13 @@ def test_tree_equals_linear_gradients_on_agent_trees(tokenizer):
         )
     for a, b in zip(grads["tree"], grads["linear"]):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-9)
+
+
+def test_independent_episodes_run_every_turn_without_forking(tokenizer):
+    trees, stats, _, _ = sample(tokenizer, mode="independent")
+    for tree in trees:
+        assert len(tree.root.children) == 4 and len(tree.leaves()) == 4
+        for leaf in tree.leaves():
+            path = tree.path(leaf)
+            assert len(path) == 2 * TOOL_TURNS + 1 and leaf.finish_reason == "stop"
+            assert all(len(n.children) == 1 for n in path[:-1])  # episodes never fork
