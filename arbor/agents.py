@@ -19,6 +19,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Protocol, runtime_checkable
 
+from arbor.data import chat_template_ids
 from arbor.errors import ConfigError
 from arbor.plugins import load_object
 
@@ -49,13 +50,6 @@ def load_agent(spec: str, key: str = "rollout.agent", search_dirs: Sequence[str]
     return obj
 
 
-def _template_ids(tokenizer: Any, messages: list[Message], generation_prompt: bool) -> list[int]:
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=True)
-    if isinstance(ids, dict) or hasattr(ids, "input_ids"):  # BatchEncoding in newer transformers
-        ids = ids["input_ids"]
-    return [int(t) for t in ids]
-
-
 # A finished conversation the template renders in full; the continuation of what an agent
 # adds is what the template appends after it. Nothing of the real history is re-tokenised.
 _ANCHOR: list[Message] = [{"role": "user", "content": "."}, {"role": "assistant", "content": "."}]
@@ -76,10 +70,10 @@ def continuation_ids(tokenizer: Any, messages: list[Message], eos_token_id: int 
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError("the tokenizer has no chat template: multi-turn agents need one")
     eos = tokenizer.eos_token_id if eos_token_id is None else eos_token_id
-    base = _template_ids(tokenizer, _ANCHOR, generation_prompt=False)
+    base = chat_template_ids(tokenizer, _ANCHOR, generation_prompt=False)
     if eos in base:  # the model's turn stops at its EOS; what the template puts after is ours
         base = base[: len(base) - base[::-1].index(eos)]
-    full = _template_ids(tokenizer, _ANCHOR + list(messages), generation_prompt=True)
+    full = chat_template_ids(tokenizer, _ANCHOR + list(messages), generation_prompt=True)
     if full[: len(base)] != base:
         raise ValueError(
             "the chat template rewrites earlier turns when messages are added, so tool "

@@ -30,7 +30,7 @@ def load_problems(path: str | Path, data_cfg: DataConfig) -> list[dict[str, Any]
     path = Path(path)
     if not path.exists():
         raise DataError(f"{path}: no such file or directory (data.train_path / data.eval_path)")
-    rows = list(_read_rows(path))
+    rows = list(read_rows(path))
     if not rows:
         raise DataError(f"{path}: no problems in it")
     problems, seen = [], {}
@@ -53,7 +53,8 @@ def load_problems(path: str | Path, data_cfg: DataConfig) -> list[dict[str, Any]
     return problems
 
 
-def _read_rows(path: Path) -> Any:
+def read_rows(path: Path) -> Any:
+    """``(where, row)`` of a .jsonl or .json file; ``where`` is ``file:line`` (``file[i]``)."""
     if path.suffix == ".jsonl":
         with path.open() as f:
             for lineno, line in enumerate(f, 1):
@@ -82,9 +83,7 @@ def format_prompt(problem: dict[str, Any], data_cfg: DataConfig, tokenizer: Any,
     if chat_template and getattr(tokenizer, "chat_template", None):
         messages = ([{"role": "system", "content": data_cfg.system_prompt}] if data_cfg.system_prompt else [])
         messages.append({"role": "user", "content": text})
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        if isinstance(ids, dict) or hasattr(ids, "input_ids"):  # BatchEncoding in newer transformers
-            ids = ids["input_ids"]
+        ids = chat_template_ids(tokenizer, messages, generation_prompt=True)
     else:
         ids = tokenizer(text, add_special_tokens=True)["input_ids"]
     if len(ids) > data_cfg.max_prompt_tokens:
@@ -92,6 +91,14 @@ def format_prompt(problem: dict[str, Any], data_cfg: DataConfig, tokenizer: Any,
             f"problem {problem['id']!r}: prompt has {len(ids)} tokens, more than "
             f"data.max_prompt_tokens={data_cfg.max_prompt_tokens}"
         )
+    return [int(t) for t in ids]
+
+
+def chat_template_ids(tokenizer: Any, messages: list[dict[str, str]], generation_prompt: bool) -> list[int]:
+    """Token ids of ``messages`` rendered by the tokenizer's chat template."""
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=True)
+    if isinstance(ids, dict) or hasattr(ids, "input_ids"):  # BatchEncoding in newer transformers
+        ids = ids["input_ids"]
     return [int(t) for t in ids]
 
 

@@ -22,13 +22,13 @@ from __future__ import annotations
 
 import asyncio
 import os
-import socket
 from collections.abc import Coroutine, Sequence
 from typing import Any, TypeVar
 
 import torch
 
 from arbor.config import Config, RayConfig
+from arbor.engines.server import free_port
 
 # Environment every actor needs: no Ray auth token files, CPU DeepSpeed where no CUDA.
 _ACTOR_ENV = ("RAY_AUTH_MODE", "DS_ACCELERATOR", "HF_HUB_OFFLINE", "PYTHONPATH", "TRANSFORMERS_OFFLINE", "PYTHONWARNINGS")
@@ -135,12 +135,6 @@ def node_address() -> str:
     return ray.util.get_node_ip_address()
 
 
-def free_node_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
-
-
 # -- learners ---------------------------------------------------------------------------------
 
 
@@ -154,7 +148,7 @@ class LearnerWorker:
         self.sync: Any = None
 
     def address(self) -> tuple[str, int]:
-        return node_address(), free_node_port()
+        return node_address(), free_port("")  # free on every interface of this node
 
     def setup(self, master: tuple[str, int], total_steps: int) -> None:
         """Join the learner group and build the model, DeepSpeed engine and optimizer."""

@@ -20,7 +20,7 @@ from arbor.advantage import compute_advantages, dynamic_sampling_filter
 from arbor.agents import continuation_ids
 from arbor.answers import has_final_answer
 from arbor.config import AlgorithmConfig
-from arbor.data import format_prompt
+from arbor.data import chat_template_ids, format_prompt
 from arbor.learner import sums_metrics
 from arbor.packing import assign_to_ranks, loss_denominator, pack_trees
 from arbor.sampler import SampleStats, sample_trees
@@ -102,10 +102,7 @@ def agent_prompt(ctx: RunContext, agent: Any, problem: dict) -> list[int]:
     messages = agent.start(problem)
     if ctx.cfg.data.system_prompt and not any(m["role"] == "system" for m in messages):
         messages = [{"role": "system", "content": ctx.cfg.data.system_prompt}, *messages]
-    ids = ctx.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-    if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-        ids = ids["input_ids"]
-    return [int(t) for t in ids]
+    return chat_template_ids(ctx.tokenizer, messages, generation_prompt=True)
 
 
 def score_trees(ctx: RunContext, trees: list[RolloutTree]) -> tuple[list[bool], int]:
@@ -201,8 +198,9 @@ def rollout_metrics(batch: Batch) -> dict[str, float]:
     leaves = [leaf for tree in batch.sampled for leaf in tree.leaves()]
     rewards = [leaf.reward for leaf in leaves]
     lengths = [leaf.end for leaf in leaves]
-    stats = [tree.stats() for tree in batch.sampled]
-    trained = [tree.stats() for tree in batch.trees]
+    by_tree = {id(tree): tree.stats() for tree in batch.sampled}  # batch.trees ⊆ batch.sampled
+    stats = list(by_tree.values())
+    trained = [by_tree[id(tree)] for tree in batch.trees]
     n = max(len(leaves), 1)
     computed = sum(s.tokens_computed for s in batch.stats)
     prompt = sum(s.prompt_tokens for s in batch.stats)

@@ -50,11 +50,9 @@ The step is a library function too (``scripts/build_tiny_model.py`` uses it):
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
 import random
-import socket
 import sys
 import warnings
 from collections.abc import Sequence
@@ -68,7 +66,8 @@ import torch
 
 from arbor import checkpoint
 from arbor.config import Config, DataConfig, SftConfig, save_config
-from arbor.data import DataError, format_prompt
+from arbor.data import DataError, format_prompt, read_rows
+from arbor.engines.server import free_port
 from arbor.learner import Learner, resolve_device
 from arbor.loss import pack_token_logprobs
 from arbor.metrics import MetricsLog
@@ -97,17 +96,10 @@ def load_examples(
         raise DataError(f"{path}: no such file or directory (sft.train_path)")
     if path.suffix != ".jsonl":
         raise DataError(f"{path}: sft.train_path must be a .jsonl file (one JSON object a line)")
-    examples = []
-    with path.open() as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            where = f"{path}:{lineno}"
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DataError(f"{where}: invalid JSON: {e.msg}") from None
-            examples.append(encode_example(row, where, tokenizer, data_cfg, chat_template, max_tokens))
+    examples = [
+        encode_example(row, where, tokenizer, data_cfg, chat_template, max_tokens)
+        for where, row in read_rows(path)
+    ]
     if not examples:
         raise DataError(f"{path}: no examples in it")
     return examples
@@ -389,10 +381,7 @@ def _save_checkpoint(learner: Learner, out: Path, step: int, rank: int) -> None:
 def _default_distributed_env(cfg: Config) -> None:
     """A plain ``arbor sft`` is rank 0 of 1; DeepSpeed still wants the launcher's variables."""
     if cfg.learner.backend == "deepspeed" and "RANK" not in os.environ:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     if resolve_device(cfg.learner.device).type == "cpu":
         os.environ.setdefault("DS_ACCELERATOR", "cpu")  # before deepspeed is imported; silences its guess
     warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distributed.c10d_logger")
