@@ -21,6 +21,7 @@ training). ``ray.address: auto`` joins a cluster started with ``ray start``.
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 from collections.abc import Coroutine, Sequence
 from typing import Any, TypeVar
@@ -168,21 +169,21 @@ class LearnerWorker:
     def step(self, packs: Sequence[Any], denominator: float, filler: Any = None) -> dict[str, float]:
         return self.learner.step_sums(packs, denominator, filler)
 
-    def push_weights(self, urls: list[str], version: str, export_dir: str) -> None:
+    def push_weights(self, urls: list[str], version: str) -> None:
         """Gather the parameters (collective) and, on rank 0, send them to every engine.
 
         ``learner.weight_sync: distributed`` broadcasts size-bounded buckets over a
-        gloo/NCCL group; ``disk`` writes an HF directory under ``export_dir`` that the
-        engines load (for engines the learner cannot reach over torch.distributed).
+        gloo/NCCL group; ``disk`` writes an HF directory (``<run.output_dir>/weight-sync``)
+        that the engines load (for engines the learner cannot reach over torch.distributed).
         """
         from arbor.weight_sync import gathered_parameters, named_tensor_buckets
 
         cfg = self.cfg
         if cfg.learner.weight_sync == "disk":
-            self.export_hf(export_dir)
+            self.export_hf(self.sync_dir)
             if self.rank == 0:
                 sync = self._weight_sync(urls)
-                asyncio.run(closing(sync.client, sync.push_directory(export_dir, version)))
+                asyncio.run(closing(sync.client, sync.push_directory(self.sync_dir, version)))
             return
         named = gathered_parameters(self.learner.model, self._zero_stage())
         if self.rank != 0:
@@ -213,8 +214,13 @@ class LearnerWorker:
             client = SGLangClient(urls, timeout_s=self.cfg.engine.request_timeout_s,
                                   max_retries=self.cfg.engine.max_retries)
             self.sync = WeightSync(client, self.cfg.learner.weight_sync, master_address=node_address(),
-                                   export_dir=os.path.join(self.cfg.run.output_dir, "weight-sync"))
+                                   export_dir=self.sync_dir)
         return self.sync
+
+    @property
+    def sync_dir(self) -> str:
+        """Where ``learner.weight_sync: disk`` writes the weights the engines load."""
+        return os.path.join(self.cfg.run.output_dir, "weight-sync")
 
     def _zero_stage(self) -> int:
         return self.cfg.learner.zero_stage if self.cfg.learner.backend == "deepspeed" else 0
@@ -227,14 +233,14 @@ class LearnerWorker:
         return self.learner.steps
 
     def export_hf(self, directory: str) -> None:
-        tokenizer = None
-        if self.rank == 0:
-            from transformers import AutoTokenizer
+        self.learner.export_hf(directory, self.tokenizer if self.rank == 0 else None)
 
-            tokenizer = AutoTokenizer.from_pretrained(
-                self.cfg.model.path, trust_remote_code=self.cfg.model.trust_remote_code
-            )
-        self.learner.export_hf(directory, tokenizer)
+    @functools.cached_property
+    def tokenizer(self) -> Any:
+        """The policy's tokenizer, saved with every export (loaded once: disk sync exports each step)."""
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(self.cfg.model.path, trust_remote_code=self.cfg.model.trust_remote_code)
 
     def state_checksum(self) -> float:
         """Σ |parameters| of the whole model (collective under ZeRO-3): "did weights change"."""
@@ -276,8 +282,8 @@ class LearnerGroup:
             for w, p in zip(self.workers, packs_per_rank)
         ])
 
-    def push_weights(self, urls: list[str], version: str, export_dir: str) -> None:
-        self.call("push_weights", urls, version, export_dir)
+    def push_weights(self, urls: list[str], version: str) -> None:
+        self.call("push_weights", urls, version)
 
     def logprob_gap(self, samples: list[tuple[list[int], list[int], list[float]]]) -> float:
         return self.call("logprob_gap", samples)[0]

@@ -162,7 +162,7 @@ def sync_weights(ctx: RunContext, version: str, probe: list[RolloutTree]) -> dic
     from arbor.weight_sync import probe_samples
 
     cfg = ctx.cfg
-    ctx.learners.push_weights(ctx.engines.urls, version, ctx.output_dir("weight-sync"))
+    ctx.learners.push_weights(ctx.engines.urls, version)
     metrics: dict[str, float] = {"sync/weight_version": float(version)}
     if probe:
         prompts = [t.prompt_ids for t in probe]

@@ -191,7 +191,7 @@ class RunContext:
         self.learners.call("load", str(directory / "learner"))
         self.stream.load_state_dict(state["stream"])
         self.start_step = int(state["step"])
-        self.learners.push_weights(self.engines.urls, str(self.start_step), self.output_dir("weight-sync"))
+        self.learners.push_weights(self.engines.urls, str(self.start_step))
         self.run_async(self.client.flush_cache())
         print(f"arbor train: resumed from {directory} (step {self.start_step})", flush=True)
 
