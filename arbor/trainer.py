@@ -90,20 +90,20 @@ class RunContext:
         out.mkdir(parents=True, exist_ok=True)
         save_config(cfg, out / "config.yaml")
         try:
+            search = default_search_dirs(cfg.source)  # where rewards/ and agents/ specs resolve
             self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.path, trust_remote_code=cfg.model.trust_remote_code)
             self.eos_token_ids = [self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else []
             self.agent = None
             if cfg.rollout.agent is not None:
                 from arbor.agents import load_agent
 
-                self.agent = load_agent(cfg.rollout.agent, "rollout.agent", default_search_dirs(cfg.source))
+                self.agent = load_agent(cfg.rollout.agent, "rollout.agent", search)
             self.stream = ProblemStream(load_problems(cfg.data.train_path, cfg.data), cfg.run.seed, cfg.data.shuffle)
             eval_path = cfg.eval.path or cfg.data.eval_path
             if eval_path and cfg.run.eval_every:
                 self.eval_problems = load_problems(eval_path, cfg.data)
             self.log = MetricsLog(cfg.run, cfg.run.steps)
             self._closers.append(self.log.close)
-            search = default_search_dirs(cfg.source)
             self.rewards = RewardPool([RewardTerm(t.fn, t.weight) for t in cfg.reward.functions],
                                       workers=cfg.reward.workers, timeout_s=cfg.reward.timeout_s, search_dirs=search)
             self._closers.append(self.rewards.close)
