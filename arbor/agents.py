@@ -16,14 +16,20 @@ generation prompt) is rendered by the tokenizer's chat template as a *continuati
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any, Protocol, runtime_checkable
+import functools
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
-from arbor.data import chat_template_ids
+from arbor.config import DataConfig
+from arbor.data import chat_template_ids, format_prompt
 from arbor.errors import ConfigError
 from arbor.plugins import load_object
 
+if TYPE_CHECKING:
+    from arbor.tree import Node, RolloutTree
+
 Message = dict[str, str]  # {"role": "user" | "assistant" | "tool" | "system", "content": ...}
+Render = Callable[[list[Message]], list[int]]  # an agent's messages -> the ids appended
 
 
 @runtime_checkable
@@ -40,7 +46,9 @@ def load_agent(spec: str, key: str = "rollout.agent", search_dirs: Sequence[str]
         try:
             obj = obj()
         except TypeError as e:
-            raise ConfigError(f"{key}: {spec!r} is a class that cannot be built without arguments: {e}") from None
+            raise ConfigError(
+                f"{key}: {spec!r} is a class that cannot be built without arguments: {e}"
+            ) from None
     missing = [name for name in ("start", "step") if not callable(getattr(obj, name, None))]
     if missing:
         raise ConfigError(
@@ -50,12 +58,44 @@ def load_agent(spec: str, key: str = "rollout.agent", search_dirs: Sequence[str]
     return obj
 
 
+def episode_inputs(
+    problems: Sequence[dict],
+    agent: Agent | None,
+    tokenizer: Any,
+    data_cfg: DataConfig,
+    chat_template: bool,
+) -> tuple[list[list[int]], Render | None]:
+    """What the sampler needs to start ``problems``: ``(prompts, render)``.
+
+    Without an agent: each problem's :func:`~arbor.data.format_prompt` ids and no render.
+    With one: ``data.system_prompt`` (unless the agent gives a system message) and
+    ``agent.start(problem)``, chat-templated, and :func:`continuation_ids` as the render.
+    ``arbor train``'s rollouts and evals and ``arbor eval`` all start episodes here.
+    """
+    if agent is None:
+        return [format_prompt(p, data_cfg, tokenizer, chat_template) for p in problems], None
+    prompts = []
+    for problem in problems:
+        messages = agent.start(problem)
+        if data_cfg.system_prompt and not any(m["role"] == "system" for m in messages):
+            messages = [{"role": "system", "content": data_cfg.system_prompt}, *messages]
+        prompts.append(chat_template_ids(tokenizer, messages, generation_prompt=True))
+    return prompts, functools.partial(continuation_ids, tokenizer)
+
+
+def tool_turns(tree: RolloutTree, leaf: Node) -> int:
+    """Agent turns on the path to ``leaf``: the nodes the model generated none of (mask all 0)."""
+    return sum(1 for node in tree.path(leaf) if node.loss_mask and not any(node.loss_mask))
+
+
 # A finished conversation the template renders in full; the continuation of what an agent
 # adds is what the template appends after it. Nothing of the real history is re-tokenised.
 _ANCHOR: list[Message] = [{"role": "user", "content": "."}, {"role": "assistant", "content": "."}]
 
 
-def continuation_ids(tokenizer: Any, messages: list[Message], eos_token_id: int | None = None) -> list[int]:
+def continuation_ids(
+    tokenizer: Any, messages: list[Message], eos_token_id: int | None = None
+) -> list[int]:
     """Ids to append after a model turn that ended with ``eos_token_id`` (default: the
     tokenizer's EOS): the rest of the template's turn ending, ``messages`` and the next
     generation prompt, as the chat template renders them (all loss mask 0).

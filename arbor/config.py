@@ -75,6 +75,9 @@ class RolloutConfig:
     repetition_count: int = 8
     # module:attr of the agent deciding what follows each model turn; None: single turn.
     agent: str | None = None
+    # Wall-clock seconds one agent.step call may take; past it the episode ends there
+    # ("agent_timeout", counted in agent/timeouts). The step's thread cannot be killed.
+    agent_timeout_s: float = 60.0
 
     @property
     def max_response_tokens(self) -> int:
@@ -421,6 +424,7 @@ def validate(cfg: Config, where: str = "<config>") -> None:
     need(r.repetition_window >= 1, "rollout.repetition_window", "must be ≥ 1")
     need(r.repetition_count >= 2, "rollout.repetition_count", "must be ≥ 2")
     need(r.agent is None or ":" in r.agent, "rollout.agent", f"must be 'module:attr', got {r.agent!r}")
+    need(r.agent_timeout_s > 0, "rollout.agent_timeout_s", f"must be > 0, got {r.agent_timeout_s}")
 
     need(e.num_engines >= 1, "engine.num_engines", f"must be ≥ 1, got {e.num_engines}")
     need(e.kind != "external" or bool(e.urls), "engine.urls", "must list the servers when engine.kind is external")

@@ -28,6 +28,12 @@ Definitions (n = k = ``eval.samples`` answers per problem, c of them correct):
   strings: ``0.5`` and ``\\frac12`` vote apart even though the reward accepts both;
 - ``eval/length_mean`` / ``eval/length_max``: response tokens per sample (EOS included);
 - ``eval/finished``: samples that ended on EOS; ``eval/answered``: samples with an answer.
+
+With ``rollout.agent`` every sample is one multi-turn episode, run to its end as in the
+trainer's ``mode: independent`` (one path each; ``eval.max_response_tokens`` bounds the
+whole episode, tool turns included). The scored text is the episode's whole response,
+decoded — what the reward sees in training — and the report adds
+``eval/tool_calls_per_episode``, ``eval/tool_errors`` and ``eval/agent_timeouts``.
 """
 
 from __future__ import annotations
@@ -43,6 +49,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
+from arbor.agents import Agent, Render, tool_turns
 from arbor.answers import last_boxed
 from arbor.config import Config, EvalConfig, RolloutConfig
 from arbor.engines.types import RolloutEngine
@@ -68,8 +75,9 @@ class SampleRecord:
     answer: str | None  # normalised last \boxed{} content; None: no (well-formed) box
     reward: float  # Σ weight · term
     correct: bool  # first reward term > 0
-    tokens: int  # response length
-    finish_reason: str  # "stop" (EOS) | "max_length" | "repetition" | "abort"
+    tokens: int  # response length (an agent's tool turns included)
+    finish_reason: str  # "stop" (EOS) | "max_length" | "repetition" | "abort" | "agent_timeout"
+    tool_calls: int  # agent turns in the episode; 0 without an agent
 
 
 @dataclass
@@ -174,12 +182,13 @@ def summarise(records: Sequence[ProblemRecord], k: int) -> dict[str, float]:
 
 
 def eval_rollout_config(eval_cfg: EvalConfig, rollout_cfg: RolloutConfig) -> RolloutConfig:
-    """The sampler's settings for eval: ``eval.samples`` independent answers, one request each."""
+    """The sampler's settings for eval: ``eval.samples`` independent answers (episodes, with
+    an agent), started by one request each; the agent's step limit stays the rollout's."""
     budget = eval_cfg.max_response_tokens or rollout_cfg.max_response_tokens
     return replace(
         rollout_cfg, mode="independent", width=eval_cfg.samples, branch=1, segment_tokens=budget,
         max_depth=1, temperature=eval_cfg.temperature, top_p=eval_cfg.top_p, top_k=-1,
-        init_divergence=0, agent=None,
+        init_divergence=0,
     )
 
 
@@ -196,12 +205,15 @@ def run_eval(
     seed: int = 0,
     run_async: Callable[[Coroutine[Any, Any, Any]], Any] = asyncio.run,
     status: Callable[[str], None] = lambda text: None,
+    agent: Agent | None = None,
+    render: Render | None = None,
 ) -> EvalReport:
     """Sample ``eval_cfg.samples`` answers per problem, score them, compute the metrics.
 
     ``prompts[i]`` are problem i's prompt token ids; ``decode(ids) -> str`` gives the text
     the reward sees; ``run_async`` runs the sampling coroutine (the trainer's closes its
-    client's session); ``status(text)`` reports progress.
+    client's session); ``status(text)`` reports progress. With an ``agent`` (and its
+    ``render``, as from :func:`arbor.agents.episode_inputs`) each answer is an episode.
     """
     k = eval_cfg.samples
     done = [0]
@@ -211,9 +223,10 @@ def run_eval(
         status(f"eval: sampled {done[0]}/{len(problems)} problems")
 
     trees: list[RolloutTree]
-    trees, _ = run_async(sample_trees(
+    trees, stats = run_async(sample_trees(
         engine, list(problems), prompts, eval_rollout_config(eval_cfg, rollout_cfg),
         eos_token_ids=eos_token_ids, seed=seed, decode=decode, on_progress=sampled,
+        agent=agent, render=render,
     ))
     leaves = [(tree, leaf) for tree in trees for leaf in tree.leaves()]
     texts = [decode(tree.response_ids(leaf)) for tree, leaf in leaves]
@@ -227,10 +240,18 @@ def run_eval(
             samples.append(SampleRecord(
                 response=texts[at], answer=normalise_answer(texts[at]), reward=result.scores[at],
                 correct=first_term[at] > 0, tokens=leaf.end, finish_reason=leaf.finish_reason or "?",
+                tool_calls=tool_turns(tree, leaf),
             ))
             at += 1
         records.append(problem_record(tree.problem or {}, samples, k))
     metrics = summarise(records, k) | {"eval/reward_timeouts": float(result.timeouts)}
+    if agent is not None:
+        metrics |= {
+            "eval/tool_calls_per_episode": sum(s.tool_calls for r in records for s in r.samples)
+            / max(len(leaves), 1),
+            "eval/tool_errors": float(sum(s.tool_errors for s in stats)),
+            "eval/agent_timeouts": float(sum(s.agent_timeouts for s in stats)),
+        }
     return EvalReport(k, metrics, records)
 
 
@@ -241,9 +262,11 @@ def main(cfg: Config) -> int:
     """Start the engines of ``cfg``, evaluate ``eval.path``, write the JSON and TensorBoard."""
     from transformers import AutoTokenizer
 
-    from arbor.data import format_prompt, load_problems
+    from arbor.agents import episode_inputs, load_agent
+    from arbor.data import load_problems
     from arbor.engines.client import SGLangClient
     from arbor.orchestration import closing
+    from arbor.plugins import default_search_dirs
 
     e = cfg.eval
     path = e.path or cfg.data.eval_path
@@ -252,12 +275,16 @@ def main(cfg: Config) -> int:
         return 2
     problems = load_problems(path, cfg.data)[: e.max_problems or None]
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.path, trust_remote_code=cfg.model.trust_remote_code)
-    prompts = [format_prompt(p, cfg.data, tokenizer, cfg.model.chat_template) for p in problems]
+    agent = None
+    if cfg.rollout.agent is not None:  # evaluate the episodes the run trains on
+        agent = load_agent(cfg.rollout.agent, "rollout.agent", default_search_dirs(cfg.source))
+    prompts, render = episode_inputs(problems, agent, tokenizer, cfg.data, cfg.model.chat_template)
     eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
     out_dir = Path(cfg.run.output_dir)
     output = Path(e.output) if e.output else out_dir / "eval.json"
     print(f"arbor eval: {cfg.model.path} on {path}: {len(problems)} problems x {e.samples} answer(s), "
-          + (f"temperature {e.temperature}" if e.temperature > 0 else "greedy"), flush=True)
+          + (f"temperature {e.temperature}" if e.temperature > 0 else "greedy")
+          + (f", agent {cfg.rollout.agent}" if agent is not None else ""), flush=True)
 
     def decode(ids: list[int]) -> str:
         return tokenizer.decode(ids, skip_special_tokens=True)
@@ -269,7 +296,7 @@ def main(cfg: Config) -> int:
         report = run_eval(
             client, rewards, problems, prompts, e, cfg.rollout, decode=decode, eos_token_ids=eos,
             seed=cfg.run.seed, run_async=lambda coroutine: asyncio.run(closing(client, coroutine)),
-            status=_console_status,
+            status=_console_status, agent=agent, render=render,
         )
     _console_status("")
     report.metrics["eval/seconds"] = time.perf_counter() - t0
@@ -279,7 +306,9 @@ def main(cfg: Config) -> int:
     m, k = report.metrics, report.k
     print(f"arbor eval: pass@{k} {m[f'eval/pass@{k}']:.3f}  maj@{k} {m[f'eval/maj@{k}']:.3f}  "
           f"accuracy {m['eval/accuracy']:.3f}  length {m['eval/length_mean']:.1f} tokens  "
-          f"({m['eval/seconds']:.1f} s) -> {output}", flush=True)
+          + (f"tool calls {m['eval/tool_calls_per_episode']:.2f}/episode ({m['eval/tool_errors']:.0f} errors, "
+             f"{m['eval/agent_timeouts']:.0f} agent timeouts)  " if agent is not None else "")
+          + f"({m['eval/seconds']:.1f} s) -> {output}", flush=True)
     return 0
 
 
@@ -308,7 +337,7 @@ def write_report(output: Path, report: EvalReport, cfg: Config, data_path: str) 
     """``eval.json``: what was evaluated, how, the metrics and every problem's record."""
     e = cfg.eval
     settings = {"model": cfg.model.path, "data": data_path, "samples": e.samples, "temperature": e.temperature,
-                "top_p": e.top_p, "seed": cfg.run.seed, "step": e.step}
+                "top_p": e.top_p, "seed": cfg.run.seed, "step": e.step, "agent": cfg.rollout.agent}
     output.parent.mkdir(parents=True, exist_ok=True)
     output.write_text(json.dumps(settings | report.to_dict(), indent=1) + "\n")
 

@@ -11,16 +11,14 @@ learner group, the reward pool and the tokenizer; the phases own nothing.
 
 from __future__ import annotations
 
-import functools
 import random
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from arbor.advantage import compute_advantages, dynamic_sampling_filter
-from arbor.agents import continuation_ids
+from arbor.agents import episode_inputs, tool_turns
 from arbor.answers import has_final_answer
 from arbor.config import AlgorithmConfig
-from arbor.data import chat_template_ids, format_prompt
 from arbor.learner import sums_metrics
 from arbor.packing import assign_to_ranks, loss_denominator, pack_trees
 from arbor.sampler import SampleStats, sample_trees
@@ -72,12 +70,9 @@ def collect_rollouts(ctx: RunContext, step: int) -> Batch:
 
 def sample(ctx: RunContext, problems: list[dict], rollout_cfg: Any, seed: int) -> tuple[list[RolloutTree], list[SampleStats]]:
     """Trees for ``problems`` from the engines (progress on the console)."""
-    tokenizer = ctx.tokenizer
-    agent = ctx.agent  # multi-turn episodes (rollout.agent), or None
-    if agent is not None:
-        prompts = [agent_prompt(ctx, agent, p) for p in problems]
-    else:
-        prompts = [format_prompt(p, ctx.cfg.data, tokenizer, ctx.cfg.model.chat_template) for p in problems]
+    cfg, tokenizer = ctx.cfg, ctx.tokenizer
+    # With rollout.agent, multi-turn episodes from the agent's start; else one prompt each.
+    prompts, render = episode_inputs(problems, ctx.agent, tokenizer, cfg.data, cfg.model.chat_template)
     done = [0]
 
     def progress(*_: Any) -> None:
@@ -87,22 +82,11 @@ def sample(ctx: RunContext, problems: list[dict], rollout_cfg: Any, seed: int) -
     def decode(ids: list[int]) -> str:
         return tokenizer.decode(ids, skip_special_tokens=True)
 
-    render = None
-    if agent is not None:
-        render = functools.partial(continuation_ids, tokenizer, eos_token_id=ctx.eos_token_ids[0])
     return ctx.run_async(sample_trees(
         ctx.client, problems, prompts, rollout_cfg, eos_token_ids=ctx.eos_token_ids, seed=seed,
         is_final_answer=lambda ids: has_final_answer(decode(ids)), decode=decode, on_progress=progress,
-        agent=agent, render=render,
+        agent=ctx.agent, render=render,
     ))
-
-
-def agent_prompt(ctx: RunContext, agent: Any, problem: dict) -> list[int]:
-    """The episode's first ids: ``data.system_prompt`` and the agent's start, chat-templated."""
-    messages = agent.start(problem)
-    if ctx.cfg.data.system_prompt and not any(m["role"] == "system" for m in messages):
-        messages = [{"role": "system", "content": ctx.cfg.data.system_prompt}, *messages]
-    return chat_template_ids(ctx.tokenizer, messages, generation_prompt=True)
 
 
 def score_trees(ctx: RunContext, trees: list[RolloutTree]) -> tuple[list[bool], int]:
@@ -174,12 +158,13 @@ def sync_weights(ctx: RunContext, version: str, probe: list[RolloutTree]) -> dic
 
 
 def evaluate(ctx: RunContext, problems: list[dict]) -> dict[str, float]:
-    """``eval/*`` metrics (pass@k, maj@k, accuracy, length) on ``problems``: :mod:`arbor.evaluate`."""
+    """``eval/*`` metrics (pass@k, maj@k, accuracy, length; tool calls with an agent) on
+    ``problems``: :mod:`arbor.evaluate`."""
     from arbor.evaluate import run_eval
 
     cfg, tokenizer = ctx.cfg, ctx.tokenizer
     problems = problems[: cfg.eval.max_problems or None]
-    prompts = [format_prompt(p, cfg.data, tokenizer, cfg.model.chat_template) for p in problems]
+    prompts, render = episode_inputs(problems, ctx.agent, tokenizer, cfg.data, cfg.model.chat_template)
 
     def decode(ids: list[int]) -> str:
         return tokenizer.decode(ids, skip_special_tokens=True)
@@ -187,6 +172,7 @@ def evaluate(ctx: RunContext, problems: list[dict]) -> dict[str, float]:
     report = run_eval(
         ctx.client, ctx.rewards, problems, prompts, cfg.eval, cfg.rollout, decode=decode,
         eos_token_ids=ctx.eos_token_ids, seed=cfg.run.seed, run_async=ctx.run_async, status=ctx.log.status,
+        agent=ctx.agent, render=render,
     )
     # As after the probe: the next step starts from the cache state a resumed run has.
     ctx.run_async(ctx.client.flush_cache())
@@ -223,9 +209,7 @@ def rollout_metrics(batch: Batch) -> dict[str, float]:
         "rollout/cached_ratio": sum(s.cached_tokens for s in batch.stats) / max(prompt, 1),
         "train/tokens_saved": float(sum(s.linearised_tokens - s.unique_tokens for s in trained)),
         # Multi-turn episodes (rollout.agent): tool turns on each trajectory's path, errors.
-        "agent/tool_calls_per_episode": sum(
-            sum(1 for node in tree.path(leaf) if node.loss_mask and not any(node.loss_mask))
-            for tree in batch.sampled for leaf in tree.leaves()
-        ) / n,
+        "agent/tool_calls_per_episode": sum(tool_turns(tree, leaf) for tree in batch.sampled for leaf in tree.leaves()) / n,
         "agent/tool_errors": float(sum(s.tool_errors for s in batch.stats)),
+        "agent/timeouts": float(sum(s.agent_timeouts for s in batch.stats)),  # steps past rollout.agent_timeout_s
     }

@@ -21,7 +21,9 @@ Decisions (where the paper leaves room):
   repeats itself: some ``repetition_window``-long substring of its decoded text occurs
   ``repetition_count`` times, or token n-grams when no ``decode`` is given),
   "max_length" (``max_depth · segment_tokens`` response tokens), "max_depth", or
-  "abort" (the engine aborted the request).
+  "abort" (the engine aborted the request), or "agent_timeout" (an agent's ``step`` ran
+  past ``rollout.agent_timeout_s``: the episode ends at that model turn, a warning names
+  the problem, and ``stats.agent_timeouts`` counts it; the rest of the batch goes on).
 - Fallback (only when a tree has no active path and fewer than ``width`` leaves) cuts a
   finished ("stop") trajectory at a random node boundary on its path — the root or an
   internal node, never the leaf itself — and restarts the loop there as one active path.
@@ -33,9 +35,12 @@ Decisions (where the paper leaves room):
 from __future__ import annotations
 
 import asyncio
+import logging
 import random
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from arbor.agents import Agent, Message
 from arbor.config import RolloutConfig
@@ -44,6 +49,9 @@ from arbor.sampler_budget import assign_branches, is_repetitive, next_total, req
 from arbor.tree import Node, RolloutTree
 
 FINISHED = "stop"  # the only well-formed ending; everything else is an early stop
+AGENT_TIMEOUT = "agent_timeout"  # agent.step ran past rollout.agent_timeout_s
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -59,6 +67,7 @@ class SampleStats:
     fallbacks: int = 0
     tool_turns: int = 0  # agent turns appended (multi-turn episodes)
     tool_errors: int = 0  # agent messages marked "error" (a tool timed out, raised, ...)
+    agent_timeouts: int = 0  # agent.step calls past rollout.agent_timeout_s (episode ended)
     finish_reasons: dict[str, int] = field(default_factory=dict)  # leaf reason → count
     shortfall_reason: str | None = None
 
@@ -101,7 +110,8 @@ async def sample_trees(
     messages whose ids, ``render(messages)`` (e.g. :func:`arbor.agents.continuation_ids`),
     are appended as a node with ``loss_mask = 0``; the path then continues and may fork
     there like at any segment boundary. The history holds ``agent.start(problem)``, then
-    each model turn decoded (``decode`` is required) and each tool turn as given.
+    each model turn decoded (``decode`` is required) and each tool turn as given. A step
+    is given ``cfg.agent_timeout_s`` seconds; past that its episode ends ("agent_timeout").
     """
     if agent is not None and (render is None or decode is None):
         raise ValueError("sampling with an agent needs render (messages -> ids) and decode")
@@ -241,9 +251,7 @@ class _TreeSampler:
                 else:
                     ended += 1
         if turns:
-            replies = await asyncio.gather(
-                *(asyncio.to_thread(self.agent.step, tree.problem, self._history(tree, n)) for n, _ in turns)
-            )
+            replies = await asyncio.gather(*(self._agent_step(tree, node) for node, _ in turns))
             for (node, logprob), messages in zip(turns, replies):
                 tool = self._add_tool_turn(tree, node, messages) if messages else None
                 if tool is not None and tool.finish_reason is None:
@@ -251,6 +259,28 @@ class _TreeSampler:
                 else:
                     ended += 1
         return survivors, ended
+
+    async def _agent_step(self, tree: RolloutTree, node: Node) -> list[Message] | None:
+        """``agent.step`` after the model turn ending at ``node``, given ``agent_timeout_s``.
+
+        Past the limit the episode ends at ``node`` ("agent_timeout", counted and warned
+        about) and the step's thread is abandoned (see :func:`_in_daemon_thread`).
+        """
+        history = self._history(tree, node)
+        step = _in_daemon_thread(self.agent.step, tree.problem, history)
+        try:
+            return await asyncio.wait_for(step, self.cfg.agent_timeout_s)
+        except asyncio.TimeoutError:
+            node.finish_reason = AGENT_TIMEOUT
+            self.stats.agent_timeouts += 1
+            log.warning(
+                "problem %s: agent.step ran past rollout.agent_timeout_s=%gs; its episode ends "
+                "there (%s) and the call is left running in its thread",
+                tree.problem_id,
+                self.cfg.agent_timeout_s,
+                AGENT_TIMEOUT,
+            )
+            return None
 
     def _add_tool_turn(self, tree: RolloutTree, node: Node, messages: list[Message]) -> Node:
         """Append the agent's messages after a model turn, as untrained template ids."""
@@ -344,6 +374,43 @@ class _TreeSampler:
         if len(leaves) < self.cfg.width and self.stats.shortfall_reason is None:
             self.stats.shortfall_reason = f"the engine ended every path early ({_reasons(tree)})"
         return self.stats
+
+
+def _in_daemon_thread(fn: Callable[..., Any], *args: object) -> asyncio.Future[Any]:
+    """``fn(*args)`` in a new daemon thread, as a future of the running loop.
+
+    Not ``asyncio.to_thread``: a thread cannot be killed, and a hung agent step would hold
+    a worker of the loop's default executor, which ``asyncio.run`` joins before it returns
+    (blocking the next step) and the interpreter joins at exit. A daemon thread is simply
+    abandoned when its caller stops waiting: it runs on, holding whatever it holds (a tool
+    subprocess, memory), until it returns or the process exits. One thread per call, so
+    a timed-out step costs a thread, never a slot that later steps would queue behind (the
+    time limit counts the step alone); agents bound their own tools (``arbor.tools``).
+    """
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[Any] = loop.create_future()
+
+    def settle(result: Any, error: BaseException | None) -> None:
+        if future.done():  # cancelled by the timeout: nobody waits for it any more
+            return
+        if error is None:
+            future.set_result(result)
+        else:
+            future.set_exception(error)
+
+    def run() -> None:
+        result, error = None, None
+        try:
+            result = fn(*args)
+        except BaseException as e:  # re-raised in the loop, where the caller awaits it
+            error = e
+        try:
+            loop.call_soon_threadsafe(settle, result, error)
+        except RuntimeError:  # the loop has closed: the sampling that asked has returned
+            pass
+
+    threading.Thread(target=run, name=f"agent-step-{id(future):x}", daemon=True).start()
+    return future
 
 
 def _response_upto(tree: RolloutTree, node: Node) -> list[int]:

@@ -8,21 +8,26 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import logging
 import random
+import subprocess
+import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
 import torch
+from agent_fixtures import HANG_S, PROBLEMS, TOOL_TURNS, HangingAgent, ScriptedAgent, ScriptedEngine
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from arbor.agents import continuation_ids
-from arbor.config import RolloutConfig
-from arbor.engines.types import GenerateOutput, GenerateRequest
+from arbor.config import RolloutConfig, load_config
+from arbor.errors import ConfigError
 from arbor.loss import policy_loss
 from arbor.sampler import sample_trees
 
 MODEL = Path(__file__).resolve().parents[1] / "models" / "tiny-arith"
-TOOL_TURNS = 2
 
 
 @pytest.fixture(scope="module")
@@ -30,52 +35,17 @@ def tokenizer():
     return AutoTokenizer.from_pretrained(MODEL)
 
 
-class ScriptedEngine:
-    """Model turn t (t tool turns so far) writes code for t < 2, then a boxed answer; the
-    numbers come from the request seed, so branches differ."""
-
-    def __init__(self, tokenizer) -> None:
-        self.tokenizer = tokenizer
-        self.outputs: list[list[int]] = []
-
-    async def generate(self, request: GenerateRequest) -> list[GenerateOutput]:
-        await asyncio.sleep(0)
-        turn = self.tokenizer.decode(request.input_ids).count("<|im_start|>tool")
-        outs = []
-        for j in range(request.sampling.n):
-            k = random.Random(request.sampling.seed + j).randrange(100)
-            text = f"```python\nprint({k}+{turn})\n```" if turn < TOOL_TURNS else f"so \\boxed{{{k}}}"
-            ids = self.tokenizer.encode(text, add_special_tokens=False) + [self.tokenizer.eos_token_id]
-            self.outputs.append(ids)
-            outs.append(GenerateOutput(ids, [-0.5] * len(ids), "stop", len(request.input_ids), 0, "v1"))
-        return outs
-
-
-class ScriptedAgent:
-    def __init__(self) -> None:
-        self.histories: list[list[dict]] = []
-
-    def start(self, problem):
-        return [{"role": "user", "content": problem["prompt"]}]
-
-    def step(self, problem, history):
-        self.histories.append(history)
-        done = sum(m["role"] == "tool" for m in history)
-        if done >= TOOL_TURNS:
-            return None
-        return [{"role": "tool", "content": f"ran: {history[-1]['content'][10:18]}"}]
-
-
-def sample(tokenizer, width=4, mode="tree"):
-    agent, engine = ScriptedAgent(), ScriptedEngine(tokenizer)
-    problems = [{"id": f"p{i}", "prompt": f"What is {i}+{i}?", "answer": str(2 * i)} for i in range(2)]
+def sample(tokenizer, width=4, mode="tree", agent=None, agent_timeout_s=60.0):
+    agent, engine = agent or ScriptedAgent(), ScriptedEngine(tokenizer)
     prompts = [
         tokenizer.apply_chat_template(agent.start(p), add_generation_prompt=True, tokenize=True)["input_ids"]
-        for p in problems
+        for p in PROBLEMS
     ]
-    cfg = RolloutConfig(mode=mode, width=width, branch=2, segment_tokens=64, max_depth=12)
+    cfg = RolloutConfig(
+        mode=mode, width=width, branch=2, segment_tokens=64, max_depth=12, agent_timeout_s=agent_timeout_s
+    )
     trees, stats = asyncio.run(sample_trees(
-        engine, problems, prompts, cfg, eos_token_ids=[tokenizer.eos_token_id], seed=3, agent=agent,
+        engine, PROBLEMS, prompts, cfg, eos_token_ids=[tokenizer.eos_token_id], seed=3, agent=agent,
         render=functools.partial(continuation_ids, tokenizer), decode=lambda ids: tokenizer.decode(ids),
     ))
     return trees, stats, agent, engine
@@ -139,3 +109,81 @@ def test_independent_episodes_run_every_turn_without_forking(tokenizer):
             path = tree.path(leaf)
             assert len(path) == 2 * TOOL_TURNS + 1 and leaf.finish_reason == "stop"
             assert all(len(n.children) == 1 for n in path[:-1])  # episodes never fork
+
+
+@pytest.mark.parametrize("mode", ["independent", "tree"])
+def test_a_hung_agent_step_ends_its_episode_and_the_batch_goes_on(tokenizer, caplog, monkeypatch, mode):
+    """rollout.agent_timeout_s: p1's episodes end at their first model turn ("agent_timeout",
+    counted, warned about with the problem id); p0's run to the end; the batch returns long
+    before the hung steps would, and the next sampling call is not held up by their threads."""
+    thread_errors: list[BaseException] = []
+    monkeypatch.setattr(threading, "excepthook", lambda args: thread_errors.append(args.exc_value))
+    agent = HangingAgent()
+    try:
+        for _ in range(2):  # a second call (the next step) while the first call's threads still hang
+            t0 = time.perf_counter()
+            with caplog.at_level(logging.WARNING, logger="arbor.sampler"):
+                trees, stats, _, _ = sample(tokenizer, mode=mode, agent=agent, agent_timeout_s=0.3)
+            assert time.perf_counter() - t0 < 5 < HANG_S
+            p0, p1 = trees
+            assert stats[0].agent_timeouts == 0 and stats[0].tool_turns >= TOOL_TURNS
+            assert stats[0].finish_reasons == {"stop": 4}
+            assert all(len(p0.path(leaf)) == 2 * TOOL_TURNS + 1 for leaf in p0.leaves())
+            # Every p1 path reaches the hanging first step; none gets past it (no tool turn).
+            timed_out = p1.leaves()
+            assert {leaf.finish_reason for leaf in timed_out} == {"agent_timeout"}
+            assert stats[1].agent_timeouts == len(timed_out) and stats[1].tool_turns == 0
+            assert stats[1].finish_reasons == {"agent_timeout": len(timed_out)}
+            assert all(len(p1.path(leaf)) == 1 for leaf in timed_out)
+            if mode == "independent":
+                assert len(timed_out) == 4
+            else:  # nothing well-formed to fall back on: the tree says why it is short
+                assert "agent_timeout" in stats[1].shortfall_reason
+        warnings = [r.getMessage() for r in caplog.records if r.name == "arbor.sampler"]
+        assert warnings and all("problem 'p1'" in w and "rollout.agent_timeout_s" in w for w in warnings)
+    finally:
+        agent.release.set()
+    # Released, the abandoned steps finish quietly: their loops are closed, nothing raises.
+    for thread in threading.enumerate():
+        if thread.name.startswith("agent-step-"):
+            thread.join(10)
+    assert not thread_errors
+
+
+HUNG_FOREVER = """
+import asyncio, threading
+from arbor.config import RolloutConfig
+from arbor.engines.types import GenerateOutput
+from arbor.sampler import sample_trees
+
+class Engine:
+    async def generate(self, request):
+        return [GenerateOutput([5, 2], [-0.1, -0.1], "stop", 3, 0, "v0")] * request.sampling.n
+
+class Hung:
+    def start(self, problem):
+        return [{"role": "user", "content": "?"}]
+
+    def step(self, problem, history):
+        threading.Event().wait()  # never returns
+
+cfg = RolloutConfig(mode="independent", width=2, segment_tokens=8, max_depth=1, agent_timeout_s=0.2)
+trees, stats = asyncio.run(sample_trees(
+    Engine(), [{"id": "h"}], [[1, 2, 3]], cfg, eos_token_ids=[2], agent=Hung(),
+    render=lambda messages: [7], decode=str,
+))
+print(stats[0].finish_reasons)
+"""
+
+
+def test_a_hung_agent_thread_does_not_block_process_exit():
+    """The step's thread cannot be killed; a daemon thread lets the process exit anyway
+    (with the default executor's thread, asyncio.run and the interpreter wait for it forever)."""
+    done = subprocess.run([sys.executable, "-c", HUNG_FOREVER], capture_output=True, text=True, timeout=30)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "{'agent_timeout': 2}" and "problem 'h'" in done.stderr
+
+
+def test_agent_timeout_must_be_positive():
+    with pytest.raises(ConfigError, match="rollout.agent_timeout_s must be > 0"):
+        load_config(None, ["rollout.agent_timeout_s=0"])

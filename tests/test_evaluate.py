@@ -1,4 +1,5 @@
-"""`arbor eval`: pass@k / maj@k / length worked by hand on a scripted engine, then the CLI on tiny-arith."""
+"""`arbor eval`: pass@k / maj@k / length worked by hand on a scripted engine, agent episodes
+on the multi-turn tests' scripted engine and agent, then the CLI on tiny-arith."""
 
 from __future__ import annotations
 
@@ -10,8 +11,13 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from agent_fixtures import PROBLEMS as EPISODE_PROBLEMS
+from agent_fixtures import TOOL_TURNS, HangingAgent
+from agent_fixtures import ScriptedEngine as EpisodeEngine
+from transformers import AutoTokenizer
 
 from arbor import phases
+from arbor.agents import episode_inputs
 from arbor.config import load_config
 from arbor.engines.types import GenerateOutput, GenerateRequest
 from arbor.errors import ConfigError
@@ -19,6 +25,7 @@ from arbor.evaluate import majority_vote, normalise_answer, pass_at_k, run_eval
 from arbor.rewards import RewardPool, RewardTerm
 
 REPO = Path(__file__).resolve().parents[1]
+MODEL = REPO / "models" / "tiny-arith"
 EOS = 0
 
 # Problem → gold answer and the scripted engine's three answers (one character a token).
@@ -145,7 +152,7 @@ def test_greedy_eval_is_one_answer_at_temperature_zero(rewards):
 def test_the_trainers_eval_phase_logs_the_same_metrics(rewards):
     cfg = eval_config("eval.max_problems=3")
     statuses: list[str] = []
-    ctx = SimpleNamespace(cfg=cfg, client=ScriptedEngine(), rewards=rewards, tokenizer=CharTokenizer(),
+    ctx = SimpleNamespace(cfg=cfg, client=ScriptedEngine(), rewards=rewards, tokenizer=CharTokenizer(), agent=None,
                           eos_token_ids=[EOS], run_async=asyncio.run, log=SimpleNamespace(status=statuses.append))
     metrics = phases.evaluate(ctx, PROBLEMS)
     assert metrics["eval/problems"] == 3  # eval.max_problems: the first three
@@ -153,6 +160,59 @@ def test_the_trainers_eval_phase_logs_the_same_metrics(rewards):
     assert metrics["eval/accuracy"] == pytest.approx(3 / 9)
     assert "eval: sampled 3/3 problems" in statuses
     assert ctx.client.flushes == 1  # the next step starts from an empty cache, as a resumed run does
+
+
+def test_eval_with_an_agent_runs_one_episode_per_sample(rewards):
+    """rollout.agent in the trainer's eval: each sample is an independent episode started
+    from data.system_prompt + the agent's start; the scored text is the whole response (as
+    the reward sees it in training); tool calls and agent timeouts are reported. p1's first
+    agent step hangs: its episodes end there ("agent_timeout") and p0's go on."""
+    tokenizer = AutoTokenizer.from_pretrained(MODEL)
+    cfg = load_config(None, ["eval.samples=3", "eval.temperature=1.0", "eval.max_response_tokens=200",
+                             "data.system_prompt=Be brief.", "rollout.agent_timeout_s=0.3"])
+    agent, engine = HangingAgent(), EpisodeEngine(tokenizer)
+    ctx = SimpleNamespace(cfg=cfg, client=engine, rewards=rewards, tokenizer=tokenizer, agent=agent,
+                          eos_token_ids=[tokenizer.eos_token_id], run_async=asyncio.run,
+                          log=SimpleNamespace(status=lambda text: None))
+    try:
+        metrics = phases.evaluate(ctx, EPISODE_PROBLEMS)
+    finally:
+        agent.release.set()
+    starts = [r for r in engine.requests if r.sampling.n == 3]  # one per problem; then n = 1 per turn
+    assert [r.input_ids for r in starts] == [tokenizer.apply_chat_template(
+        [{"role": "system", "content": "Be brief."}, *agent.start(p)], add_generation_prompt=True, tokenize=True,
+    )["input_ids"] for p in EPISODE_PROBLEMS]
+    assert {r.sampling.n for r in engine.requests} == {1, 3} and all(
+        r.sampling.max_new_tokens <= 200 for r in engine.requests)
+    # p0: 3 episodes of 2 tool calls; p1: 3 episodes cut at their hung first step.
+    assert metrics["eval/tool_calls_per_episode"] == (3 * TOOL_TURNS + 3 * 0) / 6
+    assert metrics["eval/agent_timeouts"] == 3 and metrics["eval/tool_errors"] == 0
+    assert metrics["eval/finished"] == 0.5  # an agent_timeout episode did not end on EOS
+
+
+def test_eval_report_records_each_episode_and_its_whole_text(rewards):
+    """The report's samples: an episode's tool calls, finish reason and whole decoded text,
+    whose last box is the answer scored."""
+    tokenizer = AutoTokenizer.from_pretrained(MODEL)
+    cfg = load_config(None, ["eval.samples=3", "eval.temperature=1.0", "eval.max_response_tokens=200",
+                             "rollout.agent_timeout_s=0.3"])
+    agent, engine = HangingAgent(), EpisodeEngine(tokenizer)
+    prompts, render = episode_inputs(EPISODE_PROBLEMS, agent, tokenizer, cfg.data, cfg.model.chat_template)
+    try:
+        report = run_eval(engine, rewards, EPISODE_PROBLEMS, prompts, cfg.eval, cfg.rollout, agent=agent, render=render,
+                          decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
+                          eos_token_ids=[tokenizer.eos_token_id], seed=1)
+    finally:
+        agent.release.set()
+    p0, p1 = report.problems
+    assert [s.tool_calls for s in p0.samples] == [TOOL_TURNS] * 3
+    for sample in p0.samples:
+        # Two code turns, two tool results, the final answer: one text, as in training.
+        assert sample.response.count("ran: ") == TOOL_TURNS and sample.finish_reason == "stop"
+        assert sample.answer == normalise_answer(sample.response) and sample.response.endswith(f"\\boxed{{{sample.answer}}}")
+        assert sample.correct == (sample.answer == "0")
+    assert [(s.tool_calls, s.finish_reason) for s in p1.samples] == [(0, "agent_timeout")] * 3
+    assert report.metrics["eval/reward_mean"] == report.metrics["eval/accuracy"]
 
 
 def test_config_checks_the_eval_section():
@@ -183,6 +243,26 @@ def test_arbor_eval_command_on_the_quickstart_model(tmp_path):
     assert 0 < m["eval/length_mean"] <= m["eval/length_max"] <= 24  # quickstart: 8 tokens x 3 segments
     assert list((out / "tensorboard" / "eval").glob("events.out.tfevents.*"))
     assert (out / "logs" / "eval" / "engine-0.log").exists()
+
+
+def test_arbor_eval_runs_agent_episodes_on_the_quickstart_model(tmp_path):
+    """`arbor eval` with rollout.agent: episodes on tiny-arith, agent metrics in the report."""
+    out, agent = tmp_path / "ev", f"{REPO}/tests/agent_fixtures.py:Recheck"
+    command = [sys.executable, "-m", "arbor", "eval", "configs/quickstart.yaml", "eval.max_problems=4",
+               "eval.samples=2", "eval.temperature=1.0", "eval.max_response_tokens=64", f"rollout.agent={agent}",
+               f"run.output_dir={out}"]
+    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert f"agent {agent}" in done.stdout and "tool calls" in done.stdout
+    report = json.loads((out / "eval.json").read_text())
+    m, samples = report["metrics"], [s for p in report["problems"] for s in p["samples"]]
+    assert report["agent"] == agent and len(samples) == 8
+    # The tiny model ends its first answer with <|im_end|> almost always: one check each.
+    assert 0.5 < m["eval/tool_calls_per_episode"] <= 1.0
+    assert m["eval/tool_calls_per_episode"] == sum(s["tool_calls"] for s in samples) / 8
+    assert m["eval/tool_errors"] == sum(s["tool_calls"] for s in samples)  # every check is marked an error
+    assert m["eval/agent_timeouts"] == 0
+    assert all("checked" in s["response"] for s in samples if s["tool_calls"])
 
 
 def test_arbor_eval_without_a_set_says_so(tmp_path):

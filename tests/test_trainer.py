@@ -178,28 +178,13 @@ def test_joins_a_ray_cluster_and_spreads_learner_ranks(run_inputs, tmp_path):
         cluster.shutdown()
 
 
-ECHO_AGENT = '''
-class Recheck:
-    """After the first answer, a tool message asks to check it; the second answer ends it."""
-
-    def start(self, problem):
-        return [{"role": "user", "content": problem["prompt"] + " Put the answer in \\\\boxed{}."}]
-
-    def step(self, problem, history):
-        if any(m["role"] == "tool" for m in history):
-            return None
-        return [{"role": "tool", "content": "checked", "error": "1"}]
-'''
-
-
 def test_multi_turn_agent_episodes_train(tmp_path):
     """rollout.agent: two-turn episodes on the quickstart model; tool turns are untrained
     context, counted per episode, and their errors are counted."""
     repo = Path(__file__).resolve().parents[1]
-    (tmp_path / "recheck.py").write_text(ECHO_AGENT)
     cfg = load_config(repo / "configs" / "quickstart.yaml", [
         f"run.output_dir={tmp_path / 'out'}", "run.steps=1", "run.eval_every=0", "data.prompts_per_step=4",
-        "learner.backend=torch", "learner.zero_stage=0", f"rollout.agent={tmp_path}/recheck.py:Recheck",
+        "learner.backend=torch", "learner.zero_stage=0", f"rollout.agent={repo}/tests/agent_fixtures.py:Recheck",
         "rollout.width=4", "rollout.max_depth=6", "algorithm.dynamic_sampling=false",
     ])
     (metrics,) = train(cfg)
