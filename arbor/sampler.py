@@ -229,7 +229,7 @@ class _TreeSampler:
             )
             input_ids = tree.prompt_ids + _response_upto(tree, path.node)
             requests.append(GenerateRequest(input_ids, sampling, f"tree-{self.index}"))
-        results = await asyncio.gather(*(self.engine.generate(r) for r in requests))
+        results = await _generate_all(self.engine, requests)
         self.stats.rounds += 1
         self.stats.requests += len(requests)
         survivors: list[_Path] = []
@@ -422,3 +422,12 @@ def _reasons(tree: RolloutTree) -> str:
     for leaf in tree.leaves():
         counts[leaf.finish_reason or "?"] = counts.get(leaf.finish_reason or "?", 0) + 1
     return ", ".join(f"{k}: {v}" for k, v in sorted(counts.items())) or "no leaves"
+
+
+async def _generate_all(engine: RolloutEngine, requests: list[GenerateRequest]) -> list[list[GenerateOutput]]:
+    """A round's requests, through the engine's batch call when it has one (the HTTP
+    client sends the round as one ``/generate``), else one call each, concurrently."""
+    many = getattr(engine, "generate_many", None)
+    if many is not None:
+        return await many(requests)
+    return list(await asyncio.gather(*(engine.generate(r) for r in requests)))

@@ -194,3 +194,26 @@ def test_model_info_and_health(server):
     infos, healthy = run(server[0], call)
     assert healthy
     assert infos and "model_path" in infos[0]
+
+
+def test_batched_round_equals_single_requests(server):
+    """generate_many sends one batched /generate (n forks as n seeded items); each result
+    equals the single request it stands for: fork j of a seeded request is seed + j."""
+
+    async def call(client):
+        await client.flush_cache()
+        child = PROMPT + [5, 6, 7]
+        batched = await client.generate_many(
+            [request(PROMPT, 6, n=3, seed=11), request(child, 4, seed=40)]
+        )
+        await client.flush_cache()
+        singles = [(await client.generate(request(PROMPT, 6, seed=11 + j)))[0] for j in range(3)]
+        alone = (await client.generate(request(child, 4, seed=40)))[0]
+        return batched, singles, alone
+
+    batched, singles, alone = run(server[0], call)
+    assert [len(outs) for outs in batched] == [3, 1]
+    assert [o.output_ids for o in batched[0]] == [o.output_ids for o in singles]
+    assert batched[1][0].output_ids == alone.output_ids
+    for got, want in zip(batched[0] + batched[1], singles + [alone]):
+        assert got.logprobs == pytest.approx(want.logprobs, abs=1e-4)

@@ -46,7 +46,11 @@ class FakeServer:
             return web.json_response({"error": {"message": "busy"}}, status=503)
         if self.status != 200:
             return web.json_response({"error": {"message": "bad ids"}}, status=self.status)
-        n = self.bodies[-1]["sampling_params"].get("n", 1)
+        body = self.bodies[-1]
+        if isinstance(body["input_ids"][0], list):  # a batch: one item per prompt (n = 1)
+            assert all(p.get("n", 1) == 1 for p in body["sampling_params"])
+            return web.json_response([sglang_item([p[0], 5]) for p in body["input_ids"]])
+        n = body["sampling_params"].get("n", 1)
         items = [sglang_item([4 + i, 5]) for i in range(n)]
         return web.json_response(items if n > 1 else items[0])
 
@@ -205,7 +209,8 @@ def test_n_outputs_and_affinity_pins_a_tree_to_one_server():
     assert [o.output_ids for o in forks] == [[4, 5], [5, 5], [6, 5]]
     assert chosen == again and len(set(chosen.values())) == 3  # stable, and spread out
     for fake, url in zip(fakes, urls):
-        seen = Counter(body["input_ids"][0] for body in fake.bodies)
+        prompts = [p for b in fake.bodies for p in (b["input_ids"] if isinstance(b["input_ids"][0], list) else [b["input_ids"]])]
+        seen = Counter(p[0] for p in prompts)
         mine = {i for i in range(30) if chosen[f"tree-{i}"] == url}
         # Both requests of each tree reached its server, and no other tree's did.
         assert {i: c for i, c in seen.items() if i < 30} == {i: 2 for i in mine}
@@ -227,3 +232,38 @@ def test_one_client_across_event_loops():
     client = SGLangClient(["http://unused"])
     assert asyncio.run(once(client)) == [4, 5]
     assert asyncio.run(once(client)) == [4, 5]  # a fresh loop gets a fresh session
+
+
+def test_generate_many_sends_one_batch_per_server_with_forks_as_seeded_items():
+    async def main():
+        fakes = [FakeServer() for _ in range(2)]
+        started = [await f.start() for f in fakes]
+        urls = [u for u, _ in started]
+        try:
+            async with SGLangClient(urls) as client:
+                requests = [
+                    GenerateRequest([10 + i], SamplingParams(2, n=2, seed=100 * i), f"tree-{i % 4}")
+                    for i in range(8)
+                ]
+                results = await client.generate_many(requests)
+                homes = [client.server_for(r.affinity_key) for r in requests]
+        finally:
+            for _, runner in started:
+                await runner.cleanup()
+        return fakes, urls, results, homes
+
+    fakes, urls, results, homes = asyncio.run(main())
+    # Two forks per request, in request order (the fake echoes each prompt's first id).
+    assert [[o.output_ids[0] for o in outs] for outs in results] == [[10 + i] * 2 for i in range(8)]
+    for fake, url in zip(fakes, urls):
+        mine = [i for i in range(8) if homes[i] == url]
+        if not mine:
+            assert fake.calls["/generate"] == 0
+            continue
+        assert fake.calls["/generate"] == 1  # the whole round in one call
+        body = fake.bodies[0]
+        assert body["input_ids"] == [[10 + i] for i in mine for _ in range(2)]
+        assert [p["sampling_seed"] for p in body["sampling_params"]] == [
+            100 * i + j for i in mine for j in range(2)
+        ]
+

@@ -21,6 +21,7 @@ import hashlib
 import itertools
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import replace
 from typing import Any, TypeVar
 
 import aiohttp
@@ -52,7 +53,7 @@ class SGLangClient:
         timeout_s: float = 600.0,
         max_retries: int = 3,
         backoff_s: float = 0.5,
-        max_concurrency: int = 256,
+        max_concurrency: int = 1024,
     ) -> None:
         urls = [urls] if isinstance(urls, str) else list(urls)
         if not urls:
@@ -92,8 +93,37 @@ class SGLangClient:
         return [parse_output(item) for item in items]
 
     async def generate_many(self, requests: list[GenerateRequest]) -> list[list[GenerateOutput]]:
-        """All requests concurrently (bounded by ``max_concurrency``), results in order."""
-        return list(await asyncio.gather(*(self.generate(r) for r in requests)))
+        """All requests at once, results in order: one batched ``/generate`` per server.
+
+        SGLang's batch form (lists of ``input_ids`` and ``sampling_params``, one result
+        per item) requires one ``n`` for the whole batch, so a request for ``n`` forks
+        becomes ``n`` items of ``n = 1`` with seeds ``seed, seed + 1, ...`` (what the
+        embedded engine gives fork ``j`` of one request; on SGLang it also keeps the
+        forks of a seeded request distinct). One call per round of a tree instead of
+        one per path: the server admits the round together and the HTTP work shrinks.
+        """
+        by_server: dict[str, list[int]] = {}
+        for i, request in enumerate(requests):
+            by_server.setdefault(self.server_for(request.affinity_key), []).append(i)
+        results: list[list[GenerateOutput]] = [[] for _ in requests]
+
+        async def batch(url: str, indices: list[int]) -> None:
+            items = [item for i in indices for item in _fork_items(requests[i])]
+            payload = {
+                "input_ids": [list(item.input_ids) for item in items],
+                "sampling_params": [generate_payload(item)["sampling_params"] for item in items],
+                "return_logprob": True,
+            }
+            body = await self._call(url, "POST", "/generate", payload)
+            if not isinstance(body, list) or len(body) != len(items):
+                got = len(body) if isinstance(body, list) else 1
+                raise EngineError(f"sent a batch of {len(items)} prompts, got {got} outputs", url=url)
+            outputs = iter(parse_output(item) for item in body)
+            for i in indices:
+                results[i] = [next(outputs) for _ in range(requests[i].sampling.n)]
+
+        await asyncio.gather(*(batch(url, indices) for url, indices in by_server.items()))
+        return results
 
     def server_for(self, affinity_key: str | None) -> str:
         """The server a request goes to: rendezvous hash of the key, else round-robin."""
@@ -249,8 +279,13 @@ class SGLangClient:
 
     async def _once(self, url: str, method: str, path: str, payload: Any) -> Any:
         if self._session is None or self._session.closed:
+            # aiohttp's default pool holds 100 connections; a request holds one for its
+            # whole generation, so a round with more paths than that would run in waves
+            # (the rest waiting a whole segment for a free connection). The semaphore is
+            # the only bound.
             self._session = aiohttp.ClientSession(
-                timeout=aiohttp.ClientTimeout(total=self.timeout_s)
+                timeout=aiohttp.ClientTimeout(total=self.timeout_s),
+                connector=aiohttp.TCPConnector(limit=self.max_concurrency),
             )
         async with self._session.request(method, url + path, json=payload) as response:
             text = await response.text()
@@ -294,6 +329,21 @@ def generate_payload(request: GenerateRequest) -> dict[str, Any]:
     if sp.seed is not None:
         params["sampling_seed"] = sp.seed
     return {"input_ids": list(request.input_ids), "sampling_params": params, "return_logprob": True}
+
+
+def _fork_items(request: GenerateRequest) -> list[GenerateRequest]:
+    """``request`` as ``n`` single-fork requests (fork ``j`` seeded ``seed + j``)."""
+    sp = request.sampling
+    if sp.n == 1:
+        return [request]
+    return [
+        GenerateRequest(
+            request.input_ids,
+            replace(sp, n=1, seed=None if sp.seed is None else sp.seed + fork),
+            request.affinity_key,
+        )
+        for fork in range(sp.n)
+    ]
 
 
 def parse_output(item: dict[str, Any]) -> GenerateOutput:

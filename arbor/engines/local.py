@@ -71,6 +71,8 @@ class EngineStats:
     cached_tokens: int = 0  # prompt tokens served from the cache
     decode_tokens: int = 0  # tokens fed through the model during decoding
     requests: int = 0
+    decode_steps: int = 0  # batched decode forwards
+    row_steps: int = 0  # rows summed over decode steps
 
 
 @dataclass
@@ -129,6 +131,7 @@ class LocalEngine:
         self._decoder = make_decoder(self.model)
         # The running rows' KV buffers, kept between batches (allocation is not free).
         self._batch = DecodeBatch(self.device)
+        self._prefix_memo: tuple[list[int], tuple[list[torch.Tensor], list[torch.Tensor]]] | None = None
         self.stats = EngineStats()
         self.weight_version = "default"
         self.released = False
@@ -333,6 +336,7 @@ class LocalEngine:
     def _admit(self, pending: deque[_Job], batch: DecodeBatch, rows: list[_Row]) -> None:
         """Prefill waiting jobs (up to ``max_batch_rows`` rows) and add their forks."""
         new_kv = []
+        self._prefix_memo = None  # one round's forks of a path arrive as equal prompts
         while pending and (
             not rows or len(rows) + pending[0].request.sampling.n <= self.max_batch_rows
         ):
@@ -350,6 +354,7 @@ class LocalEngine:
                     new_kv.append(kv)
                 else:
                     self._finish(row, *kv)
+        self._prefix_memo = None
         batch.add(new_kv)
 
     def _start(self, job: _Job):
@@ -381,9 +386,15 @@ class LocalEngine:
         if len(prompt) > 1 and hit.length >= len(prompt) - 1:
             cached = len(prompt) - 1
             self.stats.cached_tokens += cached
-            # One concatenation per request; its forks copy it into their rows.
-            prefix = hit.upto(cached)
-            kv = (prefix.keys, prefix.values)
+            # One concatenation per prompt; its forks (in this request or in the requests
+            # just before it) copy it into their rows.
+            memo = self._prefix_memo
+            if memo is not None and memo[0] == prompt:
+                kv = memo[1]
+            else:
+                prefix = hit.upto(cached)
+                kv = (prefix.keys, prefix.values)
+                self._prefix_memo = (prompt, kv)
             return [(_Row(job, fork, g, cached), kv) for fork, g in enumerate(generators)]
         keys, values, logits, cached = self._prefill(prompt, hit)
         forks = []
@@ -424,6 +435,8 @@ class LocalEngine:
         self.stats.prefill_tokens += fresh
         logits = self._decoder(batch, tokens)
         self.stats.decode_tokens += len(rows) - fresh
+        self.stats.decode_steps += 1
+        self.stats.row_steps += len(rows)
         params = [r.job.request.sampling for r in rows]
         tokens_out, logprobs_out = sample_rows(
             logits.float(),

@@ -290,6 +290,8 @@ def build_app(engine: LocalEngine, tokenizer: Any = None) -> web.Application:
                 "cached_tokens": stats.cached_tokens,
                 "decode_tokens": stats.decode_tokens,
                 "requests": stats.requests,
+                "decode_steps": stats.decode_steps,
+                "row_steps": stats.row_steps,
             }
         )
 
@@ -343,13 +345,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+# A trainer opens one connection per concurrent request (hundreds at a round's start);
+# aiohttp's default listen backlog of 128 would drop the rest into TCP's 1 s SYN retry.
+BACKLOG = 2048
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     engine, tokenizer = load_engine(args)
     app = build_app(engine, tokenizer)
     print(f"arbor serve: {args.model} on http://{args.host}:{args.port}", flush=True)
     web.run_app(
-        app, host=args.host, port=args.port, print=None, handle_signals=True, shutdown_timeout=2.0
+        app, host=args.host, port=args.port, print=None, handle_signals=True,
+        shutdown_timeout=2.0, backlog=BACKLOG,
     )
     engine.shutdown()
     return 0
@@ -374,7 +382,8 @@ class ServerThread:
         asyncio.set_event_loop(self._loop)
         runner = web.AppRunner(build_app(self.engine, self.tokenizer))
         self._loop.run_until_complete(runner.setup())
-        self._loop.run_until_complete(web.TCPSite(runner, self.host, self.port).start())
+        site = web.TCPSite(runner, self.host, self.port, backlog=BACKLOG)
+        self._loop.run_until_complete(site.start())
         self._runner = runner
         self._ready.set()
         self._loop.run_forever()
