@@ -118,9 +118,14 @@ class DecodeBatch:
         old_rows, old_tokens = (
             (self.keys[0].shape[0], self.keys[0].shape[2]) if self.keys else (0, 0)
         )
-        # Geometric growth: a long batch re-allocates O(log) times, not at every step.
-        new_rows = max(rows, 2 * old_rows, 4)
-        new_tokens = _round_up(max(tokens, old_tokens + old_tokens // 2), 64)
+        # Geometric growth of the dimension that ran out: a long batch re-allocates
+        # O(log) times, not at every step, and more rows never widen the token axis.
+        new_rows = old_rows if rows <= old_rows else max(rows, 2 * old_rows, 4)
+        new_tokens = (
+            old_tokens
+            if tokens <= old_tokens
+            else _round_up(max(tokens, old_tokens + old_tokens // 2), 64)
+        )
         shape = (new_rows, like.shape[-3], new_tokens, like.shape[-1])
         width = max(self.lengths, default=0)
 
