@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from arbor.engines.decode_batch import DecodeBatch, HFDecoder, LlamaDecoder, make_decoder
+from arbor.engines.radix_cache import stack_kv
 
 CPU = torch.device("cpu")
 
@@ -34,12 +35,12 @@ def model(request) -> torch.nn.Module:
     return tiny_model(request.param)
 
 
-def prefill(model: torch.nn.Module, ids: list[int]):
-    """KV of ``ids`` from the model's own forward, per layer ``[H_kv, T, D]``."""
+def prefill(model: torch.nn.Module, ids: list[int]) -> torch.Tensor:
+    """KV of ``ids`` from the model's own forward, ``[2, L, H_kv, T, D]``."""
     with torch.no_grad():
         out = model(torch.tensor([ids]), use_cache=True)
     cache = out.past_key_values
-    return [layer.keys[0] for layer in cache.layers], [layer.values[0] for layer in cache.layers]
+    return stack_kv([layer.keys[0] for layer in cache.layers], [layer.values[0] for layer in cache.layers])
 
 
 def full_logits(model: torch.nn.Module, ids: list[int]) -> torch.Tensor:
@@ -98,14 +99,14 @@ def test_remove_moves_last_rows_into_holes_and_keeps_their_kv():
     rows = []
     for b, length in enumerate([2, 5, 3, 4, 1]):
         k = torch.full((1, length, 2), float(b))
-        rows.append(([k], [-k]))
+        rows.append(stack_kv([k], [-k]))
     batch.add(rows)
     order = batch.remove([0, 2])
     assert order == [3, 1, 4]  # slot 0 <- row 3, slot 2 <- row 4
     assert batch.lengths == [4, 5, 1]
     assert batch.length_tensor().tolist() == [4, 5, 1]
     for slot, old in enumerate(order):
-        keys, values = batch.row_kv(slot)
+        keys, values = batch.row_kv(slot)  # [L, H, T, D] each
         assert keys[0].shape == (1, batch.lengths[slot], 2)
         assert (keys[0] == old).all() and (values[0] == -old).all()
     batch.remove([0, 1, 2])
@@ -115,10 +116,11 @@ def test_remove_moves_last_rows_into_holes_and_keeps_their_kv():
 def test_buffers_grow_without_losing_rows():
     batch = DecodeBatch(CPU)
     k = torch.arange(6.0).view(1, 3, 2)
-    batch.add([([k], [k + 1])])
+    batch.add([stack_kv([k], [k + 1])])
     capacity = batch.keys[0].shape
-    batch.add([([torch.zeros(1, capacity[2] + 10, 2)], [torch.zeros(1, capacity[2] + 10, 2)])])
-    batch.add([([k], [k])] * capacity[0])  # more rows than the first allocation held
+    wide = torch.zeros(1, capacity[2] + 10, 2)
+    batch.add([stack_kv([wide], [wide])])
+    batch.add([stack_kv([k], [k])] * capacity[0])  # more rows than the first allocation held
     assert batch.keys[0].shape[0] > capacity[0] and batch.keys[0].shape[2] > capacity[2]
     keys, values = batch.row_kv(0)
     assert torch.equal(keys[0], k) and torch.equal(values[0], k + 1)

@@ -10,22 +10,22 @@ from tiny_model import build_tiny_model_dir
 
 from arbor.engines.decode_batch import sample_token as _sample
 from arbor.engines.local import LocalEngine
-from arbor.engines.radix_cache import RadixKVCache
+from arbor.engines.radix_cache import TOKENS, RadixKVCache, stack_kv
 from arbor.engines.types import GenerateRequest, SamplingParams
 
 PROMPT = [17, 42, 99, 5, 63, 120, 7, 88, 31, 200, 11, 54]
 
 
-def kv(tokens: list[int], layers: int = 2) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """Fake KV whose entries encode the token id, so slices can be checked: [1, T, 1]."""
+def kv(tokens: list[int], layers: int = 2) -> torch.Tensor:
+    """Fake KV whose entries encode the token id, so slices can be checked: [2, L, 1, T, 1]."""
     t = torch.tensor(tokens, dtype=torch.float32).view(1, -1, 1)
-    return [t + layer for layer in range(layers)], [-t - layer for layer in range(layers)]
+    return stack_kv([t + layer for layer in range(layers)], [-t - layer for layer in range(layers)])
 
 
 def test_radix_cache_match_split_and_lru_eviction():
     cache = RadixKVCache(max_tokens=10)
-    cache.insert([1, 2, 3, 4], *kv([1, 2, 3, 4]))
-    cache.insert([1, 2, 7], *kv([1, 2, 7]))  # splits the edge after [1, 2]
+    cache.insert([1, 2, 3, 4], kv([1, 2, 3, 4]))
+    cache.insert([1, 2, 7], kv([1, 2, 7]))  # splits the edge after [1, 2]
     assert cache.num_tokens == 5
     hit = cache.match([1, 2, 3, 9])
     assert hit.length == 3
@@ -34,9 +34,9 @@ def test_radix_cache_match_split_and_lru_eviction():
     assert cache.match([1, 2, 7, 8]).length == 3
     assert cache.match([5]).length == 0
     cache.match([1, 2, 7])  # [1, 2, 7] is now more recent than [.., 3, 4]
-    cache.insert([9, 8, 7, 6, 5], *kv([9, 8, 7, 6, 5]))  # 10 tokens: still fits
+    cache.insert([9, 8, 7, 6, 5], kv([9, 8, 7, 6, 5]))  # 10 tokens: still fits
     assert cache.num_tokens == 10
-    cache.insert([4, 4], *kv([4, 4]))  # 12 > 10: evict the least recently used leaf [3, 4]
+    cache.insert([4, 4], kv([4, 4]))  # 12 > 10: evict the least recently used leaf [3, 4]
     assert cache.num_tokens == 10
     assert cache.match([1, 2, 3, 4]).length == 2
     assert cache.match([1, 2, 7]).length == 3 and cache.match([9, 8, 7, 6, 5]).length == 5
@@ -46,15 +46,15 @@ def test_radix_cache_match_split_and_lru_eviction():
 
 def test_radix_hit_is_edge_views_and_upto_truncates():
     cache = RadixKVCache(max_tokens=100)
-    cache.insert([1, 2, 3, 4], *kv([1, 2, 3, 4]))
-    cache.insert([1, 2, 7, 8], *kv([1, 2, 7, 8]))  # edges [1, 2] | [3, 4] and [7, 8]
+    cache.insert([1, 2, 3, 4], kv([1, 2, 3, 4]))
+    cache.insert([1, 2, 7, 8], kv([1, 2, 7, 8]))  # edges [1, 2] | [3, 4] and [7, 8]
     hit = cache.match([1, 2, 3, 4, 5])
-    assert hit.length == 4 and [p.shape[1] for p in hit.key_parts[0]] == [2, 2]
+    assert hit.length == 4 and [p.shape[TOKENS] for p in hit.parts] == [2, 2]
     assert hit.keys[0].flatten().tolist() == [1.0, 2.0, 3.0, 4.0]
     head = hit.upto(3)  # all but the last token, as a fork's row needs
-    assert head.length == 3 and [p.shape[1] for p in head.value_parts[1]] == [2, 1]
+    assert head.length == 3 and [p.shape[TOKENS] for p in head.parts] == [2, 1]
     assert head.values[1].flatten().tolist() == [-2.0, -3.0, -4.0]
-    cache.insert([9] * 99, *kv([9] * 99))  # evicts the [1, 2, ...] edges: the views live on
+    cache.insert([9] * 99, kv([9] * 99))  # evicts the [1, 2, ...] edges: the views live on
     assert cache.match([1, 2]).length == 0
     assert head.keys[0].flatten().tolist() == [1.0, 2.0, 3.0]
     with pytest.raises(ValueError, match="covers 3"):

@@ -9,7 +9,7 @@ per step, and a row joining (continuous batching) or leaving (finished) copies o
 own KV. The buffers grow (rarely, geometrically) and are reused from batch to batch.
 
     batch = DecodeBatch(device)
-    batch.add([(keys, values)])        # one row, per layer [H_kv, T, D]
+    batch.add([kv])                    # one row: its KV [2, L, H_kv, T, D]
     decoder = make_decoder(model)
     logits = decoder(batch, tokens)    # tokens [B] -> logits [B, V]; lengths grow by 1
 
@@ -30,8 +30,12 @@ class DecodeBatch:
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self.keys: list[torch.Tensor] = []  # per layer [row capacity, H_kv, token capacity, D]
-        self.values: list[torch.Tensor] = []  # per layer, as keys
+        # Keys and values of every layer in one buffer [2, L, row capacity, H_kv, token
+        # capacity, D], so a row joins, leaves or is cached with one copy; ``keys[l]`` and
+        # ``values[l]`` are its per-layer views [row capacity, H_kv, token capacity, D].
+        self.kv: torch.Tensor | None = None
+        self.keys: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
         self.lengths: list[int] = []  # KV length of each row = position of its next token
         self._lengths = torch.zeros(0, dtype=torch.long, device=device)  # [row capacity]
         self._rows = torch.zeros(0, dtype=torch.long, device=device)  # arange(row capacity)
@@ -48,27 +52,25 @@ class DecodeBatch:
         """``arange(B)`` on the batch's device (a view)."""
         return self._rows[: self.size]
 
-    def add(self, rows_kv: list[tuple[list[torch.Tensor], list[torch.Tensor]]]) -> None:
-        """Append rows given as (keys, values), per layer ``[H_kv, T_i, D]``."""
+    def add(self, rows_kv: list[torch.Tensor]) -> None:
+        """Append rows given as their KV ``[2, L, H_kv, T_i, D]`` (keys, then values)."""
         if not rows_kv:
             return
-        lengths = [keys[0].shape[1] for keys, _ in rows_kv]
+        lengths = [kv.shape[3] for kv in rows_kv]
         first = self.size
-        like = rows_kv[0][0][0]
-        self._reserve(first + len(rows_kv), max(lengths) + 1, len(rows_kv[0][0]), like)
-        for b, (keys, values), length in zip(range(first, first + len(rows_kv)), rows_kv, lengths):
-            for buffer, k in zip(self.keys, keys):
-                buffer[b, :, :length] = k
-            for buffer, v in zip(self.values, values):
-                buffer[b, :, :length] = v
+        self._reserve(first + len(rows_kv), max(lengths) + 1, rows_kv[0])
+        assert self.kv is not None
+        for b, kv, length in zip(range(first, first + len(rows_kv)), rows_kv, lengths):
+            self.kv[:, :, b, :, :length] = kv
         self.lengths += lengths
         self._lengths[first : self.size] = torch.tensor(lengths, device=self.device)
 
     def reserve_step(self) -> int:
         """Make room for one more token in every row; returns the attended width
         (the longest row's length + 1)."""
+        assert self.kv is not None
         width = max(self.lengths) + 1
-        self._reserve(self.size, width, len(self.keys), self.keys[0])
+        self._reserve(self.size, width, self.kv[:, :, 0])
         return width
 
     def advance(self) -> None:
@@ -76,10 +78,10 @@ class DecodeBatch:
         self.lengths = [length + 1 for length in self.lengths]
         self._lengths[: self.size] += 1
 
-    def row_kv(self, b: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """Row ``b``'s KV, per layer ``[H_kv, T_b, D]`` (views into the buffers)."""
-        length = self.lengths[b]
-        return [k[b, :, :length] for k in self.keys], [v[b, :, :length] for v in self.values]
+    def row_kv(self, b: int) -> torch.Tensor:
+        """Row ``b``'s KV ``[2, L, H_kv, T_b, D]`` (a view into the buffer)."""
+        assert self.kv is not None
+        return self.kv[:, :, b, :, : self.lengths[b]]
 
     def remove(self, done: list[int]) -> list[int]:
         """Drop rows ``done``; returns the old index of each remaining row, in its new
@@ -94,12 +96,12 @@ class DecodeBatch:
         for hole, mover in zip(holes, movers):
             order[hole] = mover
         if movers:
+            assert self.kv is not None
             width = max(self.lengths[b] for b in movers)
             src = torch.tensor(movers, device=self.device)
             dst = torch.tensor(holes, device=self.device)
-            for buffer in self.keys + self.values:
-                view = buffer[:, :, :width]
-                view.index_copy_(0, dst, view.index_select(0, src))
+            view = self.kv[:, :, :, :, :width]
+            view.index_copy_(2, dst, view.index_select(2, src))
         self.lengths = [self.lengths[b] for b in order]
         if self.lengths:
             self._lengths[:keep] = torch.tensor(self.lengths, device=self.device)
@@ -110,14 +112,14 @@ class DecodeBatch:
         assert not self.lengths, "release with rows still decoding"
         self.__init__(self.device)
 
-    def _reserve(self, rows: int, tokens: int, layers: int, like: torch.Tensor) -> None:
-        """Grow the buffers to hold ``rows`` rows of ``tokens`` tokens in ``layers`` layers
-        (``like``: a KV tensor whose head count, head size and dtype they take)."""
-        if self.keys and rows <= self.keys[0].shape[0] and tokens <= self.keys[0].shape[2]:
+    def _reserve(self, rows: int, tokens: int, like: torch.Tensor) -> None:
+        """Grow the buffer to hold ``rows`` rows of ``tokens`` tokens (``like``: a row's
+        KV ``[2, L, H_kv, T, D]`` whose layer count, head count, head size and dtype it
+        takes)."""
+        old = self.kv
+        old_rows, old_tokens = (old.shape[2], old.shape[4]) if old is not None else (0, 0)
+        if old is not None and rows <= old_rows and tokens <= old_tokens:
             return
-        old_rows, old_tokens = (
-            (self.keys[0].shape[0], self.keys[0].shape[2]) if self.keys else (0, 0)
-        )
         # Geometric growth of the dimension that ran out: a long batch re-allocates
         # O(log) times, not at every step, and more rows never widen the token axis.
         new_rows = old_rows if rows <= old_rows else max(rows, 2 * old_rows, 4)
@@ -126,17 +128,12 @@ class DecodeBatch:
             if tokens <= old_tokens
             else _round_up(max(tokens, old_tokens + old_tokens // 2), 64)
         )
-        shape = (new_rows, like.shape[-3], new_tokens, like.shape[-1])
-        width = max(self.lengths, default=0)
-
-        def grown(old: torch.Tensor | None) -> torch.Tensor:
-            new = like.new_zeros(shape)
-            if old is not None and self.size:
-                new[: self.size, :, :width] = old[: self.size, :, :width]
-            return new
-
-        self.keys = [grown(self.keys[i] if self.keys else None) for i in range(layers)]
-        self.values = [grown(self.values[i] if self.values else None) for i in range(layers)]
+        two, layers, heads, _, head_dim = like.shape
+        self.kv = like.new_zeros((two, layers, new_rows, heads, new_tokens, head_dim))
+        if old is not None and self.size:
+            width = max(self.lengths)
+            self.kv[:, :, : self.size, :, :width] = old[:, :, : self.size, :, :width]
+        self.keys, self.values = list(self.kv[0]), list(self.kv[1])
         lengths = torch.zeros(new_rows, dtype=torch.long, device=self.device)
         lengths[: self.size] = self._lengths[: self.size]
         self._lengths = lengths

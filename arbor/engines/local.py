@@ -57,7 +57,7 @@ from arbor.engines.decode_batch import (
     sample_rows,
     sample_token,
 )
-from arbor.engines.radix_cache import PrefixHit, RadixKVCache
+from arbor.engines.radix_cache import TOKENS, PrefixHit, RadixKVCache, stack_kv
 from arbor.engines.types import GenerateOutput, GenerateRequest
 
 
@@ -131,7 +131,7 @@ class LocalEngine:
         self._decoder = make_decoder(self.model)
         # The running rows' KV buffers, kept between batches (allocation is not free).
         self._batch = DecodeBatch(self.device)
-        self._prefix_memo: tuple[list[int], tuple[list[torch.Tensor], list[torch.Tensor]]] | None = None
+        self._prefix_memo: tuple[list[int], torch.Tensor] | None = None
         self.stats = EngineStats()
         self.weight_version = "default"
         self.released = False
@@ -353,12 +353,12 @@ class LocalEngine:
                     rows.append(row)
                     new_kv.append(kv)
                 else:
-                    self._finish(row, *kv)
+                    self._finish(row, kv)
         self._prefix_memo = None
         batch.add(new_kv)
 
     def _start(self, job: _Job):
-        """Prefill ``job``'s prompt; returns its forks as (row, KV per layer ``[H, T, D]``).
+        """Prefill ``job``'s prompt; returns its forks as (row, KV ``[2, L, H, T, D]``).
 
         A prompt cached up to its last token (a fork after a prefix commit, a child
         sent with its parent's prefix + output) needs no prefill call: its rows join the
@@ -371,7 +371,7 @@ class LocalEngine:
         self.stats.requests += 1
         hit = self.cache.match(prompt)
         if sp.max_new_tokens == 0:  # a prefix commit: nothing to sample
-            cached = hit.length if hit.length == len(prompt) else self._prefill(prompt, hit)[3]
+            cached = hit.length if hit.length == len(prompt) else self._prefill(prompt, hit)[2]
             job.outputs, job.remaining = [None] * sp.n, sp.n
             for fork in range(sp.n):  # n empty outputs, so callers get the n they asked for
                 self._complete(_Row(job, fork, torch.Generator(), cached))
@@ -392,37 +392,35 @@ class LocalEngine:
             if memo is not None and memo[0] == prompt:
                 kv = memo[1]
             else:
-                prefix = hit.upto(cached)
-                kv = (prefix.keys, prefix.values)
+                kv = hit.upto(cached).kv
                 self._prefix_memo = (prompt, kv)
             return [(_Row(job, fork, g, cached), kv) for fork, g in enumerate(generators)]
-        keys, values, logits, cached = self._prefill(prompt, hit)
+        kv, logits, cached = self._prefill(prompt, hit)
         forks = []
         for fork, generator in enumerate(generators):
             # Forks after the first reuse the whole prefill: all their prompt is cached.
             row = _Row(job, fork, generator, cached if fork == 0 else len(prompt))
             self._append_sample(row, logits)
-            forks.append((row, (keys, values)))
+            forks.append((row, kv))
         return forks
 
     def _prefill(self, prompt: list[int], hit: PrefixHit):
-        """KV of ``prompt`` (per layer ``[H, T, D]``), last-position logits ``[V]``, cached count."""
+        """KV of ``prompt`` ``[2, L, H, T, D]``, last-position logits ``[V]``, cached count."""
         cached = min(hit.length, len(prompt) - 1)  # the last token is recomputed for its logits
         prefix = hit.upto(cached)
-        past = make_cache(
-            [k.unsqueeze(0) for k in prefix.keys], [v.unsqueeze(0) for v in prefix.values]
-        )
+        past_kv = prefix.kv[:, :, None] if prefix.parts else None  # [2, L, 1, H, T, D]
+        past = make_cache([] if past_kv is None else list(past_kv[0]), [] if past_kv is None else list(past_kv[1]))
         rest = torch.tensor([prompt[cached:]], device=self.device)
         positions = torch.arange(cached, len(prompt), device=self.device).unsqueeze(0)
         out = self.model(
             input_ids=rest, position_ids=positions, past_key_values=past, use_cache=True
         )
-        keys = [layer.keys[0] for layer in out.past_key_values.layers]
-        values = [layer.values[0] for layer in out.past_key_values.layers]
-        self.cache.insert(prompt, keys, values)
+        layers = out.past_key_values.layers
+        kv = stack_kv([layer.keys[0] for layer in layers], [layer.values[0] for layer in layers])
+        self.cache.insert(prompt, kv)
         self.stats.prefill_tokens += len(prompt) - cached
         self.stats.cached_tokens += cached
-        return keys, values, out.logits[0, -1].float(), cached
+        return kv, out.logits[0, -1].float(), cached
 
     @torch.no_grad()
     def _step(self, batch: DecodeBatch, rows: list[_Row]) -> None:
@@ -449,17 +447,17 @@ class LocalEngine:
         for b, row in enumerate(rows):
             self._record(row, tokens_out[b], logprobs_out[b])
             if row.finish_reason is not None:
-                self._finish(row, *batch.row_kv(b))
+                self._finish(row, batch.row_kv(b))
                 done.append(b)
         if done:
             rows[:] = [rows[b] for b in batch.remove(done)]
 
-    def _finish(self, row: _Row, keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:
+    def _finish(self, row: _Row, kv: torch.Tensor) -> None:
         """Cache the row's sequence (prompt + output minus the last token, whose KV was
         never computed) so children hit it, and hand its output to the caller."""
         tokens = row.prompt + row.output[:-1]
-        if keys[0].shape[1] == len(tokens):
-            self.cache.insert(tokens, keys, values)
+        if kv.shape[TOKENS] == len(tokens):
+            self.cache.insert(tokens, kv)
         self._complete(row)
 
     def _complete(self, row: _Row) -> None:

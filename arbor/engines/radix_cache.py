@@ -1,15 +1,17 @@
 """Radix (token-trie) KV cache for the embedded engine.
 
-Each trie edge holds a run of token ids and the keys/values the model computed for
-exactly those tokens, per layer. A prompt's longest cached prefix is found by walking
-the trie; its KV is the concatenation of the edges' slices along the path, so a request
-whose prefix is cached computes only the rest (SGLang's radix cache, in miniature).
+Each trie edge holds a run of token ids and the keys and values the model computed for
+exactly those tokens in every layer, as one tensor ``[2, L, H_kv, T, D]`` (keys, then
+values): copying a prefix in or out is one tensor op, not two per layer. A prompt's
+longest cached prefix is found by walking the trie; its KV is the concatenation of the
+edges' slices along the path, so a request whose prefix is cached computes only the rest
+(SGLang's radix cache, in miniature).
 
     cache = RadixKVCache(max_tokens=100_000)
-    cache.insert([5, 6, 7], keys, values)      # keys[l]: [H_kv, 3, D]
-    hit = cache.match([5, 6, 9])               # hit.length == 2, hit.keys[l]: [H_kv, 2, D]
+    cache.insert([5, 6, 7], stack_kv(keys, values))   # keys[l]: [H_kv, 3, D]
+    hit = cache.match([5, 6, 9])               # hit.length == 2, hit.kv: [2, L, H_kv, 2, D]
 
-A hit holds the prefix KV as the edges' slices (views; ``hit.keys`` concatenates them,
+A hit holds the prefix KV as the edges' slices (views; ``hit.kv`` concatenates them,
 ``hit.upto(n)`` cuts them without copying). Holding a view never pins the trie: edges'
 tensors are never written after insertion (insert clones, a split slices, eviction only
 unlinks), so every node is evictable at any time and eviction needs no reference
@@ -24,12 +26,18 @@ from dataclasses import dataclass, field
 
 import torch
 
+TOKENS = 3  # the token axis of a KV tensor [2, L, H_kv, T, D]
+
+
+def stack_kv(keys: list[torch.Tensor], values: list[torch.Tensor]) -> torch.Tensor:
+    """Per-layer keys and values ``[H_kv, T, D]`` as one tensor ``[2, L, H_kv, T, D]``."""
+    return torch.stack([torch.stack(keys), torch.stack(values)])
+
 
 @dataclass
 class _Node:
     tokens: tuple[int, ...]  # the edge's token ids, [T]
-    keys: list[torch.Tensor]  # per layer [H_kv, T, D]
-    values: list[torch.Tensor]  # per layer [H_kv, T, D]
+    kv: torch.Tensor | None  # [2, L, H_kv, T, D]; None at the root
     parent: _Node | None
     children: dict[int, _Node] = field(default_factory=dict)  # first token -> child
     last_used: int = 0
@@ -38,27 +46,33 @@ class _Node:
 @dataclass
 class PrefixHit:
     length: int  # number of leading prompt tokens found in the cache
-    key_parts: list[list[torch.Tensor]]  # per layer, the edges' [H_kv, t_i, D] (Σ t_i = length)
-    value_parts: list[list[torch.Tensor]]  # per layer, as key_parts
+    parts: list[torch.Tensor]  # the edges' [2, L, H_kv, t_i, D] (Σ t_i = length)
+
+    @property
+    def kv(self) -> torch.Tensor:
+        """``[2, L, H_kv, length, D]`` (a fresh tensor when the hit spans several edges)."""
+        return self.parts[0] if len(self.parts) == 1 else torch.cat(self.parts, dim=TOKENS)
 
     @property
     def keys(self) -> list[torch.Tensor]:
-        """Per layer ``[H_kv, length, D]`` (fresh tensors)."""
-        return [torch.cat(parts, dim=1) for parts in self.key_parts]
+        """Per layer ``[H_kv, length, D]`` (empty for an empty hit)."""
+        return list(self.kv[0]) if self.parts else []
 
     @property
     def values(self) -> list[torch.Tensor]:
-        return [torch.cat(parts, dim=1) for parts in self.value_parts]
+        return list(self.kv[1]) if self.parts else []
 
     def upto(self, length: int) -> PrefixHit:
         """The hit's first ``length`` tokens (views)."""
         if length > self.length:
             raise ValueError(f"the hit covers {self.length} tokens, asked for {length}")
-        return PrefixHit(
-            length,
-            [_first(parts, length) for parts in self.key_parts],
-            [_first(parts, length) for parts in self.value_parts],
-        )
+        parts = []
+        for part in self.parts:
+            if length <= 0:
+                break
+            parts.append(part[:, :, :, :length])
+            length -= part.shape[TOKENS]
+        return PrefixHit(sum(p.shape[TOKENS] for p in parts), parts)
 
 
 class RadixKVCache:
@@ -73,14 +87,13 @@ class RadixKVCache:
 
     def flush(self) -> None:
         """Drop every cached prefix (after new weights the old KV is wrong)."""
-        self._root = _Node(tokens=(), keys=[], values=[], parent=None)
+        self._root = _Node(tokens=(), kv=None, parent=None)
         self.num_tokens = 0
 
     def match(self, tokens: list[int]) -> PrefixHit:
         """Longest cached prefix of ``tokens``; marks the path as recently used."""
         node, pos = self._root, 0
-        key_parts: list[list[torch.Tensor]] = []
-        value_parts: list[list[torch.Tensor]] = []
+        parts: list[torch.Tensor] = []
         now = next(self._clock)
         while pos < len(tokens):
             child = node.children.get(tokens[pos])
@@ -88,29 +101,20 @@ class RadixKVCache:
                 break
             common = _common_length(child.tokens, tokens, pos)
             child.last_used = now
-            key_parts.append([k[:, :common] for k in child.keys])
-            value_parts.append([v[:, :common] for v in child.values])
+            assert child.kv is not None
+            parts.append(child.kv if common == len(child.tokens) else child.kv[:, :, :, :common])
             pos += common
             if common < len(child.tokens):
                 break
             node = child
-        if pos == 0:
-            return PrefixHit(0, [], [])
-        num_layers = len(key_parts[0])
-        return PrefixHit(
-            pos,
-            [[part[layer] for part in key_parts] for layer in range(num_layers)],
-            [[part[layer] for part in value_parts] for layer in range(num_layers)],
-        )
+        return PrefixHit(pos, parts)
 
-    def insert(
-        self, tokens: list[int], keys: list[torch.Tensor], values: list[torch.Tensor]
-    ) -> None:
-        """Cache ``tokens`` with their KV (per layer ``[H_kv, len(tokens), D]``), then evict."""
+    def insert(self, tokens: list[int], kv: torch.Tensor) -> None:
+        """Cache ``tokens`` with their KV ``[2, L, H_kv, len(tokens), D]``, then evict."""
         if not tokens or self.max_tokens == 0:
             return
-        if keys[0].shape[1] != len(tokens):
-            raise ValueError(f"KV covers {keys[0].shape[1]} tokens, got {len(tokens)} token ids")
+        if kv.shape[TOKENS] != len(tokens):
+            raise ValueError(f"KV covers {kv.shape[TOKENS]} tokens, got {len(tokens)} token ids")
         node, pos = self._root, 0
         now = next(self._clock)
         while pos < len(tokens):
@@ -119,8 +123,7 @@ class RadixKVCache:
                 # Clone: a slice would keep the whole batch's KV tensor alive.
                 leaf = _Node(
                     tokens=tuple(tokens[pos:]),
-                    keys=[k[:, pos:].clone() for k in keys],
-                    values=[v[:, pos:].clone() for v in values],
+                    kv=kv[:, :, :, pos:].clone(),
                     parent=node,
                     last_used=now,
                 )
@@ -137,17 +140,16 @@ class RadixKVCache:
     def _split(self, node: _Node, at: int) -> _Node:
         """Cut ``node``'s edge after ``at`` tokens; returns the new upper node."""
         assert node.parent is not None
+        assert node.kv is not None
         upper = _Node(
             tokens=node.tokens[:at],
-            keys=[k[:, :at] for k in node.keys],
-            values=[v[:, :at] for v in node.values],
+            kv=node.kv[:, :, :, :at],
             parent=node.parent,
             last_used=node.last_used,
         )
         node.parent.children[node.tokens[0]] = upper
         node.tokens = node.tokens[at:]
-        node.keys = [k[:, at:] for k in node.keys]
-        node.values = [v[:, at:] for v in node.values]
+        node.kv = node.kv[:, :, :, at:]
         node.parent = upper
         upper.children[node.tokens[0]] = node
         return upper
@@ -167,17 +169,6 @@ class RadixKVCache:
             out.append(node)
             stack.extend(node.children.values())
         return out
-
-
-def _first(parts: list[torch.Tensor], length: int) -> list[torch.Tensor]:
-    """The leading ``length`` tokens of consecutive parts ``[H_kv, t_i, D]``."""
-    out = []
-    for part in parts:
-        if length <= 0:
-            break
-        out.append(part[:, :length])
-        length -= part.shape[1]
-    return out
 
 
 def _common_length(edge: tuple[int, ...], tokens: list[int], start: int) -> int:
