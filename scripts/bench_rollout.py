@@ -1,13 +1,13 @@
 """TreePO tree sampling vs independent sampling on `arbor serve`, side by side in one run.
 
     python scripts/bench_rollout.py [--width 16] [--branch 2] [--segment-tokens 32]
-        [--max-depth 8] [--prompts 4] [--repeats 3] [--hidden 256] [--layers 4] [--threads 1]
+        [--max-depth 8] [--prompts 16] [--repeats 3] [--hidden 256] [--layers 4]
+        [--heads 4] [--kv-heads 1] [--intermediate 1376] [--threads 1]
 
 Starts ``python -m arbor.engines.server`` (through the launcher) on a random Qwen2 model
-built into a temp dir by ``tests/tiny_model.py`` — hidden 256, 4 layers by default, so
-the model's matmuls, not HTTP or Python overhead, dominate a decode step of a few dozen
-rows — then alternates, ``--repeats`` times, one TreePO batch and one independent
-batch over the same prompts (cache flushed before each batch, a new seed per repeat):
+built into a temp dir by ``tests/tiny_model.py``, then alternates, ``--repeats`` times,
+one TreePO batch and one independent batch over the same prompts (cache flushed before
+each batch, a new seed per repeat):
 
 - **tree**: ``mode: tree`` — width ``w`` leaves per prompt, ``branch``-way forks, one
   ``segment_tokens`` segment per round, ``max_depth`` segments at most;
@@ -20,29 +20,27 @@ batch over the same prompts (cache flushed before each batch, a new seed per rep
 Both stop on EOS. Reported per mode: trajectories/s (leaves / wall time), tokens/s
 (response tokens per trajectory summed over trajectories, i.e. linearised, / s),
 tokens computed (prefill + decode = Σ prompt − cached + generated, summed over
-outputs) and the cached-token ratio (cached / prompt tokens). Ends with
+outputs), the cached-token ratio (cached / prompt tokens), and the server's decode
+steps and rows per step (round barriers show up as extra steps). Ends with
 ``RESULT trajps_ratio=<tree/independent trajectories/s> compute_ratio=<independent/tree
 tokens computed> cpu_trajps_ratio=<the same per server CPU second>``. Timings are
-noisy on a shared machine: compare the two modes of one run only; the server's CPU
-seconds (from /proc) are less sensitive to other processes than wall time.
+noisy on a shared machine: compare the two modes of one run only.
 
-What bounds ``trajps_ratio`` on the embedded CPU engine (hidden 256, 4 prompts; per-step
-thread CPU time, see the engine's ``decode_batch.py``): both modes run the same number of
-sequential decode steps (``max_depth · segment_tokens`` = 256), so the tree can only win
-by making steps cheaper, and it runs fewer rows only in the ramp-up rounds (4, 8, 16, 32
-rows over the 4 prompts, then 64), which are also the rounds with the shortest KV. The
-engine writes KV in place and runs a lean Llama-family step, so a step now costs about
-2-3 ms of op dispatch plus ~2 ms of weight reads whatever the batch (~5 ms at 4 rows),
-~0.1 ms per row of matmuls, and ~0.5 µs per row and KV token of attention (memory
-bound: 4 KB of fp32 K and V per row-token). Per batch of 4 prompts that is roughly:
-fixed 1.0-1.3 s in both modes; matmuls ~0.9 s (tree) vs ~1.3 s (independent), the
-part that follows ``compute_ratio``; attention ~1.2 s vs ~1.6 s, only ~1.3x apart
-because the tree saves its tokens where the KV is short. Hence ``trajps_ratio`` of about
-1.0-1.15 on a loaded 2-core machine (the engine thread's own CPU time: up to ~1.3),
-against ``compute_ratio`` 1.46. Reading each
-shared prefix once per group of rows (cascade attention over the radix tree) was tried:
-with these tiny matrices the grouped matmuls and masks cost what they save, and the
-independent baseline (16 forks of one prompt) gains as much as the tree.
+The defaults are the regime a training step runs in and TreePO measured in (64 queries
+per batch on an inference server): 16 prompts x width 16 keep ~256 rows decoding, as
+the quickstart's 32 prompts x 8 paths do. The model has a real LLM's proportions at toy
+size — grouped-query attention with one KV head for four query heads and an MLP 5.4x
+the hidden size (Qwen2.5's ratios) — so a decode step costs what it costs in a real
+model: mostly per-row matmuls, plus KV reads that grow with the context. Both modes run
+the same ~256 sequential decode steps; the tree wins by running fewer rows in them (it
+forks late, so early steps carry 16, 32, 64, 128 rows where the baseline carries 256)
+and by serving each fork's prefix from the radix cache. What it still pays on this
+engine: a fixed cost per step (op dispatch, weight reads) that fewer rows do not shrink,
+attention over prefixes that each row reads for itself (no cascade attention), ~1 step
+of admission latency per round barrier, and copying each child's cached prefix into its
+decode row. A toy with an unusually large KV and small MLP
+(``--kv-heads 2 --intermediate 512``) or a lightly loaded engine (``--prompts 4``)
+leaves more of the step to those costs and shows less of the gain.
 """
 
 from __future__ import annotations
@@ -81,6 +79,8 @@ class Totals:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     requests: int = 0
+    decode_steps: int = 0  # the server's batched decode forwards
+    row_steps: int = 0  # rows summed over those forwards
     rounds: list[int] = field(default_factory=list)
     reasons: dict[str, int] = field(default_factory=dict)
 
@@ -95,9 +95,20 @@ class Totals:
             f"computed={self.computed:7d} (prefill {self.prompt_tokens - self.cached_tokens}, "
             f"decode {self.generated}) cached_ratio={self.cached_tokens / self.prompt_tokens:.3f} "
             f"trajectories={self.trajectories} mean_len={self.linear_tokens / self.trajectories:.1f} "
-            f"requests={self.requests} seconds={self.seconds:.2f} server_cpu={self.server_cpu:.2f} "
+            f"requests={self.requests} decode_steps={self.decode_steps} "
+            f"rows/step={self.row_steps / max(self.decode_steps, 1):.1f} seconds={self.seconds:.2f} server_cpu={self.server_cpu:.2f} "
             f"endings={self.reasons}"
         )
+
+
+def server_counters(url: str) -> tuple[int, int]:
+    """(decode steps, row steps) the embedded engine has run so far."""
+    import json
+    import urllib.request
+
+    with urllib.request.urlopen(f"{url}/get_server_info") as reply:
+        info = json.load(reply)
+    return info["decode_steps"], info["row_steps"]
 
 
 def cpu_seconds(pid: int) -> float:
@@ -111,12 +122,16 @@ async def one_batch(
 ) -> None:
     async with SGLangClient([url]) as client:
         await client.flush_cache()  # both modes start cold
+        steps, row_steps = server_counters(url)
         start, cpu = time.perf_counter(), cpu_seconds(pid)
         trees, stats = await sample_trees(
             client, [None] * len(prompts), prompts, cfg, eos_token_ids=[EOS_ID], seed=seed
         )
         into.seconds += time.perf_counter() - start
         into.server_cpu += cpu_seconds(pid) - cpu
+    steps_after, row_steps_after = server_counters(url)
+    into.decode_steps += steps_after - steps
+    into.row_steps += row_steps_after - row_steps
     for tree, s in zip(trees, stats):
         into.trajectories += len(tree.leaves())
         into.linear_tokens += tree.stats().linearised_response_tokens
@@ -137,11 +152,14 @@ def main() -> None:
     parser.add_argument("--branch", type=int, default=2)
     parser.add_argument("--segment-tokens", type=int, default=32)
     parser.add_argument("--max-depth", type=int, default=8)
-    parser.add_argument("--prompts", type=int, default=4)
+    parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--prompt-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--kv-heads", type=int, default=1)
+    parser.add_argument("--intermediate", type=int, default=1376, help="MLP width")
     parser.add_argument("--threads", type=int, default=1, help="torch threads of the server")
     args = parser.parse_args()
 
@@ -167,13 +185,17 @@ def main() -> None:
             vocab_size=vocab,
             hidden_size=args.hidden,
             num_hidden_layers=args.layers,
+            num_attention_heads=args.heads,
+            num_key_value_heads=args.kv_heads,
+            intermediate_size=args.intermediate,
         )
         with launch_engines(
             "embedded", model_path=str(model), log_dir=Path(tmp) / "logs", startup_timeout_s=300
         ) as handle:
             url, pid = handle.urls[0], handle.processes[0].pid
             print(
-                f"arbor serve {url}: Qwen2 hidden {args.hidden}, {args.layers} layers, vocab "
+                f"arbor serve {url}: Qwen2 hidden {args.hidden}, {args.layers} layers, {args.heads} heads "
+                f"({args.kv_heads} KV), MLP {args.intermediate}, vocab "
                 f"{vocab}, {args.threads} thread(s); {args.prompts} prompts of "
                 f"{args.prompt_tokens} tokens, width {args.width}, branch {args.branch}, "
                 f"{args.max_depth} x {args.segment_tokens} tokens",

@@ -28,8 +28,12 @@ def build_tiny_model_dir(
     seed: int = 0,
     hidden_size: int = 64,
     num_hidden_layers: int = 2,
+    num_attention_heads: int = 4,
+    num_key_value_heads: int = 2,
+    intermediate_size: int | None = None,
 ) -> Path:
-    """Save a random ``Qwen2ForCausalLM`` (float32) and a matching tokenizer in ``path``."""
+    """Save a random ``Qwen2ForCausalLM`` (float32) and a matching tokenizer in ``path``
+    (MLP width ``intermediate_size``, default ``2 * hidden_size``)."""
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
@@ -42,10 +46,10 @@ def build_tiny_model_dir(
     config = Qwen2Config(
         vocab_size=vocab_size,
         hidden_size=hidden_size,
-        intermediate_size=2 * hidden_size,
+        intermediate_size=intermediate_size or 2 * hidden_size,
         num_hidden_layers=num_hidden_layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        num_attention_heads=num_attention_heads,
+        num_key_value_heads=num_key_value_heads,
         max_position_embeddings=2048,
         eos_token_id=0,
         bos_token_id=0,
