@@ -282,9 +282,16 @@ class _TreeSampler:
             )
             return None
 
-    def _add_tool_turn(self, tree: RolloutTree, node: Node, messages: list[Message]) -> Node:
-        """Append the agent's messages after a model turn, as untrained template ids."""
-        ids = self.render(messages)
+    def _add_tool_turn(self, tree: RolloutTree, node: Node, messages: list[Message]) -> Node | None:
+        """Append the agent's messages after a model turn, as untrained template ids
+        (None: the model turn used up the response budget, the episode ends there)."""
+        room = self.cfg.max_response_tokens - node.end
+        if room <= 0:
+            return None
+        # A tool may print far more than the episode has room for (a long traceback): the
+        # turn is cut at the response budget, so no path outgrows max_response_tokens (and
+        # the model's context); the episode then ends there ("max_length").
+        ids = self.render(messages)[:room]
         # Never trained (mask 0); logprob 0 stands in for "not sampled" so paths stay uniform.
         tool = tree.add_segment(node, ids, [0.0] * len(ids), [0] * len(ids))
         self.tool_messages[tool.id] = list(messages)

@@ -187,3 +187,24 @@ def test_a_hung_agent_thread_does_not_block_process_exit():
 def test_agent_timeout_must_be_positive():
     with pytest.raises(ConfigError, match="rollout.agent_timeout_s must be > 0"):
         load_config(None, ["rollout.agent_timeout_s=0"])
+
+
+class FloodingAgent(ScriptedAgent):
+    """ScriptedAgent whose tool messages are far longer than any response budget."""
+
+    def step(self, problem, history):
+        reply = super().step(problem, history)
+        return None if reply is None else [{"role": "tool", "content": "Traceback line\n" * 400}]
+
+
+@pytest.mark.parametrize("mode", ["independent", "tree"])
+def test_a_tool_turn_is_cut_at_the_response_budget(tokenizer, mode):
+    trees, stats, _, _ = sample(tokenizer, mode=mode, agent=FloodingAgent())
+    budget = RolloutConfig(segment_tokens=64, max_depth=12).max_response_tokens
+    assert stats[0].tool_turns > 0
+    for tree in trees:
+        for leaf in tree.leaves():
+            assert leaf.end <= budget
+            if leaf.loss_mask and not any(leaf.loss_mask):  # an episode cut inside a tool turn
+                assert leaf.end == budget and leaf.finish_reason == "max_length"
+        assert any(leaf.end == budget and leaf.finish_reason == "max_length" for leaf in tree.leaves())
