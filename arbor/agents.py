@@ -17,7 +17,7 @@ generation prompt) is rendered by the tokenizer's chat template as a *continuati
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from arbor.config import DataConfig
@@ -39,16 +39,30 @@ class Agent(Protocol):
     def step(self, problem: dict, history: list[Message]) -> list[Message] | None: ...
 
 
-def load_agent(spec: str, key: str = "rollout.agent", search_dirs: Sequence[str] = ()) -> Agent:
-    """Resolve ``spec`` to an agent instance; a :class:`ConfigError` names ``key`` otherwise."""
+def load_agent(
+    spec: str,
+    key: str = "rollout.agent",
+    search_dirs: Sequence[str] = (),
+    kwargs: Mapping[str, Any] | None = None,
+    kwargs_key: str = "rollout.agent_args",
+) -> Agent:
+    """Resolve ``spec`` to an agent instance; a :class:`ConfigError` names ``key`` otherwise.
+
+    A class is built with ``kwargs`` (the config's ``rollout.agent_args``, e.g. a tool's
+    time limit); an object named directly takes none.
+    """
+    kwargs = dict(kwargs or {})
     obj = load_object(spec, key, search_dirs)
     if isinstance(obj, type):
         try:
-            obj = obj()
+            obj = obj(**kwargs)
         except TypeError as e:
-            raise ConfigError(
-                f"{key}: {spec!r} is a class that cannot be built without arguments: {e}"
-            ) from None
+            given = f"with {kwargs_key} {kwargs}" if kwargs else "without arguments"
+            raise ConfigError(f"{key}: {spec!r} is a class that cannot be built {given}: {e}") from None
+    elif kwargs:
+        raise ConfigError(
+            f"{kwargs_key}: {spec!r} is an object, not a class, so it takes no arguments (got {kwargs})"
+        )
     missing = [name for name in ("start", "step") if not callable(getattr(obj, name, None))]
     if missing:
         raise ConfigError(

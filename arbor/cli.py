@@ -40,7 +40,7 @@ def check_extensions(cfg: Config) -> None:
     if cfg.rollout.agent is not None:
         from arbor.agents import load_agent
 
-        load_agent(cfg.rollout.agent, "rollout.agent", default_search_dirs(cfg.source))
+        load_agent(cfg.rollout.agent, "rollout.agent", default_search_dirs(cfg.source), cfg.rollout.agent_args)
 
 
 def print_config(cfg: Config) -> int:

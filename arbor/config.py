@@ -75,6 +75,8 @@ class RolloutConfig:
     repetition_count: int = 8
     # module:attr of the agent deciding what follows each model turn; None: single turn.
     agent: str | None = None
+    # Keyword arguments for the agent's class (e.g. {max_tool_calls: 2, timeout_s: 3.0}).
+    agent_args: dict[str, Any] = field(default_factory=dict)
     # Wall-clock seconds one agent.step call may take; past it the episode ends there
     # ("agent_timeout", counted in agent/timeouts). The step's thread cannot be killed.
     agent_timeout_s: float = 60.0
@@ -357,6 +359,10 @@ def _coerce(value: Any, tp: Any, key: str, where: _Where) -> Any:
                 f"{where(key)}: {key} must be one of {', '.join(map(repr, allowed))}; got {_show(value)}"
             )
         return value
+    if origin is dict:
+        if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+            raise ConfigError(f"{where(key)}: {key} must be a mapping of names to values, got {_show(value)}")
+        return dict(value)  # values are the consumer's to check (e.g. a class's arguments)
     if origin is list:
         if not isinstance(value, list):
             raise ConfigError(f"{where(key)}: {key} must be a list, got {_show(value)}")

@@ -277,7 +277,7 @@ def main(cfg: Config) -> int:
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.path, trust_remote_code=cfg.model.trust_remote_code)
     agent = None
     if cfg.rollout.agent is not None:  # evaluate the episodes the run trains on
-        agent = load_agent(cfg.rollout.agent, "rollout.agent", default_search_dirs(cfg.source))
+        agent = load_agent(cfg.rollout.agent, "rollout.agent", default_search_dirs(cfg.source), cfg.rollout.agent_args)
     prompts, render = episode_inputs(problems, agent, tokenizer, cfg.data, cfg.model.chat_template)
     eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
     out_dir = Path(cfg.run.output_dir)

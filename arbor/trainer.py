@@ -97,7 +97,7 @@ class RunContext:
             if cfg.rollout.agent is not None:
                 from arbor.agents import load_agent
 
-                self.agent = load_agent(cfg.rollout.agent, "rollout.agent", search)
+                self.agent = load_agent(cfg.rollout.agent, "rollout.agent", search, cfg.rollout.agent_args)
             self.stream = ProblemStream(load_problems(cfg.data.train_path, cfg.data), cfg.run.seed, cfg.data.shuffle)
             eval_path = cfg.eval.path or cfg.data.eval_path
             if eval_path and cfg.run.eval_every:

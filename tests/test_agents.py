@@ -68,3 +68,28 @@ def test_python_tool_runs_the_last_code_block_and_reports_errors():
     assert message["error"] == "1" and "ValueError: no" in message["content"]
     done = history + [{"role": "tool", "content": "42\n"}, {"role": "assistant", "content": "\\boxed{42}"}]
     assert agent.step(problem, done) is None  # no code: the episode ends
+
+
+def test_agent_args_from_the_config_build_the_class(tmp_path):
+    from arbor.config import load_config
+
+    config = tmp_path / "agent.yaml"
+    config.write_text(
+        "rollout:\n  agent: agents/python_tool.py:PythonTool\n"
+        "  agent_args: {max_tool_calls: 1, timeout_s: 2.5}\n"
+    )
+    cfg = load_config(config, ["rollout.agent_args.max_output_chars=300"])
+    assert cfg.rollout.agent_args == {"max_tool_calls": 1, "timeout_s": 2.5, "max_output_chars": 300}
+    agent = load_agent(cfg.rollout.agent, search_dirs=[str(REPO)], kwargs=cfg.rollout.agent_args)
+    assert (agent.max_tool_calls, agent.timeout_s, agent.max_output_chars) == (1, 2.5, 300)
+    with pytest.raises(ConfigError, match="cannot be built with rollout.agent_args .*max_tools"):
+        load_agent(cfg.rollout.agent, search_dirs=[str(REPO)], kwargs={"max_tools": 1})
+    (tmp_path / "inst.py").write_text(
+        "class A:\n    def start(self, p):\n        return []\n    def step(self, p, h):\n        return None\n"
+        "agent = A()\n"
+    )
+    with pytest.raises(ConfigError, match="rollout.agent_args: 'inst.py:agent' is an object"):
+        load_agent("inst.py:agent", search_dirs=[str(tmp_path)], kwargs={"x": 1})
+    config.write_text("rollout:\n  agent_args: [1, 2]\n")
+    with pytest.raises(ConfigError, match="rollout.agent_args must be a mapping"):
+        load_config(config)
