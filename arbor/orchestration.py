@@ -42,12 +42,30 @@ def uses_gpu(cfg: Config) -> bool:
     return cfg.learner.device == "cuda"
 
 
+_started_here = False  # whether the running Ray instance is a local one start_ray made
+
+
 def start_ray(ray_cfg: RayConfig, needs_cpus: int) -> None:
-    """Start a local Ray instance (or join ``ray.address``) unless one is running."""
+    """Start a local Ray instance (or join ``ray.address``) unless one is running.
+
+    A running local instance too small for this run (an earlier, smaller run in the same
+    process) is restarted when arbor started it; one the user started is refused, since
+    the placement group would wait for CPUs that never come.
+    """
     import ray
 
+    global _started_here
     if ray.is_initialized():
-        return
+        have = ray.cluster_resources().get("CPU", 0)
+        if ray_cfg.address is not None or have >= needs_cpus:
+            return
+        if not _started_here:
+            raise RuntimeError(
+                f"the running Ray instance has {have:g} CPUs but this run places {needs_cpus} "
+                f"actors of one CPU each: ray.shutdown() it, start it with num_cpus >= "
+                f"{needs_cpus}, or set ray.address to join a cluster"
+            )
+        ray.shutdown()
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     if not torch.cuda.is_available():
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
@@ -59,12 +77,14 @@ def start_ray(ray_cfg: RayConfig, needs_cpus: int) -> None:
     runtime_env = {"env_vars": env}
     if ray_cfg.address is not None:
         ray.init(address=ray_cfg.address, runtime_env=runtime_env, log_to_driver=True)
+        _started_here = False
         return
     # Actors ask for one logical CPU each; a small machine still runs them all (they take
     # turns: rollout, then training).
     cpus = ray_cfg.num_cpus or max(os.cpu_count() or 1, needs_cpus)
     ray.init(num_cpus=cpus, num_gpus=ray_cfg.num_gpus, include_dashboard=False,
              runtime_env=runtime_env, log_to_driver=True, configure_logging=False)
+    _started_here = True
 
 
 class Placement:

@@ -192,3 +192,29 @@ def test_multi_turn_agent_episodes_train(tmp_path):
     assert 0.5 < metrics["agent/tool_calls_per_episode"] <= 1.0
     assert metrics["agent/tool_errors"] > 0
     assert metrics["train/linearised_tokens"] > 0 and metrics["sync/logprob_gap"] <= 1e-4
+
+
+def test_a_too_small_local_ray_instance_is_restarted_or_refused():
+    """A run needing more CPUs than the process's running Ray instance: arbor restarts an
+    instance it started itself (an earlier, smaller run) and refuses one the user started,
+    instead of waiting 600 s for a placement that cannot happen."""
+    import ray
+
+    from arbor import orchestration
+    from arbor.config import RayConfig
+
+    ray.shutdown()
+    try:
+        orchestration.start_ray(RayConfig(), needs_cpus=1)
+        small = ray.cluster_resources()["CPU"]
+        needs = int(small) + 2
+        orchestration.start_ray(RayConfig(), needs_cpus=needs)
+        assert ray.cluster_resources()["CPU"] == needs
+        ray.shutdown()
+        ray.init(num_cpus=1, include_dashboard=False, configure_logging=False)
+        orchestration._started_here = False  # as after a user's own ray.init
+        with pytest.raises(RuntimeError, match=f"has 1 CPUs but this run places {needs}"):
+            orchestration.start_ray(RayConfig(), needs_cpus=needs)
+        assert ray.is_initialized()  # the user's instance was left alone and ray.cluster_resources()["CPU"] == 1
+    finally:
+        ray.shutdown()
