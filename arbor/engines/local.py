@@ -408,8 +408,11 @@ class LocalEngine:
         """KV of ``prompt`` ``[2, L, H, T, D]``, last-position logits ``[V]``, cached count."""
         cached = min(hit.length, len(prompt) - 1)  # the last token is recomputed for its logits
         prefix = hit.upto(cached)
-        past_kv = prefix.kv[:, :, None] if prefix.parts else None  # [2, L, 1, H, T, D]
-        past = make_cache([] if past_kv is None else list(past_kv[0]), [] if past_kv is None else list(past_kv[1]))
+        past_keys: list[torch.Tensor] = []
+        past_values: list[torch.Tensor] = []
+        if prefix.parts:  # per layer [1, H, T, D]
+            past_keys, past_values = (list(half) for half in prefix.kv[:, :, None])
+        past = make_cache(past_keys, past_values)
         rest = torch.tensor([prompt[cached:]], device=self.device)
         positions = torch.arange(cached, len(prompt), device=self.device).unsqueeze(0)
         out = self.model(
