@@ -4,8 +4,8 @@
     messages = agent.start(problem)                 # the first prompt, as chat messages
     more = agent.step(problem, history)             # after a model turn: tool results, or None
 
-An agent is any object (or a class taking no arguments) with ``start`` and ``step``,
-named ``module:attr`` in the config. It is stateless: everything it needs is in the
+An agent is any object with ``start`` and ``step``, or a class built with the config's
+``rollout.agent_args``, named ``module:attr`` in the config. It is stateless: everything it needs is in the
 problem and the history, so any node of a rollout tree can be forked and continued.
 
 Token ids are only ever appended. The model's own turn stays exactly the ids it

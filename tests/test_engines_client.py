@@ -6,7 +6,9 @@ A small fake SGLang server (aiohttp, in the test's event loop) fails on purpose.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections import Counter
+from collections.abc import AsyncIterator
 
 import pytest
 from aiohttp import web
@@ -72,6 +74,18 @@ class FakeServer:
         port = free_port()
         await web.TCPSite(runner, "127.0.0.1", port).start()
         return f"http://127.0.0.1:{port}", runner
+
+
+@contextlib.asynccontextmanager
+async def fake_servers(count: int) -> AsyncIterator[tuple[list[FakeServer], list[str]]]:
+    """``count`` running FakeServers and their URLs, cleaned up on exit."""
+    fakes = [FakeServer() for _ in range(count)]
+    started = [await f.start() for f in fakes]
+    try:
+        yield fakes, [url for url, _ in started]
+    finally:
+        for _, runner in started:
+            await runner.cleanup()
 
 
 REQUEST = GenerateRequest(
@@ -177,32 +191,25 @@ def test_timeout_raises():
 
 def test_n_outputs_and_affinity_pins_a_tree_to_one_server():
     async def main():
-        fakes = [FakeServer() for _ in range(3)]
-        started = [await f.start() for f in fakes]
-        urls = [u for u, _ in started]
-        try:
-            async with SGLangClient(urls) as client:
-                forks = await client.generate(
-                    GenerateRequest([1000], SamplingParams(2, n=3), affinity_key="tree-1")
-                )
-                trees = [f"tree-{i}" for i in range(30)]
-                requests = [
-                    GenerateRequest([i], SamplingParams(2), affinity_key=key)
-                    for i, key in enumerate(trees)
-                    for _ in range(2)
-                ]
-                await client.generate_many(requests)
-                chosen = {key: client.server_for(key) for key in trees}
-                again = {key: SGLangClient(urls).server_for(key) for key in trees}
-                smaller = SGLangClient(urls[:2])
-                moved = [
-                    k for k in trees if chosen[k] in urls[:2] and smaller.server_for(k) != chosen[k]
-                ]
-                await client.flush_cache()
-                versions = await client.get_weight_version()
-        finally:
-            for _, runner in started:
-                await runner.cleanup()
+        async with fake_servers(3) as (fakes, urls), SGLangClient(urls) as client:
+            forks = await client.generate(
+                GenerateRequest([1000], SamplingParams(2, n=3), affinity_key="tree-1")
+            )
+            trees = [f"tree-{i}" for i in range(30)]
+            requests = [
+                GenerateRequest([i], SamplingParams(2), affinity_key=key)
+                for i, key in enumerate(trees)
+                for _ in range(2)
+            ]
+            await client.generate_many(requests)
+            chosen = {key: client.server_for(key) for key in trees}
+            again = {key: SGLangClient(urls).server_for(key) for key in trees}
+            smaller = SGLangClient(urls[:2])
+            moved = [
+                k for k in trees if chosen[k] in urls[:2] and smaller.server_for(k) != chosen[k]
+            ]
+            await client.flush_cache()
+            versions = await client.get_weight_version()
         return fakes, urls, forks, chosen, again, moved, versions
 
     fakes, urls, forks, chosen, again, moved, versions = asyncio.run(main())
@@ -236,20 +243,13 @@ def test_one_client_across_event_loops():
 
 def test_generate_many_sends_one_batch_per_server_with_forks_as_seeded_items():
     async def main():
-        fakes = [FakeServer() for _ in range(2)]
-        started = [await f.start() for f in fakes]
-        urls = [u for u, _ in started]
-        try:
-            async with SGLangClient(urls) as client:
-                requests = [
-                    GenerateRequest([10 + i], SamplingParams(2, n=2, seed=100 * i), f"tree-{i % 4}")
-                    for i in range(8)
-                ]
-                results = await client.generate_many(requests)
-                homes = [client.server_for(r.affinity_key) for r in requests]
-        finally:
-            for _, runner in started:
-                await runner.cleanup()
+        async with fake_servers(2) as (fakes, urls), SGLangClient(urls) as client:
+            requests = [
+                GenerateRequest([10 + i], SamplingParams(2, n=2, seed=100 * i), f"tree-{i % 4}")
+                for i in range(8)
+            ]
+            results = await client.generate_many(requests)
+            homes = [client.server_for(r.affinity_key) for r in requests]
         return fakes, urls, results, homes
 
     fakes, urls, results, homes = asyncio.run(main())

@@ -26,7 +26,7 @@ from typing import Any, TypeVar
 
 import aiohttp
 
-from arbor.engines.types import GenerateOutput, GenerateRequest
+from arbor.engines.types import GenerateOutput, GenerateRequest, SamplingParams
 
 T = TypeVar("T")
 
@@ -111,7 +111,7 @@ class SGLangClient:
             items = [item for i in indices for item in _fork_items(requests[i])]
             payload = {
                 "input_ids": [list(item.input_ids) for item in items],
-                "sampling_params": [generate_payload(item)["sampling_params"] for item in items],
+                "sampling_params": [sampling_payload(item.sampling) for item in items],
                 "return_logprob": True,
             }
             body = await self._call(url, "POST", "/generate", payload)
@@ -316,7 +316,15 @@ async def _with_retries(
 
 def generate_payload(request: GenerateRequest) -> dict[str, Any]:
     """The ``/generate`` body SGLang expects for one request."""
-    sp = request.sampling
+    return {
+        "input_ids": list(request.input_ids),
+        "sampling_params": sampling_payload(request.sampling),
+        "return_logprob": True,
+    }
+
+
+def sampling_payload(sp: SamplingParams) -> dict[str, Any]:
+    """SGLang's ``sampling_params`` object for ``sp``."""
     params: dict[str, Any] = {
         "max_new_tokens": sp.max_new_tokens,
         "temperature": sp.temperature,
@@ -328,7 +336,7 @@ def generate_payload(request: GenerateRequest) -> dict[str, Any]:
         params["stop_token_ids"] = list(sp.stop_token_ids)
     if sp.seed is not None:
         params["sampling_seed"] = sp.seed
-    return {"input_ids": list(request.input_ids), "sampling_params": params, "return_logprob": True}
+    return params
 
 
 def _fork_items(request: GenerateRequest) -> list[GenerateRequest]:
