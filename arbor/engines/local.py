@@ -131,7 +131,6 @@ class LocalEngine:
         self._decoder = make_decoder(self.model)
         # The running rows' KV buffers, kept between batches (allocation is not free).
         self._batch = DecodeBatch(self.device)
-        self._prefix_memo: tuple[list[int], torch.Tensor] | None = None
         self.stats = EngineStats()
         self.weight_version = "default"
         self.released = False
@@ -336,7 +335,9 @@ class LocalEngine:
     def _admit(self, pending: deque[_Job], batch: DecodeBatch, rows: list[_Row]) -> None:
         """Prefill waiting jobs (up to ``max_batch_rows`` rows) and add their forks."""
         new_kv = []
-        self._prefix_memo = None  # one round's forks of a path arrive as equal prompts
+        # The last cached prefix handed out: one round's forks of a path arrive as
+        # consecutive requests with equal prompts, and share one concatenation.
+        memo: list[tuple[list[int], torch.Tensor]] = []
         while pending and (
             not rows or len(rows) + pending[0].request.sampling.n <= self.max_batch_rows
         ):
@@ -344,7 +345,7 @@ class LocalEngine:
             try:
                 if self.released:
                     raise EngineReleased("engine memory is released; call resume first")
-                forks = self._start(job)
+                forks = self._start(job, memo)
             except Exception as exc:  # this job fails alone
                 job.future.set_exception(exc)
                 continue
@@ -354,17 +355,17 @@ class LocalEngine:
                     new_kv.append(kv)
                 else:
                     self._finish(row, kv)
-        self._prefix_memo = None
         batch.add(new_kv)
 
-    def _start(self, job: _Job):
+    def _start(self, job: _Job, memo: list[tuple[list[int], torch.Tensor]]):
         """Prefill ``job``'s prompt; returns its forks as (row, KV ``[2, L, H, T, D]``).
 
         A prompt cached up to its last token (a fork after a prefix commit, a child
         sent with its parent's prefix + output) needs no prefill call: its rows join the
         batch with the cached KV and feed the last prompt token in the next decode step.
         Otherwise the prompt is prefilled once and each fork's first token is sampled
-        from the prefill's logits.
+        from the prefill's logits. ``memo`` holds the last cached prefix handed out in
+        this admission (see :meth:`_admit`).
         """
         request = job.request
         sp, prompt = request.sampling, request.input_ids
@@ -388,12 +389,11 @@ class LocalEngine:
             self.stats.cached_tokens += cached
             # One concatenation per prompt; its forks (in this request or in the requests
             # just before it) copy it into their rows.
-            memo = self._prefix_memo
-            if memo is not None and memo[0] == prompt:
-                kv = memo[1]
+            if memo and memo[0][0] == prompt:
+                kv = memo[0][1]
             else:
                 kv = hit.upto(cached).kv
-                self._prefix_memo = (prompt, kv)
+                memo[:] = [(prompt, kv)]
             return [(_Row(job, fork, g, cached), kv) for fork, g in enumerate(generators)]
         kv, logits, cached = self._prefill(prompt, hit)
         forks = []
