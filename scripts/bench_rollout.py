@@ -3,9 +3,13 @@
     python scripts/bench_rollout.py [--width 16] [--branch 2] [--segment-tokens 32]
         [--max-depth 8] [--prompts 16] [--repeats 3] [--hidden 512] [--layers 4]
         [--heads 8] [--kv-heads 1] [--intermediate 2752] [--threads 1]
+        [--engine embedded|sglang] [--model PATH] [--device cpu|cuda]
 
 Starts ``python -m arbor.engines.server`` (through the launcher) on a random Qwen2 model
-built into a temp dir by ``tests/tiny_model.py``, then alternates, ``--repeats`` times,
+built into a temp dir by ``tests/tiny_model.py`` — or, with ``--engine sglang`` on a GPU
+machine, SGLang's own server (radix cache, its attention kernels), and with ``--model``
+any model directory (random prompts from its tokenizer's regular vocabulary, its EOS
+ids) — then alternates, ``--repeats`` times,
 one TreePO batch and one independent batch over the same prompts (cache flushed before
 each batch, a new seed per repeat):
 
@@ -20,11 +24,11 @@ each batch, a new seed per repeat):
 Both stop on EOS. Reported per mode: trajectories/s (leaves / wall time), tokens/s
 (response tokens per trajectory summed over trajectories, i.e. linearised, / s),
 tokens computed (prefill + decode = Σ prompt − cached + generated, summed over
-outputs), the cached-token ratio (cached / prompt tokens), and the server's decode
-steps and rows per step (round barriers show up as extra steps). Ends with
+outputs), the cached-token ratio (cached / prompt tokens), and the embedded server's
+decode steps and rows per step (round barriers show up as extra steps). Ends with
 ``RESULT trajps_ratio=<tree/independent trajectories/s> compute_ratio=<independent/tree
-tokens computed> cpu_trajps_ratio=<the same per server CPU second>``. Timings are
-noisy on a shared machine: compare the two modes of one run only.
+tokens computed> cpu_trajps_ratio=<the same per server CPU second, embedded only>``.
+Timings are noisy on a shared machine: compare the two modes of one run only.
 
 The defaults are the regime a training step runs in and TreePO measured in (64 queries
 per batch on an inference server): 16 prompts x width 16 keep ~256 rows decoding, as
@@ -65,7 +69,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 from arbor.config import RolloutConfig  # noqa: E402
 from arbor.engines.client import SGLangClient  # noqa: E402
-from arbor.engines.launch import launch_engines  # noqa: E402
+from arbor.engines.launch import EngineLaunchError, launch_engines  # noqa: E402
 from arbor.sampler import sample_trees  # noqa: E402
 
 EOS_ID = 0  # tests/tiny_model.py's <|endoftext|>
@@ -92,6 +96,15 @@ class Totals:
     def computed(self) -> int:
         return self.prompt_tokens - self.cached_tokens + self.generated
 
+    def engine_counters(self) -> str:
+        """What only the embedded engine reports (its steps, its one process's CPU)."""
+        if not self.decode_steps:
+            return "decode_steps=n/a server_cpu=n/a"
+        return (
+            f"decode_steps={self.decode_steps} rows/step={self.row_steps / self.decode_steps:.1f} "
+            f"server_cpu={self.server_cpu:.2f}"
+        )
+
     def line(self, name: str) -> str:
         return (
             f"{name:12s} traj/s={self.trajectories / self.seconds:7.2f} "
@@ -99,19 +112,21 @@ class Totals:
             f"computed={self.computed:7d} (prefill {self.prompt_tokens - self.cached_tokens}, "
             f"decode {self.generated}) cached_ratio={self.cached_tokens / self.prompt_tokens:.3f} "
             f"trajectories={self.trajectories} mean_len={self.linear_tokens / self.trajectories:.1f} "
-            f"requests={self.requests} decode_steps={self.decode_steps} "
-            f"rows/step={self.row_steps / max(self.decode_steps, 1):.1f} seconds={self.seconds:.2f} server_cpu={self.server_cpu:.2f} "
+            f"requests={self.requests} {self.engine_counters()} seconds={self.seconds:.2f} "
             f"endings={self.reasons}"
         )
 
 
-def server_counters(url: str) -> tuple[int, int]:
-    """(decode steps, row steps) the embedded engine has run so far."""
+def server_counters(url: str) -> tuple[int, int] | None:
+    """(decode steps, row steps) the embedded engine has run so far; None from a server
+    that does not report them (SGLang)."""
     import json
     import urllib.request
 
     with urllib.request.urlopen(f"{url}/get_server_info") as reply:
         info = json.load(reply)
+    if "decode_steps" not in info or "row_steps" not in info:
+        return None
     return info["decode_steps"], info["row_steps"]
 
 
@@ -122,20 +137,29 @@ def cpu_seconds(pid: int) -> float:
 
 
 async def one_batch(
-    url: str, pid: int, cfg: RolloutConfig, prompts: list[list[int]], seed: int, into: Totals
+    url: str,
+    pid: int | None,
+    cfg: RolloutConfig,
+    prompts: list[list[int]],
+    eos_ids: list[int],
+    seed: int,
+    into: Totals,
 ) -> None:
+    """One batch of ``cfg.mode`` over ``prompts``, added to ``into``; ``pid``: the server
+    process whose CPU time is counted (None: not counted)."""
     async with SGLangClient([url]) as client:
         await client.flush_cache()  # both modes start cold
-        steps, row_steps = server_counters(url)
-        start, cpu = time.perf_counter(), cpu_seconds(pid)
+        counters = server_counters(url)
+        start, cpu = time.perf_counter(), cpu_seconds(pid) if pid else 0.0
         trees, stats = await sample_trees(
-            client, [None] * len(prompts), prompts, cfg, eos_token_ids=[EOS_ID], seed=seed
+            client, [None] * len(prompts), prompts, cfg, eos_token_ids=eos_ids, seed=seed
         )
         into.seconds += time.perf_counter() - start
-        into.server_cpu += cpu_seconds(pid) - cpu
-    steps_after, row_steps_after = server_counters(url)
-    into.decode_steps += steps_after - steps
-    into.row_steps += row_steps_after - row_steps
+        into.server_cpu += cpu_seconds(pid) - cpu if pid else 0.0
+    after = server_counters(url)
+    if counters and after:
+        into.decode_steps += after[0] - counters[0]
+        into.row_steps += after[1] - counters[1]
     for tree, s in zip(trees, stats):
         into.trajectories += len(tree.leaves())
         into.linear_tokens += tree.stats().linearised_response_tokens
@@ -165,15 +189,13 @@ def main() -> None:
     parser.add_argument("--kv-heads", type=int, default=1)
     parser.add_argument("--intermediate", type=int, default=2752, help="MLP width")
     parser.add_argument("--threads", type=int, default=1, help="torch threads of the server")
+    parser.add_argument(
+        "--engine", choices=["embedded", "sglang"], default="embedded", help="server to measure"
+    )
+    parser.add_argument("--model", help="model directory to serve instead of the random toy")
+    parser.add_argument("--device", default="cpu", help="the embedded engine's device")
     args = parser.parse_args()
 
-    from tiny_model import build_tiny_model_dir
-
-    vocab = 320
-    rng = random.Random(0)
-    prompts = [
-        [rng.randrange(3, vocab) for _ in range(args.prompt_tokens)] for _ in range(args.prompts)
-    ]
     common = dict(
         width=args.width,
         branch=args.branch,
@@ -184,25 +206,49 @@ def main() -> None:
     indep_cfg = RolloutConfig(mode="independent", **common)
     os.environ["OMP_NUM_THREADS"] = str(args.threads)  # the server inherits it
     with tempfile.TemporaryDirectory(prefix="bench-rollout-") as tmp:
-        model = build_tiny_model_dir(
-            Path(tmp) / "model",
-            vocab_size=vocab,
-            hidden_size=args.hidden,
-            num_hidden_layers=args.layers,
-            num_attention_heads=args.heads,
-            num_key_value_heads=args.kv_heads,
-            intermediate_size=args.intermediate,
-        )
-        with launch_engines(
-            "embedded", model_path=str(model), log_dir=Path(tmp) / "logs", startup_timeout_s=300
-        ) as handle:
-            url, pid = handle.urls[0], handle.processes[0].pid
+        if args.model:
+            model, vocab, eos_ids = args.model, *vocabulary_and_eos(args.model)
+            described = f"{args.model}, vocab {vocab}"
+        else:
+            from tiny_model import build_tiny_model_dir
+
+            vocab, eos_ids = 320, [EOS_ID]
+            model = build_tiny_model_dir(
+                Path(tmp) / "model",
+                vocab_size=vocab,
+                hidden_size=args.hidden,
+                num_hidden_layers=args.layers,
+                num_attention_heads=args.heads,
+                num_key_value_heads=args.kv_heads,
+                intermediate_size=args.intermediate,
+            )
+            described = (
+                f"Qwen2 hidden {args.hidden}, {args.layers} layers, {args.heads} heads "
+                f"({args.kv_heads} KV), MLP {args.intermediate}, vocab {vocab}"
+            )
+        rng = random.Random(0)
+        prompts = [
+            [rng.randrange(3, vocab) for _ in range(args.prompt_tokens)]
+            for _ in range(args.prompts)
+        ]
+        embedded = args.engine == "embedded"
+        try:
+            handle = launch_engines(
+                args.engine,
+                model_path=str(model),
+                device=args.device if embedded else None,
+                log_dir=Path(tmp) / "logs",
+                startup_timeout_s=600,
+            )
+        except EngineLaunchError as exc:
+            sys.exit(f"bench_rollout: {exc}")
+        with handle:
+            # The embedded server is one process; SGLang's work runs in its children.
+            url, pid = handle.urls[0], handle.processes[0].pid if embedded else None
             print(
-                f"arbor serve {url}: Qwen2 hidden {args.hidden}, {args.layers} layers, {args.heads} heads "
-                f"({args.kv_heads} KV), MLP {args.intermediate}, vocab "
-                f"{vocab}, {args.threads} thread(s); {args.prompts} prompts of "
-                f"{args.prompt_tokens} tokens, width {args.width}, branch {args.branch}, "
-                f"{args.max_depth} x {args.segment_tokens} tokens",
+                f"{args.engine} {url}: {described}, {args.threads} thread(s); {args.prompts} "
+                f"prompts of {args.prompt_tokens} tokens, width {args.width}, branch "
+                f"{args.branch}, {args.max_depth} x {args.segment_tokens} tokens",
                 flush=True,
             )
             # Warm-up, not timed: one full batch of each mode. The first steps at each new
@@ -210,7 +256,7 @@ def main() -> None:
             # sampling meets many more shapes (rows 4, 8, 16, ... per step) than one n = w
             # request; a training run amortises these over thousands of steps.
             for cfg in (tree_cfg, indep_cfg):
-                asyncio.run(one_batch(url, pid, cfg, prompts, 10_000, Totals()))
+                asyncio.run(one_batch(url, pid, cfg, prompts, eos_ids, 10_000, Totals()))
             tree, indep = Totals(), Totals()
             for repeat in range(args.repeats):
                 before = [(t.seconds, t.trajectories) for t in (tree, indep)]
@@ -218,7 +264,7 @@ def main() -> None:
                 if repeat % 2:  # alternate which mode goes first
                     order.reverse()
                 for cfg, totals in order:
-                    asyncio.run(one_batch(url, pid, cfg, prompts, repeat, totals))
+                    asyncio.run(one_batch(url, pid, cfg, prompts, eos_ids, repeat, totals))
                 (tree_s, tree_n), (indep_s, indep_n) = (
                     (t.seconds - s0, t.trajectories - n0)
                     for t, (s0, n0) in zip((tree, indep), before)
@@ -231,11 +277,23 @@ def main() -> None:
     print(tree.line("tree"))
     print(indep.line("independent"))
     trajps = (tree.trajectories / tree.seconds) / (indep.trajectories / indep.seconds)
-    cpu = (tree.trajectories / tree.server_cpu) / (indep.trajectories / indep.server_cpu)
-    print(
-        f"RESULT trajps_ratio={trajps:.3f} compute_ratio={indep.computed / tree.computed:.3f} "
-        f"cpu_trajps_ratio={cpu:.3f}"
-    )
+    result = f"RESULT trajps_ratio={trajps:.3f} compute_ratio={indep.computed / tree.computed:.3f}"
+    if tree.server_cpu and indep.server_cpu:
+        cpu = (tree.trajectories / tree.server_cpu) / (indep.trajectories / indep.server_cpu)
+        result += f" cpu_trajps_ratio={cpu:.3f}"
+    print(result)
+
+
+def vocabulary_and_eos(model: str) -> tuple[int, list[int]]:
+    """How many regular (non-special) token ids ``model``'s tokenizer has, and its EOS ids."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    eos = getattr(AutoConfig.from_pretrained(model), "eos_token_id", None)
+    eos_ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+    if tokenizer.eos_token_id is not None:
+        eos_ids.add(tokenizer.eos_token_id)
+    return tokenizer.vocab_size, sorted(eos_ids)
 
 
 if __name__ == "__main__":

@@ -29,3 +29,36 @@ def test_bench_rollout_runs_both_modes_and_ends_with_its_result_line():
     result = re.search(r"^RESULT trajps_ratio=([\d.]+) compute_ratio=([\d.]+) cpu_trajps_ratio=([\d.]+)$", out, re.M)
     assert result, out
     assert float(result[2]) > 1.0  # the tree computes fewer tokens than the baseline
+
+
+def test_bench_rollout_serves_a_given_model_directory(tmp_path):
+    # --model: prompts from the model's own tokenizer vocabulary, stops on its EOS ids.
+    sys.path.insert(0, str(REPO / "tests"))
+    from tiny_model import build_tiny_model_dir
+
+    model = build_tiny_model_dir(tmp_path / "model", vocab_size=300, hidden_size=32, num_hidden_layers=1,
+                                 num_attention_heads=2, num_key_value_heads=1, intermediate_size=64)
+    run = subprocess.run(
+        [sys.executable, str(REPO / "scripts/bench_rollout.py"), "--model", str(model), "--width", "4",
+         "--max-depth", "2", "--segment-tokens", "8", "--prompts", "2", "--prompt-tokens", "8", "--repeats", "1"],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "embedded http" in run.stdout and f"{model}, vocab " in run.stdout
+    assert re.search(r"^RESULT trajps_ratio=[\d.]+ compute_ratio=[\d.]+ cpu_trajps_ratio=[\d.]+$", run.stdout, re.M)
+
+
+def test_bench_rollout_on_sglang_without_it_says_so():
+    import importlib.util
+
+    if importlib.util.find_spec("sglang") is not None:
+        import pytest
+
+        pytest.skip("sglang is installed here")
+    run = subprocess.run(
+        [sys.executable, str(REPO / "scripts/bench_rollout.py"), "--engine", "sglang", "--prompts", "1",
+         "--hidden", "32", "--layers", "1", "--heads", "2", "--intermediate", "64"],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert run.returncode == 1
+    assert "bench_rollout: engine kind 'sglang' needs the sglang package" in run.stderr
