@@ -20,7 +20,7 @@ import functools
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
-from arbor.config import DataConfig
+from arbor.config import DataConfig, RolloutConfig
 from arbor.data import chat_template_ids, format_prompt
 from arbor.errors import ConfigError
 from arbor.plugins import load_object
@@ -70,6 +70,14 @@ def load_agent(
             "(an agent needs start(problem) -> messages and step(problem, history) -> messages | None)"
         )
     return obj
+
+
+def rollout_agent(rollout_cfg: RolloutConfig, search_dirs: Sequence[str] = ()) -> Agent | None:
+    """The agent ``rollout.agent`` names, built with ``rollout.agent_args``; None for
+    single-turn rollouts. ``arbor train``, ``arbor eval`` and the config check load it here."""
+    if rollout_cfg.agent is None:
+        return None
+    return load_agent(rollout_cfg.agent, "rollout.agent", search_dirs, rollout_cfg.agent_args)
 
 
 def episode_inputs(

@@ -38,9 +38,9 @@ def check_extensions(cfg: Config) -> None:
     terms = [RewardTerm(t.fn, t.weight) for t in cfg.reward.functions]
     load_reward_terms(terms, search_dirs=default_search_dirs(cfg.source))
     if cfg.rollout.agent is not None:
-        from arbor.agents import load_agent
+        from arbor.agents import rollout_agent
 
-        load_agent(cfg.rollout.agent, "rollout.agent", default_search_dirs(cfg.source), cfg.rollout.agent_args)
+        rollout_agent(cfg.rollout, default_search_dirs(cfg.source))
 
 
 def print_config(cfg: Config) -> int:

@@ -262,7 +262,7 @@ def main(cfg: Config) -> int:
     """Start the engines of ``cfg``, evaluate ``eval.path``, write the JSON and TensorBoard."""
     from transformers import AutoTokenizer
 
-    from arbor.agents import episode_inputs, load_agent
+    from arbor.agents import episode_inputs, rollout_agent
     from arbor.data import load_problems
     from arbor.engines.client import SGLangClient
     from arbor.orchestration import closing
@@ -275,9 +275,7 @@ def main(cfg: Config) -> int:
         return 2
     problems = load_problems(path, cfg.data)[: e.max_problems or None]
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.path, trust_remote_code=cfg.model.trust_remote_code)
-    agent = None
-    if cfg.rollout.agent is not None:  # evaluate the episodes the run trains on
-        agent = load_agent(cfg.rollout.agent, "rollout.agent", default_search_dirs(cfg.source), cfg.rollout.agent_args)
+    agent = rollout_agent(cfg.rollout, default_search_dirs(cfg.source))  # the episodes the run trains on
     prompts, render = episode_inputs(problems, agent, tokenizer, cfg.data, cfg.model.chat_template)
     eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
     out_dir = Path(cfg.run.output_dir)

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from arbor import checkpoint, phases
+from arbor.agents import rollout_agent
 from arbor.config import Config, save_config
 from arbor.data import ProblemStream, load_problems
 from arbor.metrics import MetricsLog
@@ -93,11 +94,7 @@ class RunContext:
             search = default_search_dirs(cfg.source)  # where rewards/ and agents/ specs resolve
             self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.path, trust_remote_code=cfg.model.trust_remote_code)
             self.eos_token_ids = [self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else []
-            self.agent = None
-            if cfg.rollout.agent is not None:
-                from arbor.agents import load_agent
-
-                self.agent = load_agent(cfg.rollout.agent, "rollout.agent", search, cfg.rollout.agent_args)
+            self.agent = rollout_agent(cfg.rollout, search)  # multi-turn episodes, or None
             self.stream = ProblemStream(load_problems(cfg.data.train_path, cfg.data), cfg.run.seed, cfg.data.shuffle)
             eval_path = cfg.eval.path or cfg.data.eval_path
             if eval_path and cfg.run.eval_every:
