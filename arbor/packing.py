@@ -20,7 +20,7 @@ path), with ``"token"`` by 1; the denominator (Σ T_b or the number of leaves) i
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Literal
 
 import torch
@@ -61,6 +61,19 @@ class PackedBatch:
     blocks: list[AttentionBlock] = field(default_factory=list)  # for block-sparse attention
     # (tree index, node id, offset in node) of every packed token, to map results back.
     origin: list[tuple[int, int, int]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        # Every per-token column must line up with input_ids: one missing or extra entry
+        # (e.g. from an empty node) silently shifts the log-probs of every later token.
+        n = self.num_tokens
+        columns = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("blocks", "origin")}
+        wrong = {name: len(col) for name, col in columns.items() if len(col) != n}
+        if len(self.origin) != n:
+            wrong["origin"] = len(self.origin)
+        if wrong:
+            raise ValueError(f"packed columns disagree with input_ids ({n} tokens): {wrong}")
+        if self.blocks and sum(b.end - b.start for b in self.blocks) != n:
+            raise ValueError(f"attention blocks cover {sum(b.end - b.start for b in self.blocks)} of {n} tokens")
 
     @property
     def num_tokens(self) -> int:
@@ -344,14 +357,16 @@ def _serialise(
             n = len(node.token_ids)
             parent_last = last_of[node.parent.id]  # type: ignore[union-attr]
             # A node that does not directly follow its parent's last token starts a new
-            # attention block whose context is its ancestors' tokens.
-            if parent_last != start - 1:
+            # attention block whose context is its ancestors' tokens. An empty node (an
+            # aborted or zero-length segment) adds no token and no block: its children
+            # attach to its parent's last token.
+            if n and parent_last != start - 1:
                 blocks.append(AttentionBlock(chain_start, start, chain_context))
                 chain_start = start
                 chain_context = torch.tensor(ancestors[node.parent.id], dtype=torch.long)  # type: ignore[union-attr]
             cols["ids"] += node.token_ids
             cols["pos"] += [p + node.start + k for k in range(n)]
-            cols["parent"] += [parent_last] + list(range(start, start + n - 1))
+            cols["parent"] += ([parent_last] + list(range(start, start + n - 1)))[:n]
             owned = part.included[node.id]
             mask = node.loss_mask or [1] * n
             trained = [owned and m == 1 for m in mask]

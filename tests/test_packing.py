@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from arbor.packing import assign_to_ranks, loss_denominator, pack_trees
+from arbor.packing import PackedBatch, assign_to_ranks, loss_denominator, pack_trees
 from arbor.tree import RolloutTree
 
 
@@ -112,3 +112,24 @@ def test_dense_mask_matches_rule():
     # Token 5 (leaf c's first) sees prompt + a and itself, not leaf b's token 4.
     assert mask[5].tolist() == [True, True, True, True, False, True, False]
     assert torch.equal(mask, mask & torch.ones(7, 7, dtype=torch.bool).tril())
+
+
+def test_an_empty_node_adds_no_token_and_its_child_follows_its_parent():
+    tree = RolloutTree([1, 2], problem={"id": "e"})
+    a = tree.add_segment(tree.root, [3, 4], logprobs=[-1.0, -1.0])
+    empty = tree.add_segment(a, [], logprobs=[])  # an aborted segment
+    tree.add_segment(empty, [5], logprobs=[-1.0])
+    tree.add_segment(a, [6], logprobs=[-1.0])
+    (pack,) = pack_trees([tree], [[1.0, 1.0]])
+    assert pack.input_ids.tolist() == [1, 2, 3, 4, 5, 6]
+    assert pack.parent.tolist() == [-1, 0, 1, 2, 3, 3]  # 5 and 6 both follow token 4
+    assert pack.subtree_end.tolist() == [6, 6, 6, 6, 5, 6]
+    assert sum(b.end - b.start for b in pack.blocks) == 6
+
+
+def test_packed_columns_must_line_up():
+    (pack,) = pack_trees([RolloutTree.from_sequences([1], [[2, 3]], logprobs=[[-1.0, -1.0]])])
+    fields = {k: getattr(pack, k) for k in pack.__dataclass_fields__}
+    fields["parent"] = fields["parent"][:-1]
+    with pytest.raises(ValueError, match="parent"):
+        PackedBatch(**fields)
