@@ -159,3 +159,58 @@ def test_learner_style_accumulation_over_packs_and_ranks():
     assert total == pytest.approx(lin_loss.item(), rel=1e-6, abs=1e-12)
     for a, p in zip(lin_grads, model.parameters()):
         assert_close(a, p.grad, 1e-6)
+
+
+def tree_with_empty_nodes(rng: random.Random, i: int) -> RolloutTree:
+    """A grown tree in which about a third of the segments are empty (aborted, or empty at the
+    context limit), some of them with children and some of them leaves."""
+    tree = RolloutTree([rng.randrange(VOCAB) for _ in range(rng.randint(1, 5))], problem={"id": f"e{i}"})
+    nodes = [tree.root]
+    for _ in range(rng.randint(3, 10)):
+        n = 0 if rng.random() < 0.35 else rng.randint(1, 4)
+        nodes.append(tree.add_segment(rng.choice(nodes), [rng.randrange(VOCAB) for _ in range(n)],
+                                      logprobs=[-3 * rng.random() for _ in range(n)]))
+    return tree
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_empty_nodes_tree_equals_linear_float64(seed):
+    rng = random.Random(100 + seed)
+    trees = [tree_with_empty_nodes(rng, i) for i in range(3)]
+    assert any(not n.token_ids for t in trees for n in t.nodes())
+    advantages = random_advantages(rng, trees, per_token=bool(seed % 2))
+    model = tiny("qwen2", torch.float64, seed)
+    kw = dict(normalize=["token", "sequence"][seed % 2], entropy_coef=0.01)
+    lin_loss, lin_grads, lin_m = loss_and_grads(model, trees, advantages, mode="linear", **kw)
+    slack = None if seed < 3 else seed - 3  # one pack, or partitioned trees
+    tree_loss, tree_grads, tree_m = loss_and_grads(
+        model, trees, advantages, mode="tree", pack_tokens=budget(trees, slack),
+        attention=["blocks", "dense"][seed % 2], **kw,
+    )
+    assert tree_loss.item() == pytest.approx(lin_loss.item(), rel=1e-6, abs=1e-12)
+    for a, b in zip(lin_grads, tree_grads):
+        assert_close(a, b, 1e-6)
+    assert tree_m["entropy"] == pytest.approx(lin_m["entropy"], rel=1e-6)
+
+
+# bf16 tolerance: the two modes run different kernels (one packed forward with block
+# attention vs padded per-leaf sequences), so bf16 rounding differs per op. With float32
+# log-probs the loss agrees to ~1e-3 relative and gradients to ~2e-2 of their largest
+# entry (bf16 has 8 mantissa bits: 2^-8 ≈ 4e-3 per rounding, over two layers).
+BF16_LOSS_RTOL, BF16_GRAD_RTOL = 1e-2, 5e-2
+
+
+@pytest.mark.parametrize("normalize", ["token", "sequence"])
+def test_tree_equals_linear_bf16(normalize):
+    rng = random.Random(21)
+    trees = [random_tree(rng, i) for i in range(3)]
+    advantages = random_advantages(rng, trees, per_token=False)
+    model = tiny("qwen2", torch.bfloat16, 21)
+    lin_loss, lin_grads, lin_m = loss_and_grads(model, trees, advantages, mode="linear", normalize=normalize)
+    tree_loss, tree_grads, tree_m = loss_and_grads(model, trees, advantages, mode="tree", normalize=normalize,
+                                                   pack_tokens=budget(trees, 2))
+    assert tree_loss.dtype == torch.float32 and lin_loss.dtype == torch.float32
+    assert tree_loss.item() == pytest.approx(lin_loss.item(), rel=BF16_LOSS_RTOL)
+    for a, b in zip(lin_grads, tree_grads):
+        assert_close(a.float(), b.float(), BF16_GRAD_RTOL)
+    assert tree_m["logprob_gap"] == pytest.approx(lin_m["logprob_gap"], rel=BF16_LOSS_RTOL)
