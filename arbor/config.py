@@ -63,7 +63,7 @@ class RolloutConfig:
     branch: int = 2  # copies forked from a node before its next segment
     segment_tokens: int = 512
     max_depth: int = 14  # segments per trajectory at most
-    temperature: float = 1.0
+    temperature: float = 1.0  # sampling T; the learner scores log-probs of softmax(logits / T) too
     top_p: float = 1.0
     top_k: int = -1  # -1: off
     branch_assignment: Literal["even", "logprob"] = "even"
@@ -157,6 +157,9 @@ class LearnerConfig:
     device: Literal["auto", "cpu", "cuda"] = "auto"
     dtype: Dtype = "auto"  # training dtype: auto = bfloat16 on CUDA, float32 on CPU
     pack_tokens: int = 16384  # token budget of one tree pack (one forward/backward)
+    # Tokens per LM-head chunk for log-probs/entropy: [tokens, vocab] logits are never
+    # materialised whole (exact gradients, one extra head matmul); 0: whole logits.
+    logit_chunk_tokens: int = 1024
     # Tree attention: auto = flex (FlexAttention) on CUDA, blocks (ancestor blocks) on CPU;
     # dense = an N x N mask with SDPA, the reference.
     attention: Literal["auto", "blocks", "dense", "flex"] = "auto"
@@ -474,6 +477,7 @@ def validate(cfg: Config, where: str = "<config>") -> None:
         "needs learner.backend: deepspeed",
     )
     need(not le.offload_params or le.zero_stage == 3, "learner.offload_params", "needs learner.zero_stage: 3")
+    need(le.logit_chunk_tokens >= 0, "learner.logit_chunk_tokens", f"must be ≥ 0 (0: off), got {le.logit_chunk_tokens}")
     need(
         le.pack_tokens >= cfg.data.max_prompt_tokens + r.segment_tokens,
         "learner.pack_tokens",

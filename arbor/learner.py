@@ -1,9 +1,14 @@
 """A learner rank: the policy under DeepSpeed ZeRO-3 (or plain torch), stepping on tree packs.
 
-    learner = Learner(cfg.model, cfg.learner, cfg.optim, cfg.loss, total_steps=100)
+    learner = Learner(cfg.model, cfg.learner, cfg.optim, cfg.loss, total_steps=100,
+                      temperature=cfg.rollout.temperature)
     denominator = loss_denominator(all_trees_of_the_step, cfg.loss.normalize)   # global
     packs = pack_trees(my_trees, my_advantages, pack_tokens=cfg.learner.pack_tokens)
     metrics = learner.step(packs, denominator)      # backward over every pack, one update
+
+Log-probs are those of softmax(logits / T) with T the rollout temperature (the
+distribution the engines sampled from), in float32 whatever the training dtype, with
+the LM head run in chunks of ``learner.logit_chunk_tokens`` (:mod:`arbor.lm_head`).
 
 Gradient accumulation is over packs: each pack's loss is already divided by the global
 denominator (the whole batch over all ranks), so the summed gradient is exactly that of
@@ -97,8 +102,12 @@ class Learner:
         loss_cfg: LossConfig,
         total_steps: int,
         model: PreTrainedModel | None = None,
+        temperature: float = 1.0,
     ) -> None:
         self.cfg, self.loss_cfg = learner_cfg, loss_cfg
+        if not temperature > 0:
+            raise ValueError(f"the learner scores log-probs at the sampling temperature, which must be > 0, got {temperature}")
+        self.temperature = temperature
         self.device = resolve_device(learner_cfg.device)
         self.dtype = resolve_dtype(learner_cfg.dtype, self.device)
         self.world_size = int(os.environ.get("WORLD_SIZE", "1"))
@@ -179,7 +188,8 @@ class Learner:
                 self.engine or self.model, pack, denominator, clip_low=self.loss_cfg.clip_low,
                 clip_high=self.loss_cfg.clip_high, kl_coef=self.loss_cfg.kl_coef,
                 kl_estimator=self.loss_cfg.kl_estimator, entropy_coef=self.loss_cfg.entropy_coef,
-                ref_model=self.ref_model, attention=self.attention,
+                ref_model=self.ref_model, attention=self.attention, temperature=self.temperature,
+                chunk_tokens=self.cfg.logit_chunk_tokens,
             )
             if idle:
                 loss = loss * 0.0

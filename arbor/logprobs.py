@@ -30,14 +30,23 @@ def tree_logprobs(
     *,
     pack_tokens: int = 16384,
     attention: Attention = "auto",
+    temperature: float = 1.0,
+    chunk_tokens: int = 0,
 ) -> list[dict[int, torch.Tensor]]:
-    """log p of every response token under ``model``: per tree, node id -> [len(node)] float."""
+    """log p of every response token under ``model``: per tree, node id -> [len(node)] float64.
+
+    ``temperature``: log-probs of softmax(logits / T), the distribution sampled at T
+    (reference-model KL and recomputed behaviour log-probs must use the rollout's T).
+    Computed in float32 or wider whatever the model's dtype.
+    """
     out: list[dict[int, torch.Tensor]] = [
         {n.id: torch.zeros(len(n.token_ids), dtype=torch.float64) for n in t.nodes()} for t in trees
     ]
     for pack in pack_trees(trees, pack_tokens=pack_tokens, require_logprobs=False):
         select = pack.owned.nonzero()[:, 0]
-        logp, _ = pack_token_logprobs(model, pack, select, attention)
+        logp, _ = pack_token_logprobs(
+            model, pack, select, attention, temperature=temperature, chunk_tokens=chunk_tokens
+        )
         for i, value in zip(select.tolist(), logp.double().cpu().tolist()):
             tree_index, node_id, offset = pack.origin[i]
             out[tree_index][node_id][offset] = value

@@ -11,6 +11,13 @@ own sequence). In tree mode each token appears once and carries, per leaf b thro
 Σ w_b·max(A,0) and Σ w_b·min(A,0) (w_b = 1 or 1/T_b): because r is the same for every
 leaf through the token, Σ_b min(r A_b, clip(r) A_b) = pos·min(r, clip r) + neg·max(r, clip r).
 
+Log-probs are those of softmax(logits / T) at the rollout temperature T, computed in
+float32 (or wider): the engines (SGLang and arbor's own) report exactly these for each
+sampled token, so r = 1 when the weights agree. top_p < 1 / top_k truncate what is
+*sampled*, but engines report — and the learner computes — log-probs of the untruncated
+tempered distribution; r is then the ratio of the full tempered distributions (as in
+verl and OpenRLHF), not of the truncated sampling densities.
+
 The learner accumulates gradients pack by pack: :func:`pack_loss` divides by the global
 denominator (:func:`arbor.packing.loss_denominator` over the whole batch, all ranks), so
 Σ over packs of ``pack_loss`` equals :func:`policy_loss`.
@@ -25,6 +32,7 @@ from typing import Literal
 import torch
 from transformers import PreTrainedModel
 
+from arbor.lm_head import chunkable_head, chunked_head, logprobs_and_entropy
 from arbor.packing import (
     Advantages,
     Normalize,
@@ -65,14 +73,6 @@ def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: KLEstimato
     if estimator == "k3":
         return torch.exp(-log_ratio) - 1.0 + log_ratio
     raise ValueError(f"kl_estimator must be 'k1' or 'k3', got {estimator!r}")
-
-
-def logprobs_and_entropy(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """log p(target) and the entropy of each row: logits [M, V], targets [M] -> ([M], [M])."""
-    logp_all = torch.log_softmax(logits, dim=-1)
-    logp = logp_all.gather(-1, targets[:, None])[:, 0]
-    entropy = -(logp_all.exp() * logp_all).sum(-1)
-    return logp, entropy
 
 
 @dataclass
@@ -152,12 +152,28 @@ def combine(sums: LossSums, denominator: float, kl_coef: float, entropy_coef: fl
 
 
 def pack_token_logprobs(
-    model: PreTrainedModel, pack: PackedBatch, select: torch.Tensor, attention: Attention = "auto"
+    model: PreTrainedModel,
+    pack: PackedBatch,
+    select: torch.Tensor,  # [M] int64 packed indices of the tokens to score
+    attention: Attention = "auto",
+    *,
+    temperature: float = 1.0,
+    chunk_tokens: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """log p and entropy of the packed tokens at ``select`` ([M] int64 indices): ([M], [M])."""
-    logits = packed_logits(model, pack, pack.parent[select], attention)
-    targets = pack.input_ids[select].to(logits.device)
-    return logprobs_and_entropy(logits, targets)
+    """log p and entropy of softmax(logits / T) at the packed tokens ``select``: ([M], [M]), float32+.
+
+    ``chunk_tokens`` > 0: the LM head runs on that many tokens at a time
+    (:mod:`arbor.lm_head`), so [M, V] logits never exist; models whose logits are not a
+    plain linear head of the last hidden state fall back to whole logits.
+    """
+    rows = pack.parent[select]
+    targets = pack.input_ids[select].to(next(model.parameters()).device)
+    head = chunkable_head(model) if chunk_tokens > 0 else None
+    if head is None:
+        return logprobs_and_entropy(packed_logits(model, pack, rows, attention), targets, temperature)
+    with chunked_head(head, targets, temperature=temperature, chunk_tokens=chunk_tokens):
+        scores = packed_logits(model, pack, rows, attention)  # [M, 2]: the head returns (log p, entropy)
+    return scores[:, 0], scores[:, 1]
 
 
 def pack_loss(
@@ -172,11 +188,19 @@ def pack_loss(
     entropy_coef: float = 0.0,
     ref_model: PreTrainedModel | None = None,
     attention: Attention = "auto",
+    temperature: float = 1.0,
+    chunk_tokens: int = 0,
 ) -> tuple[torch.Tensor, LossSums]:
-    """One pack's share of the loss (already divided by the global ``denominator``)."""
+    """One pack's share of the loss (already divided by the global ``denominator``).
+
+    Log-probs are those of softmax(logits / ``temperature``), the distribution the engine
+    sampled from and reported; they and every per-token weight are float32 or wider
+    whatever the model's dtype.
+    """
     select = pack.trained.nonzero()[:, 0]
-    logp, entropy = pack_token_logprobs(model, pack, select, attention)
-    device, dtype = logp.device, logp.dtype
+    scoring = dict(temperature=temperature, chunk_tokens=chunk_tokens)
+    logp, entropy = pack_token_logprobs(model, pack, select, attention, **scoring)
+    device, dtype = logp.device, logp.dtype  # float32, or float64 for a float64 model
 
     def field(t: torch.Tensor) -> torch.Tensor:
         return t[select].to(device=device, dtype=dtype)
@@ -184,7 +208,7 @@ def pack_loss(
     ref_logp = None
     if ref_model is not None and kl_coef:
         with torch.no_grad():
-            ref_logp = pack_token_logprobs(ref_model, pack, select, attention)[0].to(dtype)
+            ref_logp = pack_token_logprobs(ref_model, pack, select, attention, **scoring)[0].to(dtype)
     sums = token_sums(
         logp, entropy, field(pack.old_logprobs), ref_logp, field(pack.weight), field(pack.adv_pos),
         field(pack.adv_neg), field(pack.leaf_count), field(pack.n_pos), field(pack.n_neg),
@@ -197,12 +221,13 @@ def pack_loss(
 
 
 def linear_token_logprobs(
-    model: PreTrainedModel, trees: Sequence[RolloutTree]
+    model: PreTrainedModel, trees: Sequence[RolloutTree], temperature: float = 1.0
 ) -> tuple[torch.Tensor, torch.Tensor, list[tuple[int, int, list[int]]]]:
     """Forward every leaf as its own right-padded sequence.
 
-    Returns the log-probs and entropies of every response token, flattened over leaves,
-    and per leaf (tree index, leaf index, flat indices of its response tokens).
+    Returns the log-probs and entropies (of softmax(logits / T), float32+) of every
+    response token, flattened over leaves, and per leaf (tree index, leaf index, flat
+    indices of its response tokens).
     """
     device = next(model.parameters()).device
     seqs, starts, owners = [], [], []
@@ -230,7 +255,8 @@ def linear_token_logprobs(
         targets += [s[p] for p in positions]
         index.append((*owners[i], flat))
     r = torch.tensor(rows, dtype=torch.long, device=device).reshape(-1, 2)
-    logp, entropy = logprobs_and_entropy(logits[r[:, 0], r[:, 1]], torch.tensor(targets, device=device))
+    targets_t = torch.tensor(targets, dtype=torch.long, device=device)
+    logp, entropy = logprobs_and_entropy(logits[r[:, 0], r[:, 1]], targets_t, temperature)
     return logp, entropy, index
 
 
@@ -258,9 +284,9 @@ def linear_token_fields(
 
 def _linear_sums(
     model: PreTrainedModel, trees: Sequence[RolloutTree], advantages: Advantages, normalize: Normalize,
-    ref_model: PreTrainedModel | None, **kw: float | str,
+    ref_model: PreTrainedModel | None, temperature: float, **kw: float | str,
 ) -> LossSums:
-    logp, entropy, _ = linear_token_logprobs(model, trees)
+    logp, entropy, _ = linear_token_logprobs(model, trees, temperature)
     f = linear_token_fields(trees, advantages, normalize)
     sel = torch.tensor(f["mask"], dtype=torch.bool, device=logp.device)
 
@@ -270,7 +296,7 @@ def _linear_sums(
     ref_logp = None
     if ref_model is not None and kw.get("kl_coef"):
         with torch.no_grad():
-            ref_logp = linear_token_logprobs(ref_model, trees)[0].to(logp.dtype)[sel]
+            ref_logp = linear_token_logprobs(ref_model, trees, temperature)[0].to(logp.dtype)[sel]
     return token_sums(
         logp[sel], entropy[sel], t("old"), ref_logp, t("weight"), t("pos"), t("neg"),
         torch.ones(int(sel.sum()), dtype=logp.dtype, device=logp.device), t("npos"), t("nneg"),
@@ -296,6 +322,8 @@ def policy_loss(
     entropy_coef: float = 0.0,
     pack_tokens: int = 16384,
     attention: Attention = "auto",
+    temperature: float = 1.0,
+    chunk_tokens: int = 0,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Clipped policy loss of ``trees`` (old logprobs = the nodes' ``logprobs``).
 
@@ -303,13 +331,17 @@ def policy_loss(
     per response token (TEMPO). Returns a scalar loss to ``.backward()`` and metrics
     (``clip_fraction``, ``approx_kl``, ``entropy``, ``logprob_gap``, ``kl``, ``tokens``,
     ``linearised_tokens``), weighted so both modes report the same numbers.
+
+    ``temperature``: the sampling temperature T of the behaviour log-probs; the learner's
+    log-probs, entropy and KL are those of softmax(logits / T), as the engine's are.
+    ``chunk_tokens`` (tree mode): run the LM head on this many tokens at a time (0: all).
     """
     if kl_coef and ref_model is None:
         raise ValueError("kl_coef > 0 needs a ref_model")
     denominator = loss_denominator(trees, normalize)
     kw = dict(clip_low=clip_low, clip_high=clip_high, kl_estimator=kl_estimator)
     if mode == "linear":
-        sums = _linear_sums(model, trees, advantages, normalize, ref_model, kl_coef=kl_coef, **kw)
+        sums = _linear_sums(model, trees, advantages, normalize, ref_model, temperature, kl_coef=kl_coef, **kw)
         return combine(sums, denominator, kl_coef, entropy_coef), sums.metrics()
     if mode != "tree":
         raise ValueError(f"mode must be 'tree' or 'linear', got {mode!r}")
@@ -318,7 +350,7 @@ def policy_loss(
     for pack in pack_trees(trees, advantages, pack_tokens=pack_tokens, normalize=normalize):
         loss, sums = pack_loss(
             model, pack, denominator, kl_coef=kl_coef, entropy_coef=entropy_coef, ref_model=ref_model,
-            attention=attention, **kw,  # type: ignore[arg-type]
+            attention=attention, temperature=temperature, chunk_tokens=chunk_tokens, **kw,  # type: ignore[arg-type]
         )
         total = loss if total is None else total + loss
         all_sums = sums if all_sums is None else all_sums + sums

@@ -184,7 +184,8 @@ class LearnerWorker:
         torch.manual_seed(cfg.run.seed + self.rank)
         from arbor.learner import Learner
 
-        self.learner = Learner(cfg.model, cfg.learner, cfg.optim, cfg.loss, total_steps=total_steps)
+        self.learner = Learner(cfg.model, cfg.learner, cfg.optim, cfg.loss, total_steps=total_steps,
+                               temperature=cfg.rollout.temperature)
 
     def step(self, packs: Sequence[Any], denominator: float, filler: Any = None) -> dict[str, float]:
         return self.learner.step_sums(packs, denominator, filler)
@@ -222,7 +223,7 @@ class LearnerWorker:
         was_training = model.training
         model.eval()
         try:
-            return logprob_gap(model, samples)
+            return logprob_gap(model, samples, temperature=self.cfg.rollout.temperature)
         finally:
             model.train(was_training)
 

@@ -150,7 +150,8 @@ def sync_weights(ctx: RunContext, version: str, probe: list[RolloutTree]) -> dic
     metrics: dict[str, float] = {"sync/weight_version": float(version)}
     if probe:
         prompts = [t.prompt_ids for t in probe]
-        samples = ctx.run_async(probe_samples(ctx.client, prompts, max_new_tokens=cfg.rollout.segment_tokens))
+        samples = ctx.run_async(probe_samples(ctx.client, prompts, max_new_tokens=cfg.rollout.segment_tokens,
+                                              temperature=cfg.rollout.temperature))
         metrics["sync/logprob_gap"] = ctx.learners.logprob_gap(samples)
         # The probe's KV must not make the next step's cache state differ from a resumed run's.
         ctx.run_async(ctx.client.flush_cache())

@@ -201,12 +201,20 @@ def packed_logits(
     ``model`` may be a DeepSpeed engine wrapping the HF model (its forward must run
     through the engine for ZeRO-3's gradient accumulation).
     """
+    device = next(model.parameters()).device
+    return packed_forward(model, pack, attention, rows.to(device)).logits[0]
+
+
+def packed_forward(
+    model: PreTrainedModel, pack: PackedBatch, attention: Attention, logits_to_keep: int | torch.Tensor
+) -> Any:
+    """The model's forward over one pack with the chosen tree attention (HF CausalLM output)."""
     hf_model: PreTrainedModel = getattr(model, "module", model)
     device = next(model.parameters()).device
     attention = resolve_attention(attention, device)
     input_ids = pack.input_ids.to(device)[None]
     position_ids = pack.position_ids.to(device)[None]
-    rows = rows.to(device)
+    common = dict(input_ids=input_ids, position_ids=position_ids, logits_to_keep=logits_to_keep, use_cache=False)
     if attention == "dense":
         implementation = hf_model.config._attn_implementation
         if implementation not in ("sdpa", "eager"):
@@ -215,23 +223,11 @@ def packed_logits(
         if implementation == "eager":  # eager wants an additive float mask
             dtype = next(model.parameters()).dtype
             mask = torch.zeros(mask.shape, dtype=dtype, device=device).masked_fill(~mask, torch.finfo(dtype).min)
-        out = model(
-            input_ids=input_ids, position_ids=position_ids, attention_mask=mask, logits_to_keep=rows,
-            use_cache=False,
-        )
-    elif attention == "blocks":
+        return model(attention_mask=mask, **common)
+    if attention == "blocks":
         with attention_implementation(hf_model, BLOCKS_IMPL):
-            out = model(
-                input_ids=input_ids, position_ids=position_ids, logits_to_keep=rows,
-                arbor_blocks=pack.blocks, use_cache=False,
-            )
-    elif attention == "flex":
+            return model(arbor_blocks=pack.blocks, **common)
+    if attention == "flex":
         with attention_implementation(hf_model, "flex_attention"):
-            mask = flex_block_mask(pack, device)
-            out = model(
-                input_ids=input_ids, position_ids=position_ids, attention_mask=mask,
-                logits_to_keep=rows, use_cache=False,
-            )
-    else:
-        raise ValueError(f"attention must be auto, dense, blocks or flex, got {attention!r}")
-    return out.logits[0]
+            return model(attention_mask=flex_block_mask(pack, device), **common)
+    raise ValueError(f"attention must be auto, dense, blocks or flex, got {attention!r}")

@@ -24,6 +24,7 @@ from arbor.engines.client import SGLangClient
 from arbor.engines.distributed import connect_learner, send_weights
 from arbor.engines.server import free_port
 from arbor.engines.types import GenerateRequest, SamplingParams
+from arbor.lm_head import logprobs_and_entropy
 
 
 def named_tensor_buckets(
@@ -114,15 +115,15 @@ ProbeSample = tuple[list[int], list[int], list[float]]  # prompt ids, output ids
 
 
 async def probe_samples(
-    client: SGLangClient, prompts: list[list[int]], max_new_tokens: int = 16
+    client: SGLangClient, prompts: list[list[int]], max_new_tokens: int = 16, temperature: float = 1.0
 ) -> list[ProbeSample]:
-    """Continuations of ``prompts`` sampled by the engine, with its logprobs.
+    """Continuations of ``prompts`` sampled by the engine at ``temperature``, with its logprobs.
 
-    Temperature 1 with no top-k/top-p, where the engine's logprobs are those of the
-    model's own distribution, the one the learner computes.
+    No top-k/top-p: the engine's logprobs are those of softmax(logits / T), the
+    distribution the learner computes at the same T (:func:`logprob_gap`).
     """
     requests = [
-        GenerateRequest(ids, SamplingParams(max_new_tokens=max_new_tokens, temperature=1.0, seed=i))
+        GenerateRequest(ids, SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, seed=i))
         for i, ids in enumerate(prompts)
     ]
     outputs = await asyncio.gather(*(client.generate(r) for r in requests))
@@ -130,23 +131,28 @@ async def probe_samples(
 
 
 @torch.no_grad()
-def logprob_gap(model: torch.nn.Module, samples: list[ProbeSample]) -> float:
-    """Mean |logp_engine − logp_learner| over the sampled tokens (nats per token)."""
+def logprob_gap(model: torch.nn.Module, samples: list[ProbeSample], temperature: float = 1.0) -> float:
+    """Mean |logp_engine − logp_learner| over the sampled tokens (nats per token).
+
+    The learner's log-probs are float32 log_softmax(logits / ``temperature``): the
+    temperature the probe was sampled at.
+    """
     device = next(model.parameters()).device
     gaps = []
     for ids, output_ids, engine_logprobs in samples:
         if not output_ids:
             continue
         full = torch.tensor([ids + output_ids], device=device)
-        logits = model(input_ids=full).logits[0].float()
-        logp = torch.log_softmax(logits[len(ids) - 1 : -1], dim=-1)
-        learner = logp.gather(-1, torch.tensor(output_ids, device=device)[:, None])[:, 0]
+        logits = model(input_ids=full).logits[0, len(ids) - 1 : -1]
+        learner, _ = logprobs_and_entropy(logits, torch.tensor(output_ids, device=device), temperature)
         gaps.append((learner.cpu() - torch.tensor(engine_logprobs)).abs())
     return float(torch.cat(gaps).mean()) if gaps else 0.0
 
 
 async def probe_logprob_gap(
-    client: SGLangClient, model: torch.nn.Module, prompts: list[list[int]], max_new_tokens: int = 16
+    client: SGLangClient, model: torch.nn.Module, prompts: list[list[int]], max_new_tokens: int = 16,
+    temperature: float = 1.0,
 ) -> float:
     """Mean |logp_engine − logp_learner| over sampled probe continuations (nats per token)."""
-    return logprob_gap(model, await probe_samples(client, prompts, max_new_tokens))
+    samples = await probe_samples(client, prompts, max_new_tokens, temperature)
+    return logprob_gap(model, samples, temperature)

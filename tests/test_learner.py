@@ -21,10 +21,10 @@ from arbor.tree import RolloutTree
 VOCAB = 40
 
 
-def tiny_model_dir(path: Path) -> Path:
+def tiny_model_dir(path: Path, tied: bool = False) -> Path:
     torch.manual_seed(0)
     cfg = Qwen2Config(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                      intermediate_size=64, vocab_size=VOCAB)
+                      intermediate_size=64, vocab_size=VOCAB, tie_word_embeddings=tied)
     Qwen2ForCausalLM(cfg).save_pretrained(path)
     return path
 
@@ -100,7 +100,7 @@ from arbor.learner import Learner
 from arbor.packing import assign_to_ranks, loss_denominator, pack_trees
 
 cfg = config({path!r}, "learner.backend=deepspeed", "learner.zero_stage=3", "learner.num_ranks=2",
-             "optim.max_grad_norm=0")
+             "optim.max_grad_norm=0", "learner.logit_chunk_tokens={chunk}")
 trees, advantages = batch()
 packs = pack_trees(trees, advantages, pack_tokens=20)
 rank = int(os.environ["RANK"])
@@ -114,13 +114,18 @@ torch.save({{k: before[k] - after[k] for k in before}}, {out!r} + os.environ["RA
 """
 
 
-@pytest.mark.parametrize("limit", [None, 1])
-def test_zero3_two_ranks_match_single_process(tmp_path, limit):
-    """limit=1: rank 1 trains one pack, rank 0 three, so rank 1 runs idle passes."""
-    path = tiny_model_dir(tmp_path / "m")
+@pytest.mark.parametrize("limit, chunk, tied", [(None, 0, False), (None, 3, False), (1, 3, True)])
+def test_zero3_two_ranks_match_single_process(tmp_path, limit, chunk, tied):
+    """limit=1: rank 1 trains one pack, rank 0 three, so rank 1 runs idle passes.
+
+    chunk: ``learner.logit_chunk_tokens`` — 3 runs the LM head (ZeRO-3 partitioned, tied
+    to the embeddings or not) outside the model's forward, three tokens at a time,
+    recomputed in the backward; 0 takes whole logits from the forward."""
+    path = tiny_model_dir(tmp_path / "m", tied)
     script = tmp_path / "rank.py"
     out = str(tmp_path / "result")
-    script.write_text(RANK_SCRIPT.format(tests=str(Path(__file__).parent), path=str(path), out=out, limit=limit))
+    script.write_text(RANK_SCRIPT.format(tests=str(Path(__file__).parent), path=str(path), out=out, limit=limit,
+                                         chunk=chunk))
     port = str(free_port())
     procs = []
     for rank in range(2):

@@ -82,3 +82,45 @@ def test_sums_add_across_packs():
     b = LossSums(t(0.5)[0], t(1.0)[0], t(1.0)[0], clipped=2, tokens=1, linearised_tokens=1)
     c = a + b
     assert (c.objective.item(), c.clipped, c.tokens, c.linearised_tokens) == (1.5, 3, 3, 4)
+
+
+# -- engine and learner agree at any sampling temperature ------------------------------------
+
+
+@pytest.fixture(scope="module")
+def engine_and_model(tmp_path_factory):
+    from tiny_model import build_tiny_model_dir
+    from transformers import AutoModelForCausalLM
+
+    from arbor.engines.local import LocalEngine
+
+    path = build_tiny_model_dir(tmp_path_factory.mktemp("tempered") / "model", seed=3)
+    engine = LocalEngine(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa")
+    yield engine, model
+    engine.shutdown()
+
+
+@pytest.mark.parametrize("temperature", [0.6, 1.0, 1.3])
+def test_old_logprobs_from_the_engine_match_the_learner_at_temperature(engine_and_model, temperature):
+    """Trees sampled at T by the real embedded engine, scored by the same weights at T: the
+    ratio is 1 (gap ≤ 1e-5, nothing clipped) in tree and linear mode. Scored at T = 1
+    instead, the gap is the bias this guards against."""
+    import asyncio
+
+    from arbor.config import RolloutConfig
+    from arbor.loss import policy_loss
+    from arbor.sampler import sample_trees
+
+    engine, model = engine_and_model
+    cfg = RolloutConfig(width=4, branch=2, segment_tokens=4, max_depth=3, temperature=temperature)
+    prompts = [[17, 42, 99, 5, 63], [31, 200, 11, 54, 76, 150]]
+    trees, _ = asyncio.run(sample_trees(engine, [{"id": "a"}, {"id": "b"}], prompts, cfg, eos_token_ids=[0], seed=1))
+    advantages = [[(-1.0) ** i for i in range(len(t.leaves()))] for t in trees]
+    for mode in ("tree", "linear"):
+        _, metrics = policy_loss(model, trees, advantages, mode=mode, temperature=temperature, chunk_tokens=5)
+        assert metrics["logprob_gap"] <= 1e-5, (mode, metrics)
+        assert metrics["clip_fraction"] == 0.0
+    if temperature != 1.0:
+        _, untempered = policy_loss(model, trees, advantages, temperature=1.0)
+        assert untempered["logprob_gap"] > 1e-3
