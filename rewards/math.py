@@ -1,4 +1,4 @@
-"""Math rewards: the last ``\\boxed{}`` answer of a completion checked with math-verify.
+"""Math rewards: the final ``\\boxed{}`` answer of a completion checked with math-verify.
 
 Name them in a config as ``rewards/math.py:boxed_accuracy`` (or ``rewards.math:...`` when
 running from the repository root):
@@ -13,6 +13,22 @@ Gold answers are LaTeX as in MATH (``\\frac{\\sqrt{3}}{2}``, ``(0,1]``, ``x^2+2x
 equivalent forms (``0.5`` = ``\\frac12``, ``(x+1)^2`` = ``x^2+2x+1``). Repeating decimals
 (``0.\\overline{3}``), which math-verify reads as text, are turned into fractions first.
 
+What is read, and why (each case scored a right answer 0 before, a wrong signal):
+- **The final run of boxes** (``arbor.answers.final_boxes``): boxes that only separators
+  divide — ``,`` ``;`` ``and`` ``or`` ``\\quad`` ``\\text{and}`` ``$`` … — are one answer,
+  joined with ", ": ``\\boxed{(2,2)} \\quad\\text{and}\\quad \\boxed{(6,2)}`` reads
+  ``(2,2), (6,2)``, a set. A label before a box (``y_1 = \\boxed{2}``: a letter or Greek
+  letter, a subscript, primes, then ``=``) is kept, ``y_1 = 2``, so that swapped values do
+  not match a labelled gold. A hedge gains nothing: math-verify compares a set with a
+  single gold by size, so ``\\boxed{3} or \\boxed{5}`` (like ``\\boxed{3 \\text{ or } 5}``)
+  against 5 scores 0. Any other text between boxes ends the run: only the last one counts.
+- **One trailing** ``.`` ``,`` or ``;`` inside a box is dropped (``\\boxed{42.}``, which
+  math-verify cannot parse); ``...`` and the LaTeX spaces ``\\,`` ``\\;`` are kept.
+- **Digit groups**: a group of 1–3 digits followed by groups of exactly three, each after a
+  space, ``\\,``, ``\\ `` or ``~``, is one number (``1 000``, ``12\\,345\\,678``) in gold and
+  answer alike; math-verify would read ``1 000`` as ``1·000 = 0``. Comma forms are left to
+  math-verify (``1,000`` is 1000, ``1,22`` a pair), and so are decimals (``3.141\\,592``).
+
 These run inside arbor's reward workers (a main thread, so math-verify's SIGALRM
 timeouts work); the pool's hard timeout is the backstop for what signals cannot stop.
 """
@@ -26,7 +42,7 @@ from functools import lru_cache
 
 from math_verify import LatexExtractionConfig, parse, verify
 
-from arbor.answers import last_boxed
+from arbor.answers import final_boxes, last_boxed
 from arbor.rewards import in_reward_worker
 
 # math-verify's own limits, in whole seconds (it silently ignores floats). A legitimate
@@ -39,6 +55,12 @@ MAX_ANSWER_CHARS = 1000
 _LATEX = [LatexExtractionConfig()]
 # 0.\overline{3}, -1.2\overline{45}, .\overline{6}
 _REPEATING = re.compile(r"(-?)(\d*)\.(\d*)\\overline\{(\d{1,50})\}")
+# 42. / (1,2). / 5 \text{ cm}; — but not ... nor the LaTeX spaces \, and \;
+_TRAILING_PUNCTUATION = re.compile(r"(?:(?<![.\\])\.|(?<!\\)[,;])\s*\Z")
+# 1 000, 1\,000, 1~000, 12\ 345\ 678, 3 \, 000 (math mode ignores the spaces): the first
+# group is not part of a longer number or a decimal's fraction, each later one is exactly
+# three digits. "(1, 000)" has a comma, "2 \times 100" an operator: neither matches.
+_DIGIT_GROUPS = re.compile(r"(?<![\d.])\d{1,3}(?:(?:[ \t]*(?:\\[ ,]|~)[ \t]*|[ \t]+)\d{3}(?!\d))+")
 
 
 class _Truncate(logging.Filter):
@@ -65,8 +87,13 @@ def _repeating_to_fraction(match: re.Match[str]) -> str:
     return f"\\frac{{{value.numerator}}}{{{value.denominator}}}"
 
 
+def _join_digit_groups(match: re.Match[str]) -> str:
+    return "".join(ch for ch in match.group() if ch.isdigit())
+
+
 def _parse_answer(latex: str) -> list:
     """math-verify's parse of a bare LaTeX answer: [sympy object, normalized string] or []."""
+    latex = _DIGIT_GROUPS.sub(_join_digit_groups, latex)
     latex = _REPEATING.sub(_repeating_to_fraction, latex)
     return parse(f"\\boxed{{{latex}}}", extraction_config=_LATEX, parsing_timeout=PARSE_TIMEOUT_S)
 
@@ -77,14 +104,27 @@ def _parse_gold(answer: str) -> tuple:
     return tuple(_parse_answer(answer))
 
 
+def read_answer(completion: str) -> str | None:
+    """The completion's final answer as LaTeX for math-verify, or None without a good box.
+
+    ``read_answer(r"\\boxed{1},\\boxed{2}.") == "1, 2"``, ``read_answer(r"\\boxed{42.}") == "42"``.
+    """
+    parts = final_boxes(completion, max_chars=MAX_ANSWER_CHARS)
+    if parts is None:
+        return None
+    return ", ".join(_TRAILING_PUNCTUATION.sub("", part) for part in parts)
+
+
 def boxed_accuracy(problem: dict, completion: str) -> float:
-    """1.0 when the completion's last ``\\boxed{}`` equals ``problem["answer"]``, else 0.0.
+    """1.0 when the completion's final boxed answer equals ``problem["answer"]``, else 0.0.
+
+    The answer is :func:`read_answer`'s: the final run of boxes, trailing punctuation dropped.
 
     A gold answer that does not parse is a data error and raises (naming the problem).
     """
     if "answer" not in problem:
         raise KeyError(f"problem {problem.get('id')!r} has no 'answer' column")
-    predicted = last_boxed(completion, max_chars=MAX_ANSWER_CHARS)
+    predicted = read_answer(completion)
     if predicted is None or not predicted.strip():
         return 0.0
     gold = _parse_gold(str(problem["answer"]).strip())

@@ -1,18 +1,21 @@
-"""rewards/math.py and arbor/answers.py: last-\\boxed{} extraction, math-verify scoring of
-MATH-style gold answers, and adversarial completions that must finish in bounded time."""
+"""rewards/math.py and arbor/answers.py: last-\\boxed{} extraction and the final run of
+boxes, math-verify scoring of MATH-style gold answers (with the readings of issue 24: runs
+of boxes, trailing punctuation, digit groups, each re-run against wrong golds), and
+adversarial completions that must finish in bounded time."""
 
 import time
 from pathlib import Path
 
 import pytest
 
-from arbor.answers import has_final_answer, last_boxed
+from arbor.answers import final_boxes, has_final_answer, last_boxed
 from arbor.plugins import load_object
 from arbor.rewards import RewardTerm, score_batch
 
 REPO = Path(__file__).resolve().parents[1]
 boxed_accuracy = load_object("rewards/math.py:boxed_accuracy", "test", [str(REPO)])
 boxed_format = load_object("rewards/math.py:boxed_format", "test", [str(REPO)])
+read_answer = load_object("rewards/math.py:read_answer", "test", [str(REPO)])
 
 
 @pytest.mark.parametrize(
@@ -55,38 +58,73 @@ def test_has_final_answer_on_text_being_generated():
 
 
 @pytest.mark.parametrize(
-    "gold, completion",
+    "text, boxes",
     [
-        (r"\frac{\sqrt{3}}{2}", r"Hence \boxed{\frac{\sqrt3}{2}}."),
-        (r"(0,1]", r"The set is \boxed{(0,1]}"),
-        (r"(0,1]", r"\boxed{(0, 1]}"),
-        (r"x^2+2x+1", r"\boxed{(x+1)^2}"),
-        (r"\dfrac{1}{2}", r"\boxed{0.5}"),
-        (r"0.5", r"\boxed{\frac12}"),
-        (r"\text{(B)}", r"\boxed{B}"),
-        (r"\text{(B)}", r"\boxed{\textbf{(B)}}"),
-        (r"-3", r"\boxed{-3}"),
-        (r"-\frac{1}{2}", r"\boxed{-0.5}"),
-        (r"2\sqrt{2}", r"\boxed{\sqrt{8}}"),
-        (r"\left( 3, \frac{\pi}{2} \right)", r"\boxed{(3, \pi/2)}"),
-        (r"[-2,7)", r"\boxed{[-2,7)}"),
-        (r"(-\infty, 3)", r"\boxed{(-\infty,3)}"),
-        (r"10\%", r"\boxed{10}"),
-        (r"90^\circ", r"\boxed{90}"),
-        (r"\$18.90", r"\boxed{18.9}"),
-        (r"1,000", r"\boxed{1000}"),
-        (r"5, 7", r"\boxed{7, 5}"),
-        (r"\{1,2\}", r"\boxed{\{2, 1\}}"),
-        (r"\text{Devon}", r"\boxed{Devon}"),
-        (r"0.\overline{3}", r"\boxed{\frac13}"),
-        (r"\frac{1}{6}", r"\boxed{0.1\overline{6}}"),
-        (r"\begin{pmatrix} 1 \\ 2 \end{pmatrix}", r"\boxed{\begin{pmatrix}1\\2\end{pmatrix}}"),
-        (r"y=2x+3", r"\boxed{y = 3 + 2x}"),
-        ("5", r"so $x = \boxed{x=5}$"),
-        ("5", r"first \boxed{4}, no wait: \boxed{5}"),
-        (5, r"\boxed{5}"),  # a numeric answer column
+        (r"\boxed{(2, 2)} \quad \text{and} \quad \boxed{(6, 2)}", ["(2, 2)", "(6, 2)"]),
+        (r"\boxed{1},\boxed{2},\boxed{3}", ["1", "2", "3"]),
+        (r"so $y_1 = \boxed{2}$ and $y_2 = \boxed{3}$.", ["y_1 = 2", "y_2 = 3"]),
+        (r"\(x=\boxed{1}\), \(y=\boxed{2}\)", ["x = 1", "y = 2"]),
+        (r"\alpha = \boxed{1},\; \beta_{2}' = \boxed{2}", [r"\alpha = 1", r"\beta_{2}' = 2"]),
+        (r"2x = \boxed{4}, y = \boxed{3}", ["4", "y = 3"]),  # 2x is no label
+        (r"x = \boxed{x=5}, \boxed{6}", ["x=5", "6"]),
+        (r"\boxed{1} \text{ or } \boxed{2}", ["1", "2"]),
+        (r"\boxed{1} \\ \boxed{2}", ["1", "2"]),
+        (r"x = \boxed{5}", ["5"]),  # a single box is read as is, without its label
+        (r"\boxed{4}, no wait: \boxed{5}", ["5"]),  # words end the run
+        (r"\boxed{1} andy \boxed{2}", ["2"]),
+        (r"\boxed{1} for \boxed{2}", ["2"]),
+        (r"\boxed{}, \boxed{2}", ["2"]),  # an empty box ends the run
+        (r"\fbox{\boxed{3}}", ["3"]),  # a box around the last one is not before it
+        (r"\boxed{1}, \boxed{2", None),  # the last box is malformed: no answer
+        (r"\boxed{1}" + " " * 200 + r"\boxed{2}", ["2"]),  # too far apart
+        ("no answer", None),
     ],
 )
+def test_final_boxes(text, boxes):
+    assert final_boxes(text) == boxes
+
+
+def test_final_boxes_is_bounded_by_max_chars():
+    t0 = time.monotonic()
+    boxes = final_boxes(r"\boxed{1}, " * 200_000 + r"\boxed{2}", max_chars=1000)
+    assert time.monotonic() - t0 < 1.0
+    assert boxes[-1] == "2" and len(", ".join(boxes)) <= 1000
+
+
+# (gold, completion): right answers in the forms models write.
+CORRECT = [
+    (r"\frac{\sqrt{3}}{2}", r"Hence \boxed{\frac{\sqrt3}{2}}."),
+    (r"(0,1]", r"The set is \boxed{(0,1]}"),
+    (r"(0,1]", r"\boxed{(0, 1]}"),
+    (r"x^2+2x+1", r"\boxed{(x+1)^2}"),
+    (r"\dfrac{1}{2}", r"\boxed{0.5}"),
+    (r"0.5", r"\boxed{\frac12}"),
+    (r"\text{(B)}", r"\boxed{B}"),
+    (r"\text{(B)}", r"\boxed{\textbf{(B)}}"),
+    (r"-3", r"\boxed{-3}"),
+    (r"-\frac{1}{2}", r"\boxed{-0.5}"),
+    (r"2\sqrt{2}", r"\boxed{\sqrt{8}}"),
+    (r"\left( 3, \frac{\pi}{2} \right)", r"\boxed{(3, \pi/2)}"),
+    (r"[-2,7)", r"\boxed{[-2,7)}"),
+    (r"(-\infty, 3)", r"\boxed{(-\infty,3)}"),
+    (r"10\%", r"\boxed{10}"),
+    (r"90^\circ", r"\boxed{90}"),
+    (r"\$18.90", r"\boxed{18.9}"),
+    (r"1,000", r"\boxed{1000}"),
+    (r"5, 7", r"\boxed{7, 5}"),
+    (r"\{1,2\}", r"\boxed{\{2, 1\}}"),
+    (r"\text{Devon}", r"\boxed{Devon}"),
+    (r"0.\overline{3}", r"\boxed{\frac13}"),
+    (r"\frac{1}{6}", r"\boxed{0.1\overline{6}}"),
+    (r"\begin{pmatrix} 1 \\ 2 \end{pmatrix}", r"\boxed{\begin{pmatrix}1\\2\end{pmatrix}}"),
+    (r"y=2x+3", r"\boxed{y = 3 + 2x}"),
+    ("5", r"so $x = \boxed{x=5}$"),
+    ("5", r"first \boxed{4}, no wait: \boxed{5}"),
+    (5, r"\boxed{5}"),  # a numeric answer column
+]
+
+
+@pytest.mark.parametrize("gold, completion", CORRECT)
 def test_correct_answers_score_one(gold, completion):
     assert boxed_accuracy({"id": "p", "answer": gold}, completion) == 1.0
 
@@ -110,6 +148,110 @@ def test_correct_answers_score_one(gold, completion):
 )
 def test_wrong_answers_score_zero(gold, completion):
     assert boxed_accuracy({"id": "p", "answer": gold}, completion) == 0.0
+
+
+# Issue 24: right answers that the last box alone, or math-verify on the raw box, scored 0.
+# (gold, completion, near misses: golds this completion must NOT match).
+RUNS_OF_BOXES = [
+    (r"(2, 2), (6, 2)", r"\boxed{(2, 2)} \quad \text{and} \quad \boxed{(6, 2)}",
+     [r"(2, 2)", r"(6, 2)", r"(2, 2), (2, 6)"]),
+    (r"(2, 2), (6, 2)", r"\boxed{(2, 2)}\text{, }\boxed{(6, 2)}", [r"(2, 2), (6, 3)"]),
+    (r"\{1,2,3\}", r"\boxed{1},\boxed{2},\boxed{3}", [r"\{1,2\}", "3", r"\{1,2,4\}"]),
+    (r"y_1 = 2, y_2 = -3", r"so $y_1 = \boxed{2}$ and $y_2 = \boxed{-3}$",
+     [r"y_1 = -3, y_2 = 2", "2", r"y_1 = 2, y_2 = 3"]),
+    (r"(2, -3)", r"$y_1 = \boxed{2}$ and $y_2 = \boxed{-3}$", [r"(-3, 2)", r"(2, 3)"]),
+    (r"2, -3", r"y_1 = \boxed{2} \text{ and } y_2 = \boxed{-3}", ["2", "2, 3"]),
+    (r"x = 1, y = 2", r"\(x = \boxed{1}\), \(y = \boxed{2}\)", [r"x = 2, y = 1"]),
+    (r"3, 5", r"x = \boxed{3} or x = \boxed{5}", ["5", "3", "3, 4"]),
+    (r"-1, 4", r"\boxed{-1}; \boxed{4}", ["-1", "1, 4"]),
+    (r"\frac{1}{2}, 2", r"$\boxed{\frac{1}{2}}$, $\boxed{2}$.", ["2", r"\frac{1}{2}, 3"]),
+    (r"-2, 2", r"\boxed{-2} , \text{or} \, \boxed{2}", ["2", "-2, 3"]),
+    (r"1, 2", r"\boxed{1}\qquad\boxed{2}", ["1", "2, 3"]),
+]
+TRAILING_PUNCTUATION = [
+    ("42", r"\boxed{42.}", ["4", "42.1"]),
+    (r"\sqrt{2}", r"\boxed{\sqrt{2}.}", [r"\sqrt{3}", "2"]),
+    (r"(1,2)", r"\boxed{(1,2).}", [r"(2,1)", r"[1,2]"]),
+    ("5", r"\boxed{5 \text{ cm}.}", ["6", "50"]),
+    ("7", r"\boxed{7,}", ["17"]),
+    ("7", r"\boxed{7; }", ["-7"]),
+]
+DIGIT_GROUPS = [
+    ("1000", r"\boxed{1 000}", ["0", "1", "100", "10000"]),
+    ("1000", r"\boxed{1\,000}", ["0", "1"]),
+    ("1000", r"\boxed{1~000}", ["0", "1"]),
+    ("12345678", r"\boxed{12\ 345\ 678}", ["0", "1035", "12345"]),
+    ("3000", r"\boxed{3 \, 000}", ["0", "3"]),  # math mode ignores the spaces
+    ("1000000", r"\boxed{1 000 000}", ["0", "1000"]),
+    ("1000.5", r"\boxed{1 000.5}", ["0", "1000"]),
+    (r"10\,000", r"\boxed{10000}", ["0", "10"]),  # the rule reads gold answers too
+    (r"-1\,500", r"\boxed{-1500}", ["0", "1500"]),
+    (r"\$12 500", r"\boxed{12500}", ["0", "6000"]),
+    # What the rule must leave alone: a pair, an operator, a point, a matrix's rows.
+    ("1,22", r"\boxed{1,22}", ["122", "1.22"]),
+    ("200", r"\boxed{2 \times 100}", ["2100", "0"]),
+    ("(1, 0)", r"\boxed{(1, 000)}", ["1000", "(1, 1)"]),
+    (r"\begin{pmatrix} 100 \\ 200 \end{pmatrix}", r"\boxed{\begin{pmatrix}100\\200\end{pmatrix}}",
+     [r"\begin{pmatrix} 100200 \end{pmatrix}"]),
+]
+ISSUE_24 = RUNS_OF_BOXES + TRAILING_PUNCTUATION + DIGIT_GROUPS
+# Golds that no right answer above equals: every right answer is re-run against them.
+WRONG_GOLDS = ["0", "7", "-1", r"\{0\}", "(0, 0)", r"\text{(E)}"]
+
+
+@pytest.mark.parametrize("gold, completion, near_misses", ISSUE_24)
+def test_issue_24_readings_score_one(gold, completion, near_misses):
+    assert boxed_accuracy({"id": "p", "answer": gold}, completion) == 1.0
+
+
+def _false_positive_cases() -> list[tuple[str, str]]:
+    cases = [(wrong, completion) for _, completion, near_misses in ISSUE_24 for wrong in near_misses]
+    everything = [(str(gold), completion) for gold, completion in CORRECT]
+    everything += [(gold, completion) for gold, completion, _ in ISSUE_24]
+    cases += [(wrong, completion) for gold, completion in everything for wrong in WRONG_GOLDS if wrong != gold]
+    return cases
+
+
+@pytest.mark.parametrize("wrong_gold, completion", _false_positive_cases())
+def test_right_answers_do_not_match_wrong_golds(wrong_gold, completion):
+    # The guard on the readings: each makes more answers parse, none may make one match more.
+    assert boxed_accuracy({"id": "p", "answer": wrong_gold}, completion) == 0.0
+
+
+@pytest.mark.parametrize(
+    "gold, completion",
+    [
+        ("5", r"\boxed{3 \text{ or } 5}"),  # a hedge inside one box
+        ("5", r"\boxed{3} or \boxed{5}"),  # ... or across boxes: a set of two is not 5
+        ("5", r"\boxed{3}, \boxed{4}, \boxed{5}"),
+        ("1", r"\boxed{1}, \boxed{2}"),  # a joined set against a single-number gold
+        (r"\{1,2\}", r"\boxed{1}, \boxed{2}, \boxed{3}"),
+        (r"x = 2, y = 3", r"$x = \boxed{3}$ and $y = \boxed{2}$"),  # labels are kept
+        ("2", r"\boxed{2}, or maybe \boxed{3}"),  # words end the run: the last box counts
+        ("0", r"\boxed{1 000}"),  # was a false positive: math-verify read 1·000
+        ("0", r"\boxed{1\,000}"),
+    ],
+)
+def test_hedges_and_misreadings_score_zero(gold, completion):
+    assert boxed_accuracy({"id": "p", "answer": gold}, completion) == 0.0
+
+
+@pytest.mark.parametrize(
+    "completion, answer",
+    [
+        (r"\boxed{42.}", "42"),
+        (r"\boxed{42.,}", "42."),  # one mark only
+        (r"\boxed{1, 2, ...}", "1, 2, ..."),  # an ellipsis is kept
+        (r"\boxed{1, 2, \ldots}", r"1, 2, \ldots"),
+        (r"\boxed{5\;}", r"5\;"),  # a LaTeX space, not a semicolon
+        (r"\boxed{5\,}", r"5\,"),
+        (r"\boxed{1},\boxed{2}.", "1, 2"),
+        (r"\boxed{1.}, \boxed{2;}", "1, 2"),
+        (r"\boxed{", None),
+    ],
+)
+def test_read_answer(completion, answer):
+    assert read_answer(completion) == answer
 
 
 def test_format_reward():
