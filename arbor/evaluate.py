@@ -50,7 +50,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from arbor.agents import Agent, Render, tool_turns
-from arbor.answers import last_boxed
+from arbor.answers import final_boxes
 from arbor.config import Config, EvalConfig, RolloutConfig
 from arbor.engines.types import RolloutEngine
 from arbor.rewards import Item, RewardPool, RewardTerm, ScoreResult
@@ -118,14 +118,16 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 
 
 def normalise_answer(completion: str) -> str | None:
-    """The completion's final answer for voting: last ``\\boxed{}``, no whitespace or ``$``.
+    """The completion's final answer for voting, as the reward reads it, no whitespace or ``$``.
 
-    ``normalise_answer(r"so \\boxed{ \\frac{1}{2} }.") == r"\\frac{1}{2}"``; no box: None.
+    The final run of boxes (``arbor.answers.final_boxes``, joined with ", " as
+    ``rewards/math.py`` joins them): ``normalise_answer(r"so \\boxed{ \\frac{1}{2} }.") ==
+    r"\\frac{1}{2}"``, ``normalise_answer(r"\\boxed{1}, \\boxed{2}") == "1,2"``; no box: None.
     """
-    boxed = last_boxed(completion)
-    if boxed is None:
+    boxes = final_boxes(completion)
+    if boxes is None:
         return None
-    answer = re.sub(r"\s+", "", boxed).strip("$")
+    answer = re.sub(r"\s+", "", ", ".join(boxes)).strip("$")
     return answer or None
 
 

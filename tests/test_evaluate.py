@@ -103,7 +103,9 @@ def test_pass_at_k_unbiased_estimator():
 def test_answers_are_normalised_boxes_and_votes_break_ties_by_first_answer():
     assert normalise_answer("so \\boxed{ \\frac{1}{2} }.") == "\\frac{1}{2}"
     assert normalise_answer("\\boxed{$3$}") == "3"
-    assert normalise_answer("\\boxed{1} or \\boxed{2}") == "2"  # the last box counts
+    assert normalise_answer("\\boxed{1}, no: \\boxed{2}") == "2"  # the last box counts
+    # A run of boxes is one answer, as the reward reads it (a hedge votes as a set).
+    assert normalise_answer("\\boxed{1} or \\boxed{2}") == "1,2"
     assert normalise_answer("no box") is None and normalise_answer("\\boxed{ }") is None
     assert majority_vote(["4", "3", "3"]) == 1  # the first sample of the winning answer
     assert majority_vote(["4", "3"]) == 0  # tie: the answer given first
