@@ -234,14 +234,17 @@ def _weights(weight: Any, leaves: int, where: str, per_branch: bool) -> list[flo
 # -- one optimizer step -----------------------------------------------------------------------
 
 
-def pack_sft_loss(model: Any, pack: PackedBatch, denominator: float, attention: Attention = "auto") -> torch.Tensor:
+def pack_sft_loss(
+    model: Any, pack: PackedBatch, denominator: float, attention: Attention = "auto", chunk_tokens: int = 0
+) -> torch.Tensor:
     """−Σ weight · log p over the pack's trained tokens / the batch's ``denominator``.
 
     ``pack_trees`` given the leaf weights as advantages puts Σ_b w_b · weight_b over the
     leaves through each token in ``adv_pos``: the token's multiplicity in linear SFT.
+    ``chunk_tokens``: the LM head's chunk (``learner.logit_chunk_tokens``; 0: whole logits).
     """
     select = pack.trained.nonzero()[:, 0]
-    logp, _ = pack_token_logprobs(model, pack, select, attention)
+    logp, _ = pack_token_logprobs(model, pack, select, attention, chunk_tokens=chunk_tokens)
     return -(pack.adv_pos[select].to(logp) * logp).sum() / denominator
 
 
@@ -255,7 +258,8 @@ def sft_backward(learner: Learner, examples: Sequence[SftExample], normalize: No
     mine = assign_to_ranks(packs, learner.world_size)[learner.rank] if _distributed(learner) else range(len(packs))
     # Any pack can fill a rank's idle passes: every rank holds them all.
     loss = learner.backward_with([packs[i] for i in mine],
-                                 partial(pack_sft_loss, denominator=denominator, attention=learner.attention),
+                                 partial(pack_sft_loss, denominator=denominator, attention=learner.attention,
+                                         chunk_tokens=learner.cfg.logit_chunk_tokens),
                                  filler=packs[0])
     return {
         "sft/loss": loss,
