@@ -143,7 +143,9 @@ class _ChunkedHeadScores(torch.autograd.Function):
             grad_logits = grad.to(weight.dtype)
             if need_hidden:
                 grad_hidden[s:e] = grad_logits @ weight
-            if need_weight:
+            if need_weight and grad_weight.dtype == grad_logits.dtype:
+                grad_weight.addmm_(grad_logits.T, hidden[s:e])  # in place: no [V, H] temporary
+            elif need_weight:
                 grad_weight += grad_logits.T @ hidden[s:e]
             if need_bias:
                 grad_bias += grad.sum(0)
