@@ -2,6 +2,7 @@
 Columnar formats and dataset folders: test_dataset_files.py."""
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -162,3 +163,26 @@ def test_format_prompt_of_messages_with_a_real_tokenizer(tmp_path):
                                      "What is 2+3? Box it.<|im_end|>\n<|im_start|>assistant\n")
     with pytest.raises(DataError, match=r"problem 'm': the prompt is a list of chat messages, which needs a chat template"):
         format_prompt(chat, cfg, tokenizer, chat_template=False)
+
+
+def test_agents_start_from_message_prompts(tmp_path):
+    """The shipped agents take text or chat-message prompts; a single-turn episode from a
+    dataset's messages has the ids arbor train gives the same problem without an agent."""
+    from tiny_model import build_tiny_model_dir
+    from transformers import AutoTokenizer
+
+    from arbor.agents import episode_inputs, load_agent
+
+    tokenizer = AutoTokenizer.from_pretrained(build_tiny_model_dir(tmp_path / "tiny"))
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2+3?"}]
+    problem = {"id": "m", "prompt": messages, "answer": "5"}
+    repo = [str(Path(__file__).resolve().parents[1])]
+    single = load_agent("agents/single_turn.py:SingleTurn", search_dirs=repo)
+    assert single.start(problem) == messages
+    cfg = DataConfig(system_prompt="ignored: the dataset has its own")
+    (with_agent,), _ = episode_inputs([problem], single, tokenizer, cfg, chat_template=True)
+    assert with_agent == format_prompt(problem, cfg, tokenizer, chat_template=True)
+    tool = load_agent("agents/python_tool.py:PythonTool", search_dirs=repo, kwargs={"workers": 1})
+    start = tool.start(problem)
+    assert start[0] == messages[0] and start[1]["content"].startswith("What is 2+3?\nYou may run Python")
+    assert messages[1]["content"] == "What is 2+3?"  # the problem is left as it was
