@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import re
 
+from arbor.data import prompt_messages
 from arbor.tools import ToolPool
 
 CODE = re.compile(r"```python\n(.*?)```", re.DOTALL)
@@ -31,7 +32,8 @@ class PythonTool:
         self.pool = ToolPool(workers)
 
     def start(self, problem: dict) -> list[dict[str, str]]:
-        return [{"role": "user", "content": problem["prompt"] + INSTRUCTION}]
+        # The prompt is text or chat messages; the instruction ends its last user message.
+        return prompt_messages(problem["prompt"], INSTRUCTION)
 
     def step(self, problem: dict, history: list[dict[str, str]]) -> list[dict[str, str]] | None:
         calls = sum(m["role"] == "tool" for m in history)

@@ -5,15 +5,18 @@
 
 An agent decides what follows each finished model turn (``arbor/agents.py``): ``start``
 gives the first messages, ``step`` the messages after a model turn, or None to end the
-episode. This one ends every episode after the first answer.
+episode. This one ends every episode after the first answer. A problem's prompt is text
+or a list of chat messages (``arbor.data``); either way the episode starts with it as is.
 """
 
 from __future__ import annotations
 
+from arbor.data import prompt_messages
+
 
 class SingleTurn:
     def start(self, problem: dict) -> list[dict[str, str]]:
-        return [{"role": "user", "content": problem["prompt"]}]
+        return prompt_messages(problem["prompt"])
 
     def step(self, problem: dict, history: list[dict[str, str]]) -> list[dict[str, str]] | None:
         return None

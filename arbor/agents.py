@@ -16,12 +16,15 @@ generation prompt) is rendered by the tokenizer's chat template as a *continuati
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import logging
+import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from arbor.config import DataConfig, RolloutConfig
-from arbor.data import chat_template_ids, format_prompt
+from arbor.data import DataError, chat_template_ids, format_prompt
 from arbor.errors import ConfigError
 from arbor.plugins import load_object
 
@@ -30,6 +33,8 @@ if TYPE_CHECKING:
 
 Message = dict[str, str]  # {"role": "user" | "assistant" | "tool" | "system", "content": ...}
 Render = Callable[[list[Message]], list[int]]  # an agent's messages -> the ids appended
+
+log = logging.getLogger(__name__)
 
 
 @runtime_checkable
@@ -103,6 +108,37 @@ def episode_inputs(
             messages = [{"role": "system", "content": data_cfg.system_prompt}, *messages]
         prompts.append(chat_template_ids(tokenizer, messages, generation_prompt=True))
     return prompts, functools.partial(continuation_ids, tokenizer)
+
+
+def fitting_problems(
+    problems: Sequence[dict],
+    agent: Agent | None,
+    tokenizer: Any,
+    data_cfg: DataConfig,
+    chat_template: bool,
+    source: str,
+) -> tuple[list[dict], list[str]]:
+    """``(kept, skipped_ids)``: the problems whose first prompt, as :func:`episode_inputs`
+    renders it, fits ``data.max_prompt_tokens``, and the ids of the rest.
+
+    A prompt is never cut: half a problem has another answer. Skipped problems get one
+    warning naming them (``source``: the config key of their set); the caller counts them
+    in a metric (``data/skipped_long_prompts``).
+    """
+    unlimited = dataclasses.replace(data_cfg, max_prompt_tokens=sys.maxsize)
+    prompts, _ = episode_inputs(problems, agent, tokenizer, unlimited, chat_template)
+    limit = data_cfg.max_prompt_tokens
+    kept = [p for p, ids in zip(problems, prompts) if len(ids) <= limit]
+    skipped = [(str(p["id"]), len(ids)) for p, ids in zip(problems, prompts) if len(ids) > limit]
+    if not kept:
+        raise DataError(f"{source}: every prompt is longer than data.max_prompt_tokens={limit} "
+                        f"(the shortest has {min(n for _, n in skipped)} tokens)")
+    if skipped:
+        shown = ", ".join(f"{i} ({n} tokens)" for i, n in skipped[:10])
+        log.warning("%s: skipped %d of %d problems whose prompt is longer than data.max_prompt_tokens=%d: %s%s",
+                    source, len(skipped), len(problems), limit, shown,
+                    f" and {len(skipped) - 10} more" if len(skipped) > 10 else "")
+    return kept, [i for i, _ in skipped]
 
 
 def tool_turns(tree: RolloutTree, leaf: Node) -> int:

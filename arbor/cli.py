@@ -15,7 +15,7 @@ import importlib
 import sys
 from collections.abc import Callable
 
-from arbor.config import Config, dump_config, load_config
+from arbor.config import Config, check_context_length, dump_config, load_config
 from arbor.errors import ConfigError
 from arbor.plugins import default_search_dirs
 
@@ -41,6 +41,30 @@ def check_extensions(cfg: Config) -> None:
         from arbor.agents import rollout_agent
 
         rollout_agent(cfg.rollout, default_search_dirs(cfg.source))
+
+
+def check_model_context(cfg: Config, command: str) -> None:
+    """``data.max_prompt_tokens`` + the response budget must fit the model's context
+    (:func:`~arbor.config.check_context_length`), read once before any work starts: SGLang's
+    ``--context-length`` when ``engine.extra_args`` sets it, else ``max_position_embeddings``
+    of ``model.path``'s config (what SGLang and the embedded engine default to)."""
+    extra = list(cfg.engine.extra_args)
+    for i, arg in enumerate(extra):
+        if cfg.engine.kind != "embedded" and arg.startswith("--context-length"):
+            value = arg.partition("=")[2] or (extra[i + 1] if i + 1 < len(extra) else "")
+            if not value.isdigit():
+                raise ConfigError(f"engine.extra_args: --context-length needs a number of tokens, got {value!r}")
+            check_context_length(cfg, int(value), "--context-length in engine.extra_args", command)
+            return
+    from transformers import AutoConfig
+
+    try:
+        model_config = AutoConfig.from_pretrained(cfg.model.path, trust_remote_code=cfg.model.trust_remote_code)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"model.path: cannot read the config of {cfg.model.path!r}: {e}") from None
+    context = getattr(model_config.get_text_config(), "max_position_embeddings", None)
+    if context is not None:  # a model without the field: the server's own check is all there is
+        check_context_length(cfg, int(context), f"max_position_embeddings of {cfg.model.path}", command)
 
 
 def print_config(cfg: Config) -> int:
@@ -98,6 +122,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = load_config(args.config, args.overrides)
         check_extensions(cfg)
+        if args.command in ("train", "eval") and not args.dry_run:  # --dry-run reads no model
+            check_model_context(cfg, args.command)
     except ConfigError as e:
         print(f"arbor {args.command}: config error: {e}", file=sys.stderr)
         return 2

@@ -520,6 +520,34 @@ def validate(cfg: Config, where: str = "<config>") -> None:
          "needs eval.path or data.eval_path (a set to evaluate on)")
 
 
+def check_context_length(cfg: Config, context_length: int, source: str, command: str = "train") -> None:
+    """The longest request must fit the model: ``data.max_prompt_tokens`` + the response
+    budget ≤ ``context_length`` (what ``source`` says, e.g. the model's
+    ``max_position_embeddings``). The budget of ``arbor train`` is ``rollout.max_depth ×
+    rollout.segment_tokens`` (and ``eval.max_response_tokens`` when it evaluates); of
+    ``arbor eval``, ``eval.max_response_tokens`` or the rollout's. Else a ConfigError
+    naming the keys: past the context a server cuts responses short or refuses them.
+    """
+    r, ev = cfg.rollout, cfg.eval
+    budgets = []  # (keys, tokens, how they add up)
+    if command == "train":
+        budgets.append(("rollout.max_depth × rollout.segment_tokens", r.max_response_tokens,
+                        f"{r.max_depth} × {r.segment_tokens}"))
+    if ev.max_response_tokens is not None and (command == "eval" or cfg.run.eval_every):
+        budgets.append(("eval.max_response_tokens", ev.max_response_tokens, str(ev.max_response_tokens)))
+    elif command == "eval":
+        budgets.append(("rollout.max_depth × rollout.segment_tokens (eval.max_response_tokens is null)",
+                        r.max_response_tokens, f"{r.max_depth} × {r.segment_tokens}"))
+    for keys, tokens, how in budgets:
+        total = cfg.data.max_prompt_tokens + tokens
+        if total > context_length:
+            raise ConfigError(
+                f"data.max_prompt_tokens + {keys} = {cfg.data.max_prompt_tokens} + {how} = {total} tokens, "
+                f"more than the model's context of {context_length} tokens ({source}); lower "
+                f"{keys.split(' (')[0].replace(' × ', ' or ')} or data.max_prompt_tokens"
+            )
+
+
 # -- dumping ------------------------------------------------------------------------------
 
 

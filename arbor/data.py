@@ -1,28 +1,38 @@
 """Problems: dataset rows with an id, a prompt and a gold answer, and the order they are served in.
 
-    problems = load_problems("data/math/train.jsonl", cfg.data)      # list[dict]
+    problems = load_problems("data/math/train.parquet", cfg.data)    # list[dict]
+    ids = format_prompt(problems[0], cfg.data, tokenizer, chat_template=True)
     stream = ProblemStream(problems, seed=0, shuffle=True)
     batch = stream.next_batch(32)                                     # reshuffles every epoch
     state = stream.state_dict()                                       # resume exactly here
 
-A problem is its row as a dict (``id``, ``prompt``, ``answer`` plus any other columns,
-which reward functions receive untouched). Files: ``.jsonl`` (one JSON object a line)
-or ``.json`` (a list of objects). Bad rows fail with the file, the line and the problem.
+A problem is its row as a dict (``id``, ``prompt``, ``answer`` plus every column of the
+row, which reward functions receive untouched). Files: ``.jsonl``, ``.json``,
+``.parquet``, ``.arrow``, a ``save_to_disk`` directory or a directory of shards
+(:mod:`arbor.dataset_files`). ``data.id_key``, ``data.prompt_key`` and
+``data.answer_key`` name columns, or dotted paths into nested ones: verl's rows
+(``prompt`` = chat messages, ``reward_model: {style, ground_truth}``, ``extra_info:
+{split, index}``) load with ``answer_key: reward_model.ground_truth`` and ``id_key:
+extra_info.index``. A row without the id column gets its place (``file:line``) as id.
+
+A prompt is text or a list of chat messages ``[{"role": ..., "content": ...}, ...]``.
+Text becomes one user message; ``data.prompt_suffix`` is appended to the last user
+message; ``data.system_prompt`` is put first unless the messages already start with
+their own system message (the dataset's wins: it was written for these prompts).
+Bad rows fail with the file, the line (or row) and the problem id.
 """
 
 from __future__ import annotations
 
-import json
 import random
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from arbor.config import DataConfig
+from arbor.dataset_files import DataError, read_rows
 
-
-class DataError(ValueError):
-    """A dataset problem, naming the file and line (or row) and the problem id."""
+Message = dict[str, Any]  # {"role": "system" | "user" | "assistant" | "tool", "content": str, ...}
 
 
 def load_problems(path: str | Path, data_cfg: DataConfig) -> list[dict[str, Any]]:
@@ -30,62 +40,104 @@ def load_problems(path: str | Path, data_cfg: DataConfig) -> list[dict[str, Any]
     path = Path(path)
     if not path.exists():
         raise DataError(f"{path}: no such file or directory (data.train_path / data.eval_path)")
-    rows = list(read_rows(path))
-    if not rows:
-        raise DataError(f"{path}: no problems in it")
-    problems, seen = [], {}
-    for where, row in rows:
-        if not isinstance(row, dict):
-            raise DataError(f"{where}: a row must be an object, got {type(row).__name__}")
-        for key, name in ((data_cfg.prompt_key, "data.prompt_key"), (data_cfg.answer_key, "data.answer_key")):
-            if key not in row:
-                raise DataError(f"{where}: row has no {key!r} column ({name}); columns: {sorted(row)}")
-        if not isinstance(row[data_cfg.prompt_key], str):
-            raise DataError(f"{where}: {data_cfg.prompt_key!r} must be text")
-        problem = dict(row)
-        problem["id"] = str(row.get(data_cfg.id_key, where))
-        problem["prompt"] = row[data_cfg.prompt_key]
-        problem["answer"] = row[data_cfg.answer_key]
+    problems: list[dict[str, Any]] = []
+    seen: dict[str, str] = {}
+    for where, row in read_rows(path):
+        problem = problem_from_row(row, where, data_cfg)
         if problem["id"] in seen:
             raise DataError(f"{where}: duplicate problem id {problem['id']!r} (first at {seen[problem['id']]})")
         seen[problem["id"]] = where
         problems.append(problem)
+    if not problems:
+        raise DataError(f"{path}: no problems in it")
     return problems
 
 
-def read_rows(path: Path) -> Any:
-    """``(where, row)`` of a .jsonl or .json file; ``where`` is ``file:line`` (``file[i]``)."""
-    if path.suffix == ".jsonl":
-        with path.open() as f:
-            for lineno, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    yield f"{path}:{lineno}", json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise DataError(f"{path}:{lineno}: invalid JSON: {e.msg}") from None
-    elif path.suffix == ".json":
-        try:
-            data = json.loads(path.read_text())
-        except json.JSONDecodeError as e:
-            raise DataError(f"{path}:{e.lineno}: invalid JSON: {e.msg}") from None
-        if not isinstance(data, list):
-            raise DataError(f"{path}: a .json dataset must be a list of objects")
-        for i, row in enumerate(data):
-            yield f"{path}[{i}]", row
-    else:
-        raise DataError(f"{path}: unknown dataset format (use .jsonl or .json)")
+def problem_from_row(row: Any, where: str, data_cfg: DataConfig) -> dict[str, Any]:
+    """One row as a problem: the row's columns + ``id``, ``prompt``, ``answer``."""
+    if not isinstance(row, dict):
+        raise DataError(f"{where}: a row must be an object, got {type(row).__name__}")
+    raw_id = column(row, data_cfg.id_key)
+    problem_id = where if raw_id is None else str(raw_id)
+    at = f"{where} (problem {problem_id!r})"
+    values = {}
+    for key, name in ((data_cfg.prompt_key, "data.prompt_key"), (data_cfg.answer_key, "data.answer_key")):
+        value = column(row, key)
+        if value is None:
+            raise DataError(f"{at}: row has no {key!r} column ({name}), or it is null; columns: {sorted(row)}")
+        values[name] = value
+    prompt = values["data.prompt_key"]
+    if isinstance(prompt, list):
+        prompt = _checked_messages(prompt, at, data_cfg.prompt_key)
+    elif not isinstance(prompt, str):
+        raise DataError(
+            f"{at}: {data_cfg.prompt_key!r} must be text or a list of chat messages, got {type(prompt).__name__}"
+        )
+    return {**row, "id": problem_id, "prompt": prompt, "answer": values["data.answer_key"]}
+
+
+def column(row: dict[str, Any], key: str) -> Any:
+    """``row[key]``, or for a dotted key the nested value (``reward_model.ground_truth``);
+    None when missing. A column whose own name contains the dots wins."""
+    if key in row:
+        return row[key]
+    value: Any = row
+    for part in key.split("."):
+        if not isinstance(value, dict):
+            return None
+        value = value.get(part)
+    return value
+
+
+def _checked_messages(messages: list[Any], at: str, key: str) -> list[Message]:
+    """Chat messages with text ``role`` and ``content``; keys a columnar file filled with
+    None (a struct column holds every key any row has) are dropped."""
+    if not messages:
+        raise DataError(f"{at}: {key!r} is an empty list of messages")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+            raise DataError(f"{at}: {key!r} message {i} must be an object with text 'role' and 'content', got {m!r:.80}")
+        out.append({k: v for k, v in m.items() if v is not None})
+    if not any(m["role"] == "user" for m in out):
+        raise DataError(f"{at}: {key!r} has no user message (roles: {[m['role'] for m in out]})")
+    return out
+
+
+def prompt_messages(prompt: str | list[Message], suffix: str = "", system_prompt: str | None = None) -> list[Message]:
+    """The chat messages of a prompt: text as one user message, messages copied; ``suffix``
+    appended to the last user message; ``system_prompt`` first unless a system message is.
+
+        prompt_messages("2+2?", " Box it.")   # [{"role": "user", "content": "2+2? Box it."}]
+    """
+    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else [dict(m) for m in prompt]
+    if suffix:
+        last_user = max(i for i, m in enumerate(messages) if m["role"] == "user")
+        messages[last_user]["content"] += suffix
+    if system_prompt and not any(m["role"] == "system" for m in messages):
+        messages.insert(0, {"role": "system", "content": system_prompt})
+    return messages
 
 
 def format_prompt(problem: dict[str, Any], data_cfg: DataConfig, tokenizer: Any, chat_template: bool) -> list[int]:
-    """Token ids of the prompt: chat-templated (with the generation prompt) or plain text."""
-    text = problem["prompt"] + data_cfg.prompt_suffix
+    """Token ids of the prompt: chat-templated (with the generation prompt) or plain text.
+
+    Without a chat template a text prompt is tokenised as is, + ``data.prompt_suffix``
+    (``data.system_prompt`` is not used); a list of messages needs the template.
+    Raises when the prompt is longer than ``data.max_prompt_tokens``: the trainer skips
+    such problems at start-up (``arbor.agents.fitting_problems``), so none gets here.
+    """
+    prompt = problem["prompt"]
     if chat_template and getattr(tokenizer, "chat_template", None):
-        messages = ([{"role": "system", "content": data_cfg.system_prompt}] if data_cfg.system_prompt else [])
-        messages.append({"role": "user", "content": text})
+        messages = prompt_messages(prompt, data_cfg.prompt_suffix, data_cfg.system_prompt)
         ids = chat_template_ids(tokenizer, messages, generation_prompt=True)
+    elif isinstance(prompt, str):
+        ids = tokenizer(prompt + data_cfg.prompt_suffix, add_special_tokens=True)["input_ids"]
     else:
-        ids = tokenizer(text, add_special_tokens=True)["input_ids"]
+        raise DataError(
+            f"problem {problem['id']!r}: the prompt is a list of chat messages, which needs a chat "
+            "template (model.chat_template: true and a tokenizer with one)"
+        )
     if len(ids) > data_cfg.max_prompt_tokens:
         raise DataError(
             f"problem {problem['id']!r}: prompt has {len(ids)} tokens, more than "

@@ -264,7 +264,7 @@ def main(cfg: Config) -> int:
     """Start the engines of ``cfg``, evaluate ``eval.path``, write the JSON and TensorBoard."""
     from transformers import AutoTokenizer
 
-    from arbor.agents import episode_inputs, rollout_agent
+    from arbor.agents import episode_inputs, fitting_problems, rollout_agent
     from arbor.data import load_problems
     from arbor.engines.client import SGLangClient
     from arbor.orchestration import closing
@@ -275,9 +275,12 @@ def main(cfg: Config) -> int:
     if path is None:
         print("arbor eval: no set to evaluate: set eval.path or data.eval_path", file=sys.stderr)
         return 2
-    problems = load_problems(path, cfg.data)[: e.max_problems or None]
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.path, trust_remote_code=cfg.model.trust_remote_code)
     agent = rollout_agent(cfg.rollout, default_search_dirs(cfg.source))  # the episodes the run trains on
+    # As arbor train does: prompts longer than data.max_prompt_tokens are skipped (and counted), never cut.
+    problems, skipped = fitting_problems(load_problems(path, cfg.data), agent, tokenizer, cfg.data,
+                                         cfg.model.chat_template, "eval.path" if e.path else "data.eval_path")
+    problems = problems[: e.max_problems or None]
     prompts, render = episode_inputs(problems, agent, tokenizer, cfg.data, cfg.model.chat_template)
     eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
     out_dir = Path(cfg.run.output_dir)
@@ -300,6 +303,7 @@ def main(cfg: Config) -> int:
         )
     _console_status("")
     report.metrics["eval/seconds"] = time.perf_counter() - t0
+    report.metrics["eval/skipped_long_prompts"] = float(len(skipped))
     write_report(output, report, cfg, str(path))
     if cfg.run.tensorboard:
         write_scalars(out_dir / "tensorboard" / "eval", report.metrics, e.step)

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from arbor import checkpoint, phases
-from arbor.agents import rollout_agent
+from arbor.agents import fitting_problems, rollout_agent
 from arbor.config import Config, save_config
 from arbor.data import ProblemStream, load_problems
 from arbor.metrics import MetricsLog
@@ -52,7 +52,7 @@ def train(cfg: Config, after_step: Callable[[RunContext, int, dict], None] | Non
             if cfg.run.eval_every and step % cfg.run.eval_every == 0 and ctx.eval_problems:
                 with ctx.log.phase("eval"):
                     metrics |= phases.evaluate(ctx, ctx.eval_problems)
-            history.append(ctx.log.write(step, metrics | ctx.throughput(batch)))
+            history.append(ctx.log.write(step, metrics | ctx.throughput(batch) | ctx.data_metrics))
             if after_step is not None:
                 after_step(ctx, step, history[-1])
             if cfg.run.save_trees_every and step % cfg.run.save_trees_every == 0:
@@ -70,6 +70,7 @@ class RunContext:
     cfg: Config
     start_step: int = 0
     eval_problems: list[dict] = field(default_factory=list)
+    data_metrics: dict[str, float] = field(default_factory=dict)  # problems skipped at start-up
     _closers: list[Any] = field(default_factory=list)
 
     def __enter__(self) -> RunContext:
@@ -95,10 +96,12 @@ class RunContext:
             self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.path, trust_remote_code=cfg.model.trust_remote_code)
             self.eos_token_ids = [self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else []
             self.agent = rollout_agent(cfg.rollout, search)  # multi-turn episodes, or None
-            self.stream = ProblemStream(load_problems(cfg.data.train_path, cfg.data), cfg.run.seed, cfg.data.shuffle)
+            problems = self.fitting(load_problems(cfg.data.train_path, cfg.data), "data.train_path", "data/skipped_long_prompts")
+            self.stream = ProblemStream(problems, cfg.run.seed, cfg.data.shuffle)
             eval_path = cfg.eval.path or cfg.data.eval_path
             if eval_path and cfg.run.eval_every:
-                self.eval_problems = load_problems(eval_path, cfg.data)
+                self.eval_problems = self.fitting(load_problems(eval_path, cfg.data), "eval.path" if cfg.eval.path else "data.eval_path",
+                                                  "data/skipped_long_eval_prompts")
             self.log = MetricsLog(cfg.run, cfg.run.steps)
             self._closers.append(self.log.close)
             self.rewards = RewardPool([RewardTerm(t.fn, t.weight) for t in cfg.reward.functions],
@@ -139,6 +142,13 @@ class RunContext:
                 self._closers.pop()()
             except Exception as e:  # keep closing the rest
                 print(f"arbor train: while shutting down: {e!r}", file=sys.stderr)
+
+    def fitting(self, problems: list[dict], source: str, metric: str) -> list[dict]:
+        """The problems whose prompt fits data.max_prompt_tokens; the others are counted in ``metric``."""
+        kept, skipped = fitting_problems(problems, self.agent, self.tokenizer, self.cfg.data,
+                                         self.cfg.model.chat_template, source)
+        self.data_metrics[metric] = float(len(skipped))
+        return kept
 
     def run_async(self, coroutine: Coroutine[Any, Any, T]) -> T:
         """Run a coroutine on the engine client from this synchronous loop."""

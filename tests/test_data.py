@@ -1,11 +1,13 @@
-"""Problem loading (errors name file, line and id), prompt formatting, resumable order."""
+"""Problem loading (errors name file, line and id), prompt formatting, resumable order.
+Columnar formats and dataset folders: test_dataset_files.py."""
 
 import json
+from pathlib import Path
 
 import pytest
 
 from arbor.config import DataConfig
-from arbor.data import DataError, ProblemStream, format_prompt, load_problems
+from arbor.data import DataError, ProblemStream, format_prompt, load_problems, prompt_messages
 
 
 def write_jsonl(path, rows):
@@ -31,13 +33,51 @@ def test_renamed_columns_and_json_list(tmp_path):
                                          "id": "7", "prompt": "q", "answer": "\\frac12"}]
 
 
+def test_dotted_keys_reach_into_nested_columns(tmp_path):
+    path = write_jsonl(tmp_path / "d.jsonl", [
+        {"a.b": "first", "meta": {"uid": 7}, "q": {"text": "1+1?"}, "reward_model": {"ground_truth": "2"}},
+        {"a.b": "dotted name", "a": {"b": "nested"}, "meta": {"uid": 8}, "q": {"text": "2+2?"}, "reward_model": {"ground_truth": "4"}},
+    ])
+    cfg = DataConfig(id_key="meta.uid", prompt_key="q.text", answer_key="reward_model.ground_truth")
+    problems = load_problems(path, cfg)
+    assert [(p["id"], p["prompt"], p["answer"]) for p in problems] == [("7", "1+1?", "2"), ("8", "2+2?", "4")]
+    assert problems[0]["reward_model"] == {"ground_truth": "2"}  # the row's own columns stay
+    # A column whose own name holds the dots wins over the nested path.
+    assert load_problems(path, DataConfig(id_key="meta.uid", prompt_key="q.text", answer_key="a.b"))[1]["answer"] == "dotted name"
+    with pytest.raises(DataError, match=r"d.jsonl:1 \(problem '7'\): row has no 'reward_model.answer' column"):
+        load_problems(path, DataConfig(id_key="meta.uid", prompt_key="q.text", answer_key="reward_model.answer"))
+
+
+def test_message_prompts_keep_their_messages(tmp_path):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "1+1?"}]
+    path = write_jsonl(tmp_path / "d.jsonl", [{"id": "a", "prompt": messages, "answer": "2"}])
+    assert load_problems(path, DataConfig())[0]["prompt"] == messages
+
+
+def test_prompt_messages_suffix_and_system_prompt():
+    assert prompt_messages("2+2?", " Box it.") == [{"role": "user", "content": "2+2? Box it."}]
+    turns = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yes?"},
+             {"role": "user", "content": "2+2?"}]
+    out = prompt_messages(turns, " Box it.", system_prompt="Be brief.")
+    # The suffix ends the last user message; the system prompt goes first.
+    assert out == [{"role": "system", "content": "Be brief."}, turns[0], turns[1],
+                   {"role": "user", "content": "2+2? Box it."}]
+    assert turns[2]["content"] == "2+2?"  # the problem's own messages are not changed
+    # A dataset's own system message wins over data.system_prompt.
+    own = [{"role": "system", "content": "Reason in Lean."}, {"role": "user", "content": "2+2?"}]
+    assert prompt_messages(own, "", system_prompt="Be brief.") == own
+
+
 @pytest.mark.parametrize(
     "text, message",
     [
-        ('{"id": "a", "prompt": "q", "answer": "1"}\n{"id": "b", "prompt": "q"}\n', r"d.jsonl:2: row has no 'answer' column \(data.answer_key\)"),
+        ('{"id": "a", "prompt": "q", "answer": "1"}\n{"id": "b", "prompt": "q"}\n', r"d.jsonl:2 \(problem 'b'\): row has no 'answer' column \(data.answer_key\)"),
         ('{"id": "a", "prompt": "q", "answer": "1"}\n{broken\n', r"d.jsonl:2: invalid JSON"),
         ('{"id": "a", "prompt": "q", "answer": "1"}\n{"id": "a", "prompt": "r", "answer": "2"}\n', r"d.jsonl:2: duplicate problem id 'a' \(first at .*d.jsonl:1\)"),
-        ('{"id": "a", "prompt": 3, "answer": "1"}\n', r"d.jsonl:1: 'prompt' must be text"),
+        ('{"id": "a", "prompt": 3, "answer": "1"}\n', r"d.jsonl:1 \(problem 'a'\): 'prompt' must be text or a list of chat messages, got int"),
+        ('{"id": "a", "prompt": [], "answer": "1"}\n', r"d.jsonl:1 \(problem 'a'\): 'prompt' is an empty list of messages"),
+        ('{"id": "a", "prompt": [{"role": "user"}], "answer": "1"}\n', r"d.jsonl:1 \(problem 'a'\): 'prompt' message 0 must be an object with text 'role' and 'content'"),
+        ('{"prompt": [{"role": "system", "content": "s"}], "answer": "1"}\n', r"d.jsonl:1 \(problem '.*d.jsonl:1'\): 'prompt' has no user message"),
         ("\n", r"no problems"),
     ],
 )
@@ -105,3 +145,44 @@ def test_format_prompt_with_a_real_tokenizer(tmp_path):
     assert text == "<|im_start|>user\nWhat is 2+3? Box it.<|im_end|>\n<|im_start|>assistant\n"
     plain = format_prompt(problem, DataConfig(), tokenizer, chat_template=False)
     assert tokenizer.decode(plain) == "What is 2+3?"
+
+
+def test_format_prompt_of_messages_with_a_real_tokenizer(tmp_path):
+    """A list-of-messages prompt renders exactly as the same text prompt does, suffix and
+    system prompt included; without a chat template it is an error naming the problem."""
+    from tiny_model import build_tiny_model_dir
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(build_tiny_model_dir(tmp_path / "tiny"))
+    cfg = DataConfig(prompt_suffix=" Box it.", system_prompt="Be brief.")
+    text = {"id": "t", "prompt": "What is 2+3?", "answer": "5"}
+    chat = {"id": "m", "prompt": [{"role": "user", "content": "What is 2+3?"}], "answer": "5"}
+    ids = format_prompt(chat, cfg, tokenizer, chat_template=True)
+    assert ids == format_prompt(text, cfg, tokenizer, chat_template=True)
+    assert tokenizer.decode(ids) == ("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\n"
+                                     "What is 2+3? Box it.<|im_end|>\n<|im_start|>assistant\n")
+    with pytest.raises(DataError, match=r"problem 'm': the prompt is a list of chat messages, which needs a chat template"):
+        format_prompt(chat, cfg, tokenizer, chat_template=False)
+
+
+def test_agents_start_from_message_prompts(tmp_path):
+    """The shipped agents take text or chat-message prompts; a single-turn episode from a
+    dataset's messages has the ids arbor train gives the same problem without an agent."""
+    from tiny_model import build_tiny_model_dir
+    from transformers import AutoTokenizer
+
+    from arbor.agents import episode_inputs, load_agent
+
+    tokenizer = AutoTokenizer.from_pretrained(build_tiny_model_dir(tmp_path / "tiny"))
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2+3?"}]
+    problem = {"id": "m", "prompt": messages, "answer": "5"}
+    repo = [str(Path(__file__).resolve().parents[1])]
+    single = load_agent("agents/single_turn.py:SingleTurn", search_dirs=repo)
+    assert single.start(problem) == messages
+    cfg = DataConfig(system_prompt="ignored: the dataset has its own")
+    (with_agent,), _ = episode_inputs([problem], single, tokenizer, cfg, chat_template=True)
+    assert with_agent == format_prompt(problem, cfg, tokenizer, chat_template=True)
+    tool = load_agent("agents/python_tool.py:PythonTool", search_dirs=repo, kwargs={"workers": 1})
+    start = tool.start(problem)
+    assert start[0] == messages[0] and start[1]["content"].startswith("What is 2+3?\nYou may run Python")
+    assert messages[1]["content"] == "What is 2+3?"  # the problem is left as it was
