@@ -205,7 +205,8 @@ class _TreeSampler:
                 counts = [1] * len(active)
             return self._done(tree)
         rng = random.Random(f"{self.seed}/{self.index}/init")
-        copies = root_copies(cfg.root_fork, branch=cfg.branch, rng=rng)
+        # Capped at width: a RolloutConfig built in code skips validate's check.
+        copies = min(width, root_copies(cfg.root_fork, branch=cfg.branch, rng=rng))
         active, counts = [_Path(tree.root, 0.0)], [copies]
         ended = 0  # ended paths (leaves); the active paths' tips are leaves too, for now
         while True:
