@@ -66,11 +66,18 @@ class RolloutConfig:
     temperature: float = 1.0  # sampling T; the learner scores log-probs of softmax(logits / T) too
     top_p: float = 1.0
     top_k: int = -1  # -1: off
+    # Copies of the root before the first segment. null: rollout.branch (the paper's
+    # Algorithm 1); k: k copies (1: every leaf shares its first segment); [lo, hi]: a random
+    # count per tree (the paper's "More Init Divergence" is [2, 8]).
+    root_fork: int | list[int] | None = None
     branch_assignment: Literal["even", "logprob"] = "even"
+    # logprob's score: the last segment's mean token log-prob (the paper), or the path's sum.
+    branch_logprob: Literal["last_segment", "path"] = "last_segment"
     branch_temperature: float = 2.0  # softmax temperature of the logprob heuristic
     branch_favor: Literal["high", "low"] = "high"
-    init_divergence: int = 0  # 0: off; k ≥ 2: fork the root into up to k copies
-    fallback: bool = True  # fork from finished paths' segment boundaries when none is active
+    # No active path and fewer than width leaves: fork from finished paths' segment
+    # boundaries (or the root, when none is well-formed) until width. false: a shortfall.
+    fallback: bool = True
     repetition_window: int = 32
     repetition_count: int = 8
     # module:attr of the agent deciding what follows each model turn; None: single turn.
@@ -425,10 +432,13 @@ def validate(cfg: Config, where: str = "<config>") -> None:
     need(0 < r.top_p <= 1, "rollout.top_p", f"must be in (0, 1], got {r.top_p}")
     need(r.top_k == -1 or r.top_k >= 1, "rollout.top_k", f"must be -1 (off) or ≥ 1, got {r.top_k}")
     need(r.branch_temperature > 0, "rollout.branch_temperature", "must be > 0")
+    fork = r.root_fork if isinstance(r.root_fork, list) else [r.root_fork] * 2
+    fork = [r.branch, r.branch] if r.root_fork is None else fork
     need(
-        r.init_divergence == 0 or 2 <= r.init_divergence <= r.width,
-        "rollout.init_divergence",
-        f"must be 0 (off) or between 2 and rollout.width ({r.width}), got {r.init_divergence}",
+        len(fork) == 2 and 1 <= fork[0] <= fork[1] <= r.width,
+        "rollout.root_fork",
+        f"must be null (rollout.branch copies), k or [lo, hi] with 1 ≤ lo ≤ hi ≤ rollout.width "
+        f"({r.width}), got {r.root_fork}",
     )
     need(r.repetition_window >= 1, "rollout.repetition_window", "must be ≥ 1")
     need(r.repetition_count >= 2, "rollout.repetition_count", "must be ≥ 2")

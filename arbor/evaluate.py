@@ -190,7 +190,6 @@ def eval_rollout_config(eval_cfg: EvalConfig, rollout_cfg: RolloutConfig) -> Rol
     return replace(
         rollout_cfg, mode="independent", width=eval_cfg.samples, branch=1, segment_tokens=budget,
         max_depth=1, temperature=eval_cfg.temperature, top_p=eval_cfg.top_p, top_k=-1,
-        init_divergence=0,
     )
 
 

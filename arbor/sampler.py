@@ -10,23 +10,43 @@ holds up another); a round sends one request per active path, with ``n`` = the c
 that path forks into, so the server's radix cache computes the shared prefix once. All
 requests of a tree carry ``affinity_key = "tree-<index>"`` so they reach one server.
 
-Decisions (where the paper leaves room):
-- The root starts as one path (rounds 1 → 2 → 4 → 8 → 16 at w = 16, b = 2), or as
-  ``randint(2, init_divergence)`` copies when ``init_divergence ≥ 2``.
+What it does, against paper Algorithm 1 and the reference code (github
+multimodal-art-projection/TreePO at b86ce51, ``vllm_rollout_spmd.py``, cited "spmd:LINE";
+``generate_sequences_tree_deepth_first_vanilla_mode`` with ``recipe/treepo/run_treepo_train.sh``):
+- The root is forked ``branch`` times before the first segment (Alg. 1 line 2; spmd:626),
+  so paths per round go b, b², … up to ``width``. ``rollout.root_fork`` changes that:
+  ``k`` copies (``1``: one root path, every leaf sharing its first segment — arbor's
+  behaviour before issue #18, the most prefix sharing, which the paper does not use), or
+  ``[lo, hi]``: ``randint(lo, hi)`` per tree (the paper's "More Init Divergence", 2 to 8;
+  spmd:606-615). The reference's training script asks for 2 to 8 but the setting never
+  arrives: it sets ``actor_rollout_ref.tree_random_first_div_max`` where
+  ``fsdp_workers.py:711`` reads ``rollout.tree_random_first_div_max``, and spmd:539-540
+  overwrite the arguments with ``kwargs.get``, which never holds them; it runs with b.
 - Every ended path (finished or failed) is a leaf and counts towards ``width``; the
-  budget of every path that ended in a round is transferred to the survivors.
+  budget of every path that ended in a round is transferred to the survivors (spmd:844-850).
+- ``branch_assignment: logprob`` scores a path by its last segment's mean token log-prob
+  (``branch_logprob: last_segment``, the paper's §4.4 "log probabilities of their last
+  segment"; spmd:920-926) or by the whole path's sum (``path``; spmd:884-888). The
+  last segment is the default: it is what the paper describes, and unlike a path sum it
+  does not favour the shorter paths a fallback mixes in.
 - A path is **finished** ("stop") when the engine stopped on EOS / a stop token. With an
   ``is_final_answer`` predicate, paths whose response holds a final answer are the
-  preferred fallback sources. **Failed** paths end with "repetition" (the segment
+  first fallback sources. **Failed** paths end with "repetition" (the segment
   repeats itself: some ``repetition_window``-long substring of its decoded text occurs
   ``repetition_count`` times, or token n-grams when no ``decode`` is given),
   "max_length" (``max_depth · segment_tokens`` response tokens), "max_depth", or
   "abort" (the engine aborted the request), or "agent_timeout" (an agent's ``step`` ran
   past ``rollout.agent_timeout_s``: the episode ends at that model turn, a warning names
   the problem, and ``stats.agent_timeouts`` counts it; the rest of the batch goes on).
-- Fallback (only when a tree has no active path and fewer than ``width`` leaves) cuts a
-  finished ("stop") trajectory at a random node boundary on its path — the root or an
-  internal node, never the leaf itself — and restarts the loop there as one active path.
+- Fallback, only when a tree has no active path and fewer than ``width`` leaves (paper
+  §2.2; spmd:949-955), spends the whole remaining budget ``width − leaves`` in one round:
+  every finished ("stop") trajectory, answered ones first then in random order, is cut at
+  a random node boundary on its path (the root or an internal node, never the leaf:
+  segment aligned) and restarted with ``branch`` copies until the budget is spent
+  (spmd:1043-1084); cuts at the same node are one request. When no trajectory is
+  well-formed, the root restarts with ``branch`` copies (spmd:1033-1041), so a tree
+  always ends with exactly ``width`` leaves. ``fallback: false`` stops there instead,
+  with a shortfall (the reference's ``no_fallback``, spmd:945-947).
 - ``mode: independent`` (the GRPO baseline) is one round: one request ``n = width`` with
   the whole response budget ``max_depth · segment_tokens`` — the fastest way an engine can
   sample independent answers, so tree-vs-independent benchmarks are conservative.
@@ -45,7 +65,15 @@ from typing import Any
 from arbor.agents import Agent, Message
 from arbor.config import RolloutConfig
 from arbor.engines.types import GenerateOutput, GenerateRequest, RolloutEngine, SamplingParams
-from arbor.sampler_budget import assign_branches, is_repetitive, next_total, request_seed
+from arbor.sampler_budget import (
+    assign_branches,
+    fallback_copies,
+    is_repetitive,
+    next_total,
+    request_seed,
+    root_copies,
+    segment_score,
+)
 from arbor.tree import Node, RolloutTree
 
 FINISHED = "stop"  # the only well-formed ending; everything else is an early stop
@@ -64,7 +92,8 @@ class SampleStats:
     tokens_generated: int = 0  # Σ output tokens
     prompt_tokens: int = 0  # Σ over outputs of their input length
     cached_tokens: int = 0  # Σ over outputs of input tokens served from the radix cache
-    fallbacks: int = 0
+    fallbacks: int = 0  # finished paths cut and restarted from (fallback sources)
+    root_restarts: int = 0  # fallbacks from the root: no finished path was well-formed
     tool_turns: int = 0  # agent turns appended (multi-turn episodes)
     tool_errors: int = 0  # agent messages marked "error" (a tool timed out, raised, ...)
     agent_timeouts: int = 0  # agent.step calls past rollout.agent_timeout_s (episode ended)
@@ -80,7 +109,8 @@ class SampleStats:
 @dataclass
 class _Path:
     node: Node  # the last segment of the path (the root before its first segment)
-    logprob: float  # Σ behaviour logprobs along the path (branch assignment's score)
+    logprob: float  # Σ behaviour logprobs along the path (branch_logprob: path)
+    last_logprob: float = 0.0  # mean logprob of its last sampled segment (last_segment)
 
 
 async def sample_trees(
@@ -174,32 +204,33 @@ class _TreeSampler:
                 active, _ = await self._round(tree, active, counts, cfg.max_response_tokens)
                 counts = [1] * len(active)
             return self._done(tree)
-        copies = 1
-        if cfg.init_divergence >= 2:
-            rng = random.Random(f"{self.seed}/{self.index}/init")
-            copies = min(width, rng.randint(2, cfg.init_divergence))
+        rng = random.Random(f"{self.seed}/{self.index}/init")
+        # Capped at width: a RolloutConfig built in code skips validate's check.
+        copies = min(width, root_copies(cfg.root_fork, branch=cfg.branch, rng=rng))
         active, counts = [_Path(tree.root, 0.0)], [copies]
-        finished = 0  # ended paths (leaves); the active paths' tips are leaves too, for now
+        ended = 0  # ended paths (leaves); the active paths' tips are leaves too, for now
         while True:
             active, newly = await self._round(tree, active, counts, cfg.segment_tokens)
-            finished += newly
+            ended += newly
             if not active:
-                if finished >= width:
+                if ended >= width:
                     break
-                restart = self._fallback(tree)
+                restart = self._fallback(tree, width - ended)
                 if restart is None:
                     break
-                active, newly = [restart], 0
+                active, counts = restart  # the fallback sets its own copies
+                continue
             total = next_total(
                 active=len(active),
-                finished=finished,
+                finished=ended,
                 newly_finished=newly,
                 width=width,
                 branch=cfg.branch,
             )
+            last = cfg.branch_logprob == "last_segment"
             counts = assign_branches(
                 total,
-                [p.logprob for p in active],
+                [p.last_logprob if last else p.logprob for p in active],
                 mode=cfg.branch_assignment,
                 temperature=cfg.branch_temperature,
                 favor=cfg.branch_favor,
@@ -235,7 +266,7 @@ class _TreeSampler:
         survivors: list[_Path] = []
         ended = 0
         # Children are added in request order so node ids (and seeds) are reproducible.
-        turns: list[tuple[Node, float]] = []  # finished model turns: decision points
+        turns: list[_Path] = []  # finished model turns: decision points
         for path, request, outputs in zip(active, requests, results):
             if len(outputs) != request.sampling.n:
                 raise RuntimeError(
@@ -243,19 +274,20 @@ class _TreeSampler:
                 )
             for out in outputs:
                 node = self._add(tree, path.node, out)
-                logprob = path.logprob + sum(out.logprobs)
+                grown = _Path(node, path.logprob + sum(out.logprobs), segment_score(out.logprobs))
                 if node.finish_reason in (None, "length"):
-                    survivors.append(_Path(node, logprob))
+                    survivors.append(grown)
                 elif self.agent is not None and node.finish_reason == FINISHED:
-                    turns.append((node, logprob))
+                    turns.append(grown)
                 else:
                     ended += 1
         if turns:
-            replies = await asyncio.gather(*(self._agent_step(tree, node) for node, _ in turns))
-            for (node, logprob), messages in zip(turns, replies):
-                tool = self._add_tool_turn(tree, node, messages) if messages else None
+            replies = await asyncio.gather(*(self._agent_step(tree, t.node) for t in turns))
+            for turn, messages in zip(turns, replies):
+                tool = self._add_tool_turn(tree, turn.node, messages) if messages else None
                 if tool is not None and tool.finish_reason is None:
-                    survivors.append(_Path(tool, logprob))
+                    # A tool turn is not sampled: the path keeps its model turn's scores.
+                    survivors.append(_Path(tool, turn.logprob, turn.last_logprob))
                 else:
                     ended += 1
         return survivors, ended
@@ -349,27 +381,42 @@ class _TreeSampler:
         node.finish_reason = reason
         return node
 
-    def _fallback(self, tree: RolloutTree) -> _Path | None:
-        """A restart point cut from a well-formed finished trajectory, or None (records why)."""
-        if not self.cfg.fallback:
+    def _fallback(self, tree: RolloutTree, wanted: int) -> tuple[list[_Path], list[int]] | None:
+        """The next round's paths and copies when no path is active and ``wanted`` leaves
+        are missing: cuts of finished trajectories, else the root; None (records why)."""
+        cfg = self.cfg
+        if not cfg.fallback:
             self.stats.shortfall_reason = "no active path left and fallback is disabled"
             return None
         finished = [leaf for leaf in tree.leaves() if leaf.finish_reason == FINISHED]
         answered = [leaf for leaf in finished if leaf.id in self.answered]
-        sources = answered or finished
+        others = [leaf for leaf in finished if leaf.id not in self.answered]
+        # Random order, as the reference shuffles its sources (spmd:1009-1014); answered ones
+        # first, so they are the ones cut when the budget is smaller than branch · sources.
+        self.rng.shuffle(answered)
+        self.rng.shuffle(others)
+        sources = answered + others
         if not sources:
-            self.stats.shortfall_reason = (
-                "no active path left and no well-formed (EOS-terminated) trajectory to fall "
-                "back on: every path ended early (" + _reasons(tree) + ")"
-            )
-            return None
-        leaf = self.rng.choice(sources)
-        # Boundaries: the root and every internal node above the leaf (token aligned).
-        boundaries = [tree.root] + tree.path(leaf)[:-1]
-        cut = self.rng.choice(boundaries)
-        self.stats.fallbacks += 1
-        logprob = sum(sum(n.logprobs or []) for n in tree.path(cut)) if cut.parent else 0.0
-        return _Path(cut, logprob)
+            # Every path failed (repetition, length, ...): restart from the root so the tree
+            # still reaches width (spmd:1033-1041), instead of a tree with no signal.
+            self.stats.root_restarts += 1
+            return [_Path(tree.root, 0.0)], [min(cfg.branch, wanted)]
+        plan = fallback_copies(sources=len(sources), remaining=wanted, branch=cfg.branch)
+        cuts: dict[Node, int] = {}  # cut node → copies; sources cut at one node share a request
+        for leaf, copies in zip(sources, plan):
+            # Boundaries: the root and every internal node above the leaf (token aligned).
+            cut = self.rng.choice([tree.root] + tree.path(leaf)[:-1])
+            cuts[cut] = cuts.get(cut, 0) + copies
+        self.stats.fallbacks += len(plan)
+        return [self._path_at(tree, cut) for cut in cuts], list(cuts.values())
+
+    def _path_at(self, tree: RolloutTree, node: Node) -> _Path:
+        """A path ending at ``node`` with its scores: the logprob sum, and the mean of its
+        last sampled segment (tool turns are not sampled: the model turn before counts)."""
+        path = tree.path(node) if node.parent is not None else []
+        sampled = [n for n in path if n.id not in self.tool_messages]
+        last = segment_score(sampled[-1].logprobs or []) if sampled else 0.0
+        return _Path(node, sum(sum(n.logprobs or []) for n in path), last)
 
     def _done(self, tree: RolloutTree) -> SampleStats:
         leaves = tree.leaves()

@@ -1,18 +1,43 @@
-"""Pure helpers of the TreePO sampler: branching budget, branch assignment, early stops.
+"""Pure helpers of the TreePO sampler: root fork, branching budget, branch assignment,
+fallback budget, early stops.
 
 Hand-checkable numbers (ALGORITHMS.md §1, w = 16, b = 2, nothing finishing early):
 
-    next_total(active=1, finished=0, newly_finished=0, width=16, branch=2)   # 2
+    root_copies(None, branch=2, rng=random.Random(0))                        # 2
+    next_total(active=2, finished=0, newly_finished=0, width=16, branch=2)   # 4
     next_total(active=8, finished=0, newly_finished=0, width=16, branch=2)   # 16
     assign_branches(5, [0.0, 0.0])                                           # [3, 2]
+    fallback_copies(sources=3, remaining=5, branch=2)                        # [2, 2, 1]
+
+The TreePO reference cited here is github.com/multimodal-art-projection/TreePO at
+b86ce51 ("release of treepo v0.1"; its HEAD f055523 only edits the README),
+``verl/workers/rollout/vllm_rollout/vllm_rollout_spmd.py`` ("spmd:LINE").
 """
 
 from __future__ import annotations
 
 import hashlib
 import math
+import random
 from collections import Counter
 from collections.abc import Sequence
+
+
+def root_copies(root_fork: int | Sequence[int] | None, *, branch: int, rng: random.Random) -> int:
+    """Copies of the root sent before the first segment (``rollout.root_fork``).
+
+    ``None``: ``branch`` copies, as paper Algorithm 1 line 2 (``P ← BRANCHING(P)``) and the
+    reference (each prompt repeated ``fixed_step_width`` times, spmd:626); an int: that
+    many; ``[lo, hi]``: ``rng.randint(lo, hi)`` (the paper's "More Init Divergence", §3
+    "Tree Setting": 2 to 8; the reference's ``random_first_div_min/max``, spmd:606-615).
+    ``root_copies([2, 8], branch=2, rng=random.Random(0))`` is 8.
+    """
+    if root_fork is None:
+        return branch
+    if isinstance(root_fork, int):
+        return root_fork
+    low, high = root_fork
+    return rng.randint(low, high)
 
 
 def next_total(*, active: int, finished: int, newly_finished: int, width: int, branch: int) -> int:
@@ -22,6 +47,34 @@ def next_total(*, active: int, finished: int, newly_finished: int, width: int, b
     the round just run: their budget ``b`` each is transferred to the survivors.
     """
     return max(active, min(width - finished, branch * active + branch * newly_finished))
+
+
+def fallback_copies(*, sources: int, remaining: int, branch: int) -> list[int]:
+    """Copies restarted from each fallback source, in order: ``branch`` each until the
+    ``remaining`` budget (``w − ended``) is spent, the last one taking what is left.
+
+    The reference gives every eligible source ``fixed_step_width`` copies in one round,
+    decrementing the remaining width budget (spmd:1043-1084); sources past the budget get
+    none (they are left out of the result), and a budget larger than ``branch · sources``
+    is not spent this round: the next rounds' budget transfer spends it.
+    ``fallback_copies(sources=4, remaining=3, branch=2) == [2, 1]``;
+    ``fallback_copies(sources=1, remaining=6, branch=2) == [2]``.
+    """
+    copies = []
+    for _ in range(sources):
+        if remaining <= 0:
+            break
+        copies.append(min(branch, remaining))
+        remaining -= copies[-1]
+    return copies
+
+
+def segment_score(logprobs: Sequence[float]) -> float:
+    """Mean token log-prob of one segment (0.0 for an empty one): the paper's "log
+    probabilities of their last segment" (§4.4) as the reference scores it, the mean over
+    the last node's tokens (``node_logprob_weighted_div``, spmd:920-926), so segments of
+    different lengths compare fairly. ``segment_score([-1.0, -3.0]) == -2.0``."""
+    return sum(logprobs) / len(logprobs) if logprobs else 0.0
 
 
 def largest_remainder(quotas: Sequence[float], total: int) -> list[int]:
@@ -48,7 +101,8 @@ def assign_branches(
 ) -> list[int]:
     """Split ``total`` next-round paths over the active paths, at least 1 each.
 
-    ``path_logprobs`` are the paths' cumulative segment log-probabilities. ``even``
+    ``path_logprobs`` are the paths' scores (``rollout.branch_logprob``: the last
+    segment's mean token log-prob, or the whole path's sum). ``even``
     spreads the ``total − n`` extra copies uniformly; ``logprob`` by
     ``softmax(±logprob / temperature)`` (``+`` for ``favor="high"``), with
     largest-remainder rounding. Example: ``assign_branches(6, [-1.0, -3.0],

@@ -135,10 +135,10 @@ def test_a_hung_agent_step_ends_its_episode_and_the_batch_goes_on(tokenizer, cap
             assert stats[1].agent_timeouts == len(timed_out) and stats[1].tool_turns == 0
             assert stats[1].finish_reasons == {"agent_timeout": len(timed_out)}
             assert all(len(p1.path(leaf)) == 1 for leaf in timed_out)
-            if mode == "independent":
-                assert len(timed_out) == 4
-            else:  # nothing well-formed to fall back on: the tree says why it is short
-                assert "agent_timeout" in stats[1].shortfall_reason
+            # The tree has nothing well-formed to fall back on: it restarts from the root
+            # until it has width leaves (TreePO reference, vllm_rollout_spmd.py:1033-1041).
+            assert len(timed_out) == 4 and stats[1].shortfall_reason is None
+            assert stats[1].root_restarts == (1 if mode == "tree" else 0)
         warnings = [r.getMessage() for r in caplog.records if r.name == "arbor.sampler"]
         assert warnings and all("problem 'p1'" in w and "rollout.agent_timeout_s" in w for w in warnings)
     finally:

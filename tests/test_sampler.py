@@ -2,6 +2,10 @@
 
 A scripted engine (below) stands in for the server so every branching decision can be
 worked out by hand; tests/test_sampler_engine.py runs the sampler against `arbor serve`.
+"The paper" is TreePO (../shared/seeds/004_*.txt); "spmd:LINE" is the reference code,
+github.com/multimodal-art-projection/TreePO at b86ce51,
+verl/workers/rollout/vllm_rollout/vllm_rollout_spmd.py
+(generate_sequences_tree_deepth_first_vanilla_mode).
 """
 
 from __future__ import annotations
@@ -18,10 +22,13 @@ from arbor.engines.types import GenerateOutput, GenerateRequest
 from arbor.sampler import sample_trees
 from arbor.sampler_budget import (
     assign_branches,
+    fallback_copies,
     is_repetitive,
     largest_remainder,
     next_total,
     request_seed,
+    root_copies,
+    segment_score,
 )
 from arbor.tree import RolloutTree
 
@@ -30,14 +37,25 @@ EOS = 0
 
 # script(request, fork_index, depth_of_new_segment) -> (token ids, finish reason)
 Script = Callable[[GenerateRequest, int, int], tuple[list[int], str]]
+# logprob(request, fork_index, depth_of_new_segment) -> every token's logprob
+Logprob = Callable[[GenerateRequest, int, int], float]
 
 
 class ScriptedEngine:
-    """Deterministic engine: tokens from ``Random(seed + fork)``, endings from a script."""
+    """Deterministic engine: tokens from ``Random(seed + fork)``, endings from a script.
 
-    def __init__(self, segment: int, script: Script | None = None) -> None:
-        self.segment, self.script = segment, script
+    ``rounds`` keeps each batch the sampler sends (one per round of one tree)."""
+
+    def __init__(
+        self, segment: int, script: Script | None = None, logprob: Logprob | None = None
+    ) -> None:
+        self.segment, self.script, self.logprob = segment, script, logprob
         self.calls: list[GenerateRequest] = []
+        self.rounds: list[list[GenerateRequest]] = []
+
+    async def generate_many(self, requests: list[GenerateRequest]) -> list[list[GenerateOutput]]:
+        self.rounds.append(list(requests))
+        return list(await asyncio.gather(*(self.generate(r) for r in requests)))
 
     async def generate(self, request: GenerateRequest) -> list[GenerateOutput]:
         self.calls.append(request)
@@ -51,10 +69,11 @@ class ScriptedEngine:
                 rng = random.Random(request.sampling.seed + j)
                 ids = [rng.randrange(10, 300) for _ in range(request.sampling.max_new_tokens)]
                 reason = "length"
+            lp = -0.5 if self.logprob is None else self.logprob(request, j, depth)
             outs.append(
                 GenerateOutput(
                     output_ids=ids,
-                    logprobs=[-0.5] * len(ids),
+                    logprobs=[lp] * len(ids),
                     finish_reason=reason,
                     prompt_tokens=len(request.input_ids),
                     cached_tokens=0 if j == 0 else len(request.input_ids),
@@ -83,11 +102,8 @@ def cfg_of(**kw) -> RolloutConfig:
 
 
 def paths_per_round(engine: ScriptedEngine) -> list[int]:
-    """Σ n over the requests of each round (rounds are delimited by response length)."""
-    per: dict[int, int] = {}
-    for r in engine.calls:
-        per[len(r.input_ids)] = per.get(len(r.input_ids), 0) + r.sampling.n
-    return [per[k] for k in sorted(per)]
+    """Σ n over the requests of each round (of a one-tree run)."""
+    return [sum(r.sampling.n for r in batch) for batch in engine.rounds]
 
 
 # -- pure budget helpers ----------------------------------------------------------------
@@ -131,6 +147,19 @@ def test_repetition_rule() -> None:
     assert not is_repetitive("the quick brown fox jumps over the lazy dog " * 2, 32, 8)
 
 
+def test_root_copies_and_fallback_copies_by_hand() -> None:
+    rng = random.Random(0)
+    assert root_copies(None, branch=2, rng=rng) == 2  # paper Alg. 1 line 2; spmd:626
+    assert root_copies(1, branch=2, rng=rng) == 1
+    assert root_copies([2, 8], branch=2, rng=random.Random(0)) == 8  # randint(2, 8)
+    # b copies per source until the budget is spent (spmd:1075-1084).
+    assert fallback_copies(sources=3, remaining=5, branch=2) == [2, 2, 1]
+    assert fallback_copies(sources=4, remaining=3, branch=2) == [2, 1]
+    assert fallback_copies(sources=1, remaining=6, branch=2) == [2]
+    assert fallback_copies(sources=2, remaining=0, branch=2) == []
+    assert segment_score([-1.0, -3.0]) == -2.0 and segment_score([]) == 0.0
+
+
 def test_request_seeds_differ_per_fork() -> None:
     seeds = {
         request_seed(0, t, node, fork) for t in range(3) for node in range(20) for fork in range(3)
@@ -142,13 +171,16 @@ def test_request_seeds_differ_per_fork() -> None:
 # -- the loop ---------------------------------------------------------------------------
 
 
-def test_rounds_double_to_width_and_end_with_width_leaves() -> None:
+def test_root_forks_branch_copies_then_doubles_to_width() -> None:
+    # Paper Algorithm 1 line 2 (P ← BRANCHING(P) before the first INFERENCE) and spmd:626
+    # (each prompt repeated fixed_step_width times): b, b², … paths from the first round.
     engine = ScriptedEngine(segment=4)
     trees, stats = run(engine, cfg_of(max_depth=7))
-    assert paths_per_round(engine) == [1, 2, 4, 8, 16, 16, 16]
+    assert paths_per_round(engine) == [2, 4, 8, 16, 16, 16, 16]
     # Forks of one node are one request with n = copies.
-    assert [r.sampling.n for r in engine.calls[:3]] == [1, 2, 2]
+    assert [r.sampling.n for r in engine.calls[:3]] == [2, 2, 2]
     tree, s = trees[0], stats[0]
+    assert len(tree.root.children) == 2
     assert len(tree.leaves()) == 16 and s.leaves == 16 and s.shortfall_reason is None
     assert {leaf.depth for leaf in tree.leaves()} == {7}
     # Full segments to the last depth: the response hit max_depth · segment_tokens.
@@ -157,20 +189,43 @@ def test_rounds_double_to_width_and_end_with_width_leaves() -> None:
     assert all(r.affinity_key == "tree-0" for r in engine.calls)
     assert s.requests == len(engine.calls) and s.rounds == 7
     assert s.tokens_generated == sum(len(n.token_ids) for n in tree.nodes())
+    engine = ScriptedEngine(segment=4)
+    run(engine, cfg_of(branch=4, max_depth=3))
+    assert paths_per_round(engine) == [4, 16, 16]
+
+
+def test_root_fork_one_is_a_single_root_path() -> None:
+    # rollout.root_fork: 1 is arbor's sampler before issue #18: every leaf shares its first
+    # segment, one more round to reach the width.
+    engine = ScriptedEngine(segment=4)
+    trees, _ = run(engine, cfg_of(max_depth=7, root_fork=1))
+    assert paths_per_round(engine) == [1, 2, 4, 8, 16, 16, 16]
+    assert len(trees[0].root.children) == 1 and len(trees[0].leaves()) == 16
+
+
+def test_root_fork_range_draws_per_tree() -> None:
+    # The paper's "More Init Divergence" (§3 Tree Setting: 2 to 8 at random; spmd:606-615).
+    seen = set()
+    for seed in range(12):
+        engine = ScriptedEngine(segment=4)
+        trees, _ = run(engine, cfg_of(root_fork=[2, 5], max_depth=6), seed=seed)
+        seen.add(engine.calls[0].sampling.n)
+        assert len(trees[0].leaves()) == 16
+    assert seen <= {2, 3, 4, 5} and len(seen) > 1
 
 
 def test_budget_of_finished_paths_moves_to_survivors() -> None:
     def script(request, j, depth):
-        if depth == 3 and j == 0:  # round 3: one of each pair of forks finishes
+        if depth == 2 and j == 0:  # round 2: one of each pair of forks finishes
             return fresh(request, j, 2) + [EOS], "stop"
         return fresh(request, j), "length"
 
     engine = ScriptedEngine(4, script)
     trees, stats = run(engine, cfg_of(max_depth=6))
-    # Round 3: 4 paths, 2 finish → total = min(16 − 2, 2·2 + 2·2) = 8 over 2 survivors;
-    # round 5: min(14, 16) = 14; then 14 until the depth limit.
-    assert paths_per_round(engine) == [1, 2, 4, 8, 14, 14]
-    assert [r.sampling.n for r in engine.calls if len(r.input_ids) == 3 + 12] == [4, 4]
+    # Round 2: 4 paths, 2 finish → total = min(16 − 2, 2·2 + 2·2) = 8 over 2 survivors
+    # (spmd:844-850); round 4: min(14, 16) = 14; then 14 until the depth limit.
+    assert paths_per_round(engine) == [2, 4, 8, 14, 14, 14]
+    assert [r.sampling.n for r in engine.rounds[2]] == [4, 4]
     leaves = trees[0].leaves()
     assert len(leaves) == 16 and stats[0].finish_reasons == {"stop": 2, "max_length": 14}
 
@@ -186,9 +241,9 @@ def test_early_stops_repetition_depth_length() -> None:
     cfg = cfg_of(width=4, max_depth=2, segment_tokens=8, repetition_window=2, repetition_count=4)
     trees, stats = run(ScriptedEngine(8, script), cfg)
     reasons = sorted(leaf.finish_reason for leaf in trees[0].leaves())
-    # Round 2 forks the root's child 2 ways; no budget can come back after depth 2.
-    assert reasons == ["max_depth", "repetition"]
-    assert stats[0].shortfall_reason is not None and "well-formed" in stats[0].shortfall_reason
+    # Each of the root's 2 children forks 2 ways in round 2; every path ends there.
+    assert reasons == ["max_depth", "max_depth", "repetition", "repetition"]
+    assert stats[0].shortfall_reason is None and stats[0].rounds == 2
 
 
 def test_repetition_on_decoded_text() -> None:
@@ -204,16 +259,65 @@ def test_repetition_on_decoded_text() -> None:
         fallback=False,
     )
     trees, _ = run(ScriptedEngine(8, script), cfg, decode=lambda ids: "".join(map(chr, ids)))
-    assert [leaf.finish_reason for leaf in trees[0].leaves()] == ["repetition"]
+    assert [leaf.finish_reason for leaf in trees[0].leaves()] == ["repetition", "repetition"]
+
+
+def test_exact_width_restarts_from_the_root_when_every_path_fails() -> None:
+    # No finished path is eligible (the paper §2.2: only answered / EOS paths are fallback
+    # candidates): the reference restarts from the root (spmd:1033-1041) with
+    # fixed_step_width copies, or what is left of the width (spmd:1060-1084), to width.
+    def fail_at_once(request, j, depth):
+        return [9, 9, 9, 9], "length"
+
+    cfg = cfg_of(width=16, max_depth=3, repetition_window=1, repetition_count=4)
+    engine = ScriptedEngine(4, fail_at_once)
+    trees, stats = run(engine, cfg)
+    tree, s = trees[0], stats[0]
+    assert paths_per_round(engine) == [2] * 8
+    assert len(tree.leaves()) == 16 and s.shortfall_reason is None
+    assert all(leaf.parent is tree.root for leaf in tree.leaves())
+    assert s.finish_reasons == {"repetition": 16} and s.root_restarts == 7 and s.fallbacks == 0
+
+    first = request_seed(0, 0, 0, 0)  # the round-1 request from the root
+
+    def fail_first_round(request, j, depth):
+        if request.sampling.seed == first:
+            return [9, 9, 9, 9], "length"
+        return fresh(request, j), "length"
+
+    engine = ScriptedEngine(4, fail_first_round)
+    trees, stats = run(engine, cfg_of(max_depth=5, repetition_window=1, repetition_count=4))
+    # Both first paths fail; the root restarts with b = 2 and the tree grows to the width:
+    # next_total(active=2, finished=2, newly=0) = 4, then 8, then min(16 − 2, 16) = 14.
+    assert paths_per_round(engine) == [2, 2, 4, 8, 14, 14]
+    assert stats[0].finish_reasons == {"repetition": 2, "max_length": 14}
+    assert stats[0].root_restarts == 1 and len(trees[0].leaves()) == 16
+
+
+def test_fallback_spends_the_remaining_budget_in_one_round() -> None:
+    # The reference cuts every eligible source and gives each fixed_step_width copies
+    # until the remaining width is spent, in one round (spmd:1043-1084). Here every answer
+    # ends in its first segment, so the only boundary is the root: cuts of one node are
+    # one request.
+    def stop_at_once(request, j, depth):
+        return [EOS], "stop"
+
+    engine = ScriptedEngine(4, stop_at_once)
+    trees, stats = run(engine, cfg_of(width=16))
+    # Round 1: 2 answers, 14 wanted, 2 sources x 2 copies = 4; round 2: 6 answers, 10 wanted,
+    # 6 sources: 2 each for 5 of them = 10. (One source per round took 9 rounds.)
+    assert paths_per_round(engine) == [2, 4, 10]
+    assert [len(batch) for batch in engine.rounds] == [1, 1, 1]
+    assert stats[0].fallbacks == 2 + 5 and stats[0].root_restarts == 0
+    assert len(trees[0].leaves()) == 16 and stats[0].rounds == 3
 
 
 def test_fallback_cuts_only_well_formed_paths_at_boundaries() -> None:
-    marks: dict[int, int] = {}
-
     def script(request, j, depth):
         ids = [100 + j] + fresh(request, j, 3)
         if depth == 3:
-            # Paths through the first depth-2 fork finish; the others fail (repetition).
+            # Paths through a depth-2 node starting with 100 finish; the others fail
+            # (repetition).
             first = request.input_ids[len(PROMPT) + 4]
             return (
                 [100, 0] if first == 100 else [9, 9, 9, 9]
@@ -224,57 +328,88 @@ def test_fallback_cuts_only_well_formed_paths_at_boundaries() -> None:
     engine = ScriptedEngine(4, script)
     trees, stats = run(engine, cfg)
     tree, s = trees[0], stats[0]
-    assert len(tree.leaves()) == 16 and s.fallbacks > 0 and s.shortfall_reason is None
+    assert len(tree.leaves()) == 16 and s.shortfall_reason is None
+    # Round 3 ends all 8 paths: 4 finished, 4 failed. Round 4 is one fallback that spends
+    # the 8 missing leaves over the 4 finished sources, 2 copies each, at their own cuts.
+    assert paths_per_round(engine)[:4] == [2, 4, 8, 8]
+    assert s.fallbacks >= 4
     for node in tree.nodes():
-        marks[node.id] = node.token_ids[0]
         if node.children:  # a finished path is never extended
             assert node.finish_reason == "length"
-    # The failing depth-2 node of the first rounds is never a fallback cut: it keeps
+    # The failing depth-2 nodes of the first rounds are never fallback cuts: each keeps
     # exactly the 2 children round 3 gave it.
-    first_round2 = [n for n in tree.root.children[0].children if n.token_ids[0] == 101]
-    assert len(first_round2[0].children) == 2
+    for first in tree.root.children[:2]:  # round 1's
+        (failing,) = [n for n in first.children[:2] if n.token_ids[0] == 101]
+        assert len(failing.children) == 2
     # Every fallback request restarted from the root or an internal node (token aligned).
     ends = {n.end for n in tree.nodes() if n.children} | {0}
     assert all(len(r.input_ids) - len(PROMPT) in ends for r in engine.calls)
 
 
-def test_fallback_disabled_and_no_well_formed_path_report_shortfall() -> None:
+def test_fallback_disabled_reports_shortfall() -> None:
+    # The reference's fallback_policy "no_fallback" (spmd:945-947).
     def stop_at_once(request, j, depth):
         return [EOS], "stop"
 
     trees, stats = run(ScriptedEngine(4, stop_at_once), cfg_of(width=4, fallback=False))
-    assert len(trees[0].leaves()) == 1
+    assert len(trees[0].leaves()) == 2
     assert stats[0].shortfall_reason == "no active path left and fallback is disabled"
-    trees, stats = run(ScriptedEngine(4, stop_at_once), cfg_of(width=4))
-    # Fallback from the only boundary there is (the root) fills the width.
-    assert len(trees[0].leaves()) == 4 and stats[0].fallbacks == 2
-    assert all(leaf.parent is trees[0].root for leaf in trees[0].leaves())
 
 
-def test_fallback_prefers_final_answers() -> None:
+def test_fallback_takes_final_answers_first() -> None:
     def script(request, j, depth):
-        if depth < 3:
+        if depth == 1:
             return [100 + j] + fresh(request, j, 3), "length"
-        # Depth 3 stops everywhere; only paths under the first depth-2 fork answer (50).
-        under_first = request.input_ids[len(PROMPT) + 4] == 100
+        # Depth 2 stops everywhere; only paths under the root's first child answer (50).
+        under_first = request.input_ids[len(PROMPT)] == 100
         return ([50, EOS] if under_first else [60, EOS]), "stop"
 
     for seed in range(24):
         trees, stats = run(
             ScriptedEngine(4, script),
-            cfg_of(width=8, max_depth=3),
+            cfg_of(width=6, max_depth=2),
             is_final_answer=lambda ids: 50 in ids,
             seed=seed,
         )
         tree = trees[0]
-        assert len(tree.leaves()) == 8 and stats[0].fallbacks >= 1
-        first_fork = tree.root.children[0]
-        unanswered = min(
-            (n for n in first_fork.children if n.token_ids[0] == 101), key=lambda n: n.id
+        assert len(tree.leaves()) == 6 and stats[0].fallbacks == 1
+        # Round 2 ends 4 paths (2 answered, 2 not); the 2 missing leaves are 2 copies of
+        # one source, and an answered one is first: the unanswered branch is never cut.
+        unanswered = tree.root.children[1]
+        assert unanswered.token_ids[0] == 101 and len(unanswered.children) == 2
+        assert not any(n.children for n in unanswered.children)
+
+
+def test_logprob_assignment_scores_the_last_segment_or_the_path() -> None:
+    # The paper's §4.4 assigns the budget by "the log probabilities of their last segment"
+    # (the reference's node_logprob_weighted_div: the last node's mean, spmd:920-926);
+    # `path` is the whole path's sum (logprob_weighted_div, spmd:884-888).
+    def script(request, j, depth):
+        return [100 + j], "length"  # one-token segments: the first tells the subtree
+
+    def logprob(request, j, depth):
+        in_a = depth == 1 and j == 0 or depth > 1 and request.input_ids[len(PROMPT)] == 100
+        return {1: -0.5 if in_a else -6.0, 2: -3.0 if in_a else -1.0}.get(depth, -1.0)
+
+    def round3(branch_logprob):
+        cfg = cfg_of(
+            segment_tokens=1,
+            max_depth=3,
+            branch_assignment="logprob",
+            branch_logprob=branch_logprob,
         )
-        # Fallback cuts come only from answered paths: the round-2 branch whose paths did
-        # not answer keeps the 2 children of round 3 and nothing more.
-        assert len(unanswered.children) == 2
+        engine = ScriptedEngine(1, script, logprob)
+        run(engine, cfg)
+        return [r.sampling.n for r in engine.rounds[2]]
+
+    # Round 2: 4 paths over A (-0.5) and B (-6.0): softmax([-0.25, -3.0]) = [0.94, 0.06],
+    # 2 extra → [3, 1]. Round 3: 8 paths over A's 3 children and B's one child, 4 extra:
+    # last segment: softmax([-1.5, -1.5, -1.5, -0.5]) = [0.175, 0.175, 0.175, 0.475]
+    #   → quotas [0.70, 0.70, 0.70, 1.90] → extra [1, 1, 0, 2] → [2, 2, 1, 3];
+    # path sums [-3.5, -3.5, -3.5, -7.0] / 2: weights [0.315, 0.315, 0.315, 0.055]
+    #   → quotas [1.26, 1.26, 1.26, 0.22] → extra [2, 1, 1, 0] → [3, 2, 2, 1].
+    assert round3("last_segment") == [2, 2, 1, 3]
+    assert round3("path") == [3, 2, 2, 1]
 
 
 def test_independent_mode_is_one_request_of_width() -> None:
@@ -285,16 +420,6 @@ def test_independent_mode_is_one_request_of_width() -> None:
     leaves = trees[0].leaves()
     assert len(leaves) == 16 and all(leaf.parent is trees[0].root for leaf in leaves)
     assert stats[0].finish_reasons == {"max_length": 16}
-
-
-def test_init_divergence_forks_the_root() -> None:
-    seen = set()
-    for seed in range(12):
-        engine = ScriptedEngine(segment=4)
-        trees, _ = run(engine, cfg_of(init_divergence=5, max_depth=6), seed=seed)
-        seen.add(engine.calls[0].sampling.n)
-        assert len(trees[0].leaves()) == 16
-    assert seen <= {2, 3, 4, 5} and len(seen) > 1
 
 
 def test_same_seed_same_trees_many_prompts() -> None:
