@@ -1,28 +1,35 @@
 """Memory and time of one tree-packed loss forward+backward, whole logits vs a chunked LM head.
 
-    python scripts/bench_loss_memory.py [--tokens 8192] [--vocab 151936] [--hidden 896]
-        [--layers 2] [--chunk 1024] [--repeats 2] [--threads 2]
+    python scripts/bench_loss_memory.py [--tokens 8192] [--prompt 4096] [--vocab 151936]
+        [--hidden 896] [--layers 2] [--chunk 1024] [--repeats 2] [--threads 2]
 
 A random model shaped like Qwen2.5-0.5B's head (vocab 151,936, hidden 896, 14 query / 2
 KV heads, MLP 4,864, tied embeddings; ``--layers`` 2 of its 24 are enough: the head is
-what differs) trains on one packed tree of ``--tokens`` tokens (a 512-token prompt, two
-256-token branches, 16 leaves below them) with :func:`arbor.loss.pack_loss`, float32 on
-the CPU:
+what differs) trains on one packed tree of ``--tokens`` tokens (a ``--prompt``-token
+prompt, two 256-token branches, 16 leaves below them; every response token is trained)
+with :func:`arbor.loss.pack_loss`, float32 on the CPU:
 
 - ``unchunked``: ``learner.logit_chunk_tokens: 0`` — [tokens, vocab] logits from the
   model's forward, log-softmax, entropy through autograd (arbor before the chunked head);
 - ``chunked``: ``learner.logit_chunk_tokens: --chunk`` — the head runs ``--chunk`` rows at
   a time inside one autograd function that keeps no logits (:mod:`arbor.lm_head`).
 
+- ``body``: the model body alone (forward to the final hidden states of the trained
+  rows, backward from their sum): the activations every variant holds, so that
+  ``peak − body`` is what the loss itself adds (the head, log-softmax, entropy).
+
 Each variant runs in its own process (one cannot free what the other's allocator holds);
 a thread samples the resident set (/proc/self/statm) every millisecond, and the peak
-over the loss forward+backward minus the resident set just before it is the loss step's
-extra memory. Time: the best of ``--repeats`` forward+backward passes. Ends with
+over the forward+backward minus the resident set just before it is the step's extra
+memory (gradient buffers exist before). Time: the best of ``--repeats`` passes. Ends with
 
     RESULT peak_mib_unchunked=... peak_mib_chunked=... time_ratio=<chunked / unchunked seconds>
+           body_peak_mib=<the model body's share of both peaks>
 
-For scale: one [8,192 × 151,936] float32 tensor is 4,748 MiB; one chunk of 1,024 rows is 594 MiB.
-Needs ~25 GB free for the unchunked variant at the defaults; run it on a quiet machine.
+For scale: one [4,096 × 151,936] float32 tensor (the default's trained rows) is 2,374 MiB;
+one chunk of 1,024 rows is 594 MiB. The unchunked variant needs ~15 GB free at the
+defaults (a 512-token prompt, 7,680 trained rows, would need ~26 GB: more than this
+machine has). Run it on a quiet machine.
 """
 
 from __future__ import annotations
@@ -66,8 +73,8 @@ class PeakSampler:
         self.peak = max(self.peak, resident_bytes())
 
 
-def bench_tree(tokens: int, vocab: int, seed: int):
-    """A prompt of 512, two 256-token branches, 16 leaves sharing the rest: ``tokens`` in all."""
+def bench_tree(tokens: int, prompt: int, vocab: int, seed: int):
+    """A prompt, two 256-token branches, 16 leaves sharing the rest: ``tokens`` in all."""
     import random
 
     from arbor.tree import RolloutTree
@@ -80,8 +87,10 @@ def bench_tree(tokens: int, vocab: int, seed: int):
     def segment(parent, n: int):
         return tree.add_segment(parent, ids(n), logprobs=[-12.0 + rng.random() for _ in range(n)])
 
-    tree = RolloutTree(ids(512), problem={"id": "bench"})
-    leaf_tokens = (tokens - 512 - 2 * 256) // 16
+    tree = RolloutTree(ids(prompt), problem={"id": "bench"})
+    leaf_tokens = (tokens - prompt - 2 * 256) // 16
+    if leaf_tokens < 1:
+        raise SystemExit(f"--tokens {tokens} leaves no room for 16 leaves after --prompt {prompt} + 512")
     for _ in range(2):
         branch = segment(tree.root, 256)
         for _ in range(8):
@@ -95,6 +104,7 @@ def run_variant(args: argparse.Namespace) -> dict[str, float]:
 
     from arbor.loss import pack_loss
     from arbor.packing import loss_denominator, pack_trees
+    from arbor.tree_attention import BLOCKS_IMPL, attention_implementation
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -106,11 +116,23 @@ def run_variant(args: argparse.Namespace) -> dict[str, float]:
         tie_word_embeddings=True, max_position_embeddings=32768, attn_implementation="sdpa",
     )
     model = Qwen2ForCausalLM(config).float()
-    tree = bench_tree(args.tokens, args.vocab, seed=0)
+    tree = bench_tree(args.tokens, args.prompt, args.vocab, seed=0)
     advantages = [[(-1.0) ** i * 0.5 for i in range(len(tree.leaves()))]]
     (pack,) = pack_trees([tree], advantages, pack_tokens=args.tokens + 1)
     denominator = loss_denominator([tree], "token")
     chunk = args.chunk if args.variant == "chunked" else 0
+    rows = pack.parent[pack.trained.nonzero()[:, 0]]
+
+    def forward_backward() -> None:
+        if args.variant == "body":
+            with attention_implementation(model, BLOCKS_IMPL):
+                out = model.model(input_ids=pack.input_ids[None], position_ids=pack.position_ids[None],
+                                  arbor_blocks=pack.blocks, use_cache=False)
+            out.last_hidden_state[0, rows].sum().backward()
+            return
+        loss, _ = pack_loss(model, pack, denominator, entropy_coef=0.01, chunk_tokens=chunk, attention="blocks")
+        loss.backward()
+
     for p in model.parameters():  # gradient buffers exist before the measurement: not the loss's memory
         p.grad = torch.zeros_like(p)
     seconds, peak = [], 0
@@ -119,11 +141,9 @@ def run_variant(args: argparse.Namespace) -> dict[str, float]:
         before = resident_bytes()
         with PeakSampler() as sampler:
             start = time.perf_counter()
-            loss, _ = pack_loss(model, pack, denominator, entropy_coef=0.01, chunk_tokens=chunk, attention="blocks")
-            loss.backward()
+            forward_backward()
             seconds.append(time.perf_counter() - start)
         peak = max(peak, sampler.peak - before)
-        del loss
     return {"seconds": min(seconds), "peak_mib": peak / 2**20, "tokens": pack.num_tokens,
             "trained": int(pack.trained.sum())}
 
@@ -131,19 +151,20 @@ def run_variant(args: argparse.Namespace) -> dict[str, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", type=int, default=8192)
+    parser.add_argument("--prompt", type=int, default=4096)
     parser.add_argument("--vocab", type=int, default=151936)
     parser.add_argument("--hidden", type=int, default=896)
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--chunk", type=int, default=1024)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--variant", choices=["chunked", "unchunked"], help=argparse.SUPPRESS)
+    parser.add_argument("--variant", choices=["chunked", "unchunked", "body"], help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.variant:  # a child: one variant, JSON on the last line
         print(json.dumps(run_variant(args)))
         return
     results = {}
-    for variant in ("chunked", "unchunked"):
+    for variant in ("body", "chunked", "unchunked"):
         cmd = [sys.executable, __file__, "--variant", variant] + [
             f"--{k}={v}" for k, v in vars(args).items() if k != "variant"
         ]
@@ -156,7 +177,8 @@ def main() -> None:
               f"forward+backward {r['seconds']:.2f} s, extra memory {r['peak_mib']:.0f} MiB", flush=True)
     print(f"RESULT peak_mib_unchunked={results['unchunked']['peak_mib']:.0f} "
           f"peak_mib_chunked={results['chunked']['peak_mib']:.0f} "
-          f"time_ratio={results['chunked']['seconds'] / results['unchunked']['seconds']:.3f}")
+          f"time_ratio={results['chunked']['seconds'] / results['unchunked']['seconds']:.3f} "
+          f"body_peak_mib={results['body']['peak_mib']:.0f}")
 
 
 if __name__ == "__main__":
