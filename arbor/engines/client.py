@@ -149,31 +149,38 @@ class SGLangClient:
         self,
         master_address: str,
         master_port: int,
-        world_size: int,
         *,
+        tp_sizes: list[int] | None = None,
         group_name: str = "weight_update_group",
         backend: str = "gloo",
-        ranks_per_server: int = 1,
     ) -> list[Any]:
-        """Server i joins as ranks ``1 + i * ranks_per_server ...`` (the learner is rank 0).
+        """Every TP rank of server i joins as rank ``rank_offset_i + tp_rank`` (the learner is
+        rank 0): world_size = 1 + Σ tp_size, rank_offset_i = 1 + Σ_{j<i} tp_size_j.
 
         Blocks on the servers until the learner opens its side of the group too: run the
         learner's ``open_group(..., rank=0)`` concurrently with this call.
         """
+        from arbor.engines.distributed import rank_layout
 
-        def payload(index: int) -> dict[str, Any]:
-            return {
-                "master_address": master_address,
-                "master_port": master_port,
-                "rank_offset": 1 + index * ranks_per_server,
-                "world_size": world_size,
-                "group_name": group_name,
-                "backend": backend,
-            }
-
+        world_size, offsets = rank_layout(tp_sizes or [1] * len(self.urls))
+        if len(offsets) != len(self.urls):
+            raise ValueError(f"{len(offsets)} tp_sizes for {len(self.urls)} servers")
         calls = [
-            self._call(url, "POST", "/init_weights_update_group", payload(i), retries=0)
-            for i, url in enumerate(self.urls)
+            self._call(
+                url,
+                "POST",
+                "/init_weights_update_group",
+                {
+                    "master_address": master_address,
+                    "master_port": master_port,
+                    "rank_offset": offset,
+                    "world_size": world_size,
+                    "group_name": group_name,
+                    "backend": backend,
+                },
+                retries=0,
+            )
+            for url, offset in zip(self.urls, offsets)
         ]
         return [_check_success(r, url) for r, url in zip(await asyncio.gather(*calls), self.urls)]
 
@@ -184,10 +191,12 @@ class SGLangClient:
         shapes: list[list[int]],
         *,
         group_name: str = "weight_update_group",
+        load_format: str | None = None,
         flush_cache: bool = True,
         weight_version: str | None = None,
     ) -> list[Any]:
-        """Servers receive the tensors the learner then broadcasts (run both concurrently)."""
+        """Servers receive the tensors the learner then broadcasts (run both concurrently);
+        ``load_format: "flattened_bucket"``: all of them as one flat broadcast."""
         payload: dict[str, Any] = {
             "names": names,
             "dtypes": dtypes,
@@ -195,12 +204,42 @@ class SGLangClient:
             "group_name": group_name,
             "flush_cache": flush_cache,
         }
+        if load_format is not None:
+            payload["load_format"] = load_format
         if weight_version is not None:
             payload["weight_version"] = weight_version
         # Never retried: a half-received broadcast cannot be replayed.
         return await self._all(
             "POST", "/update_weights_from_distributed", payload, check_success=True, retries=0
         )
+
+    async def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> None:
+        await self._all(
+            "POST", "/destroy_weights_update_group", {"group_name": group_name}, check_success=True
+        )
+
+    async def begin_weight_update(self) -> list[str]:
+        """Open a weight-update session on every server (SGLang >= 0.5.22 refuses updates
+        outside one); the URLs where one opened (an older server answers 404: skipped)."""
+
+        async def begin(url: str) -> str | None:
+            try:
+                _check_success(await self._call(url, "POST", "/begin_weight_update", {}, retries=0), url)
+            except EngineError as exc:
+                if exc.status != 404:
+                    raise
+                return None
+            return url
+
+        return [url for url in await asyncio.gather(*map(begin, self.urls)) if url is not None]
+
+    async def end_weight_update(self, urls: list[str]) -> None:
+        """Close the sessions :meth:`begin_weight_update` opened on ``urls``."""
+        replies = await asyncio.gather(
+            *(self._call(url, "POST", "/end_weight_update", {}, retries=0) for url in urls)
+        )
+        for reply, url in zip(replies, urls):
+            _check_success(reply, url)
 
     async def flush_cache(self) -> None:
         await self._all("POST", "/flush_cache", {})
@@ -219,6 +258,15 @@ class SGLangClient:
             if exc.status != 404:
                 raise
             return await self._all("GET", "/get_model_info", None)
+
+    async def server_info(self) -> list[dict[str, Any]]:
+        """``/server_info`` of each server (``/get_server_info`` on older SGLang): its launch arguments (``tp_size``, ...) and ``version``."""
+        try:
+            return await self._all("GET", "/server_info", None)
+        except EngineError as exc:
+            if exc.status != 404:
+                raise
+            return await self._all("GET", "/get_server_info", None)
 
     async def get_weight_version(self) -> list[str]:
         """Each server's weight version (``/get_weight_version``, else ``/model_info``'s)."""
