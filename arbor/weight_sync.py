@@ -71,13 +71,17 @@ class WeightSync:
         *,
         master_address: str = "127.0.0.1",
         export_dir: str | Path | None = None,
+        flatten: bool = True,
     ) -> None:
+        """``flatten``: send each bucket as one flat broadcast where every engine takes it
+        (False: one broadcast per tensor everywhere, e.g. to compare the two)."""
         if method not in ("distributed", "disk"):
             raise ValueError(f"weight sync method must be 'distributed' or 'disk', got {method!r}")
         if method == "disk" and export_dir is None:
             raise ValueError("weight sync over disk needs export_dir")
         self.client, self.method = client, method
         self.master_address = master_address
+        self.flatten = flatten
         self.export_dir = Path(export_dir) if export_dir is not None else None
         self._group: Any = None
         self._group_name = ""
@@ -100,7 +104,7 @@ class WeightSync:
                 last = following is None
                 await send_weights(
                     self.client, self._group, pending, group_name=self._group_name,
-                    load_format=self._load_format,
+                    load_format=self._load_format if self.flatten else None,
                     flush_cache=last, weight_version=version if last else None,
                 )
                 pending = following
