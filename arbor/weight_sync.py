@@ -25,7 +25,13 @@ from typing import Any
 import torch
 
 from arbor.engines.client import SGLangClient
-from arbor.engines.distributed import FLATTENED, close_group, connect_learner, send_weights
+from arbor.engines.distributed import (
+    FLATTENED,
+    FlatBuffer,
+    close_group,
+    connect_learner,
+    send_weights,
+)
 from arbor.engines.server import free_port
 from arbor.engines.types import GenerateRequest, SamplingParams
 
@@ -86,6 +92,7 @@ class WeightSync:
         self._group: Any = None
         self._group_name = ""
         self._load_format: str | None = None  # set with the group, from the servers' versions
+        self._buffer = FlatBuffer()  # the flat bucket being sent, reused push after push
 
     async def push(self, buckets: Iterator[list[tuple[str, torch.Tensor]]], version: str) -> None:
         """Send every bucket; the last one flushes the cache and sets ``version``."""
@@ -105,7 +112,7 @@ class WeightSync:
                 await send_weights(
                     self.client, self._group, pending, group_name=self._group_name,
                     load_format=self._load_format if self.flatten else None,
-                    flush_cache=last, weight_version=version if last else None,
+                    flush_cache=last, weight_version=version if last else None, buffer=self._buffer,
                 )
                 pending = following
         finally:

@@ -148,15 +148,19 @@ def build_app(conns: list[Connection], tp_size: int, version: str) -> Any:
 
 
 def main() -> None:
+    from importlib.metadata import version
+
+    # Imported once here, inherited by the forked TP ranks (an import costs seconds).
+    import sglang.srt.utils.common  # noqa: F401
+    import sglang.srt.weight_sync.tensor_bucket  # noqa: F401
     from aiohttp import web
-    from sglang.version import __version__
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--tp-size", type=int, default=1)
-    parser.add_argument("--version", default=__version__, help="what /server_info reports")
+    parser.add_argument("--version", default=version("sglang"), help="what /server_info reports")
     args = parser.parse_args()
-    context = mp.get_context("spawn")
+    context = mp.get_context("fork")  # before any group or thread exists in this process
     conns = []
     for tp_rank in range(args.tp_size):
         front, back = context.Pipe()

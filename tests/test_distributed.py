@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from arbor.engines.client import SGLangClient
-from arbor.engines.distributed import flat_chunks, flatten, rank_layout, unflatten
+from arbor.engines.distributed import FlatBuffer, flat_chunks, flatten, rank_layout, unflatten
 from arbor.engines.server import free_port
 from arbor.weight_sync import (
     WeightSync,
@@ -90,6 +90,16 @@ def test_flatten_round_trip_is_bit_exact():
             assert back[name].dtype == tensor.dtype and torch.equal(back[name], tensor), name
     with pytest.raises(ValueError, match="announced 8 bytes"):
         unflatten(torch.zeros(9, dtype=torch.uint8), ["x"], [torch.float32], [[2]])
+
+
+def test_flat_buffer_is_reused_and_grows():
+    buffer, cpu = FlatBuffer(), torch.device("cpu")
+    first = buffer.take(100, cpu)
+    assert buffer.take(60, cpu).data_ptr() == first.data_ptr()  # no new memory
+    assert buffer.take(200, cpu).numel() == 200
+    chunk = list(flat_chunks(mixed_tensors()))[1]
+    into = flatten(chunk, buffer.take(sum(t.nbytes for _, t in chunk), cpu))
+    assert into.data_ptr() == buffer.data.data_ptr() and torch.equal(into, flatten(chunk))
 
 
 def test_flat_layout_is_sglangs(tmp_path):

@@ -128,9 +128,32 @@ def flat_chunks(
         yield chunk
 
 
-def flatten(named_tensors: list[tuple[str, torch.Tensor]]) -> torch.Tensor:
-    """The tensors' bytes back to back, ``uint8 [Σ nbytes]`` (SGLang's FlattenedTensorBucket)."""
-    return torch.cat([t.detach().contiguous().reshape(-1).view(torch.uint8) for _, t in named_tensors])
+def flatten(named_tensors: list[tuple[str, torch.Tensor]], out: torch.Tensor | None = None) -> torch.Tensor:
+    """The tensors' bytes back to back, ``uint8 [Σ nbytes]`` (SGLang's FlattenedTensorBucket),
+    written into ``out`` when given (exactly that many bytes)."""
+    parts = [t.detach().contiguous().reshape(-1).view(torch.uint8) for _, t in named_tensors]
+    return torch.cat(parts, out=out) if out is not None else torch.cat(parts)
+
+
+class FlatBuffer:
+    """One ``uint8`` buffer reused for every flat bucket on CPU.
+
+    Fresh memory is page-faulted in on first touch, on every allocation of this size: on
+    the 2-core dev VM filling a new 512 MB buffer took ~2 s, refilling a used one ~0.1 s.
+    CUDA tensors get a fresh buffer (the caching allocator already reuses its blocks, and
+    a buffer kept for good would hold GPU memory through training).
+    """
+
+    def __init__(self) -> None:
+        self.data: torch.Tensor | None = None
+
+    def take(self, nbytes: int, device: torch.device) -> torch.Tensor:
+        """A ``uint8 [nbytes]`` view to write into (contents undefined)."""
+        if device.type != "cpu":
+            return torch.empty(nbytes, dtype=torch.uint8, device=device)
+        if self.data is None or self.data.numel() < nbytes:
+            self.data = torch.empty(nbytes, dtype=torch.uint8)
+        return self.data[:nbytes]
 
 
 def unflatten(
@@ -159,6 +182,7 @@ class WeightUpdateGroup:
     def __init__(self) -> None:
         self.group: Any = None
         self.group_name: str | None = None
+        self.buffer = FlatBuffer()  # flat buckets land here; the caller copies them out
 
     def init_from_request(self, body: dict[str, Any]) -> str:
         """Handle ``/init_weights_update_group`` (blocks until the learner joins)."""
@@ -183,7 +207,8 @@ class WeightUpdateGroup:
         return f"joined {name} as rank {offset} of {world}"
 
     def receive(self, body: dict[str, Any]) -> dict[str, torch.Tensor]:
-        """Handle ``/update_weights_from_distributed``: the announced tensors, received."""
+        """Handle ``/update_weights_from_distributed``: the announced tensors, received
+        (a flat bucket's are views into a buffer the next flat bucket overwrites)."""
         names, dtypes, shapes = body.get("names"), body.get("dtypes"), body.get("shapes")
         if not (isinstance(names, list) and isinstance(dtypes, list) and isinstance(shapes, list)):
             raise ValueError("names, dtypes and shapes must be lists")
@@ -200,7 +225,7 @@ class WeightUpdateGroup:
         torch_dtypes = [parse_dtype(d) for d in dtypes]
         shapes = [[int(s) for s in shape] for shape in shapes]
         if load_format == FLATTENED:
-            flat = torch.empty(flat_size(torch_dtypes, shapes), dtype=torch.uint8)
+            flat = self.buffer.take(flat_size(torch_dtypes, shapes), torch.device("cpu"))
             dist.broadcast(flat, src=0, group=self.group)
             return unflatten(flat, names, torch_dtypes, shapes)
         received = {}
@@ -250,17 +275,21 @@ async def send_weights(
     load_format: str | None = None,
     flush_cache: bool = True,
     weight_version: str | None = None,
+    buffer: FlatBuffer | None = None,
 ) -> None:
     """Send ``named_tensors`` to every server: a POST announcing names, dtypes and shapes,
     and (concurrently) one broadcast per tensor, or per flat chunk with ``load_format:
-    "flattened_bucket"``. Only the last POST flushes the cache and sets the version."""
+    "flattened_bucket"`` (flattened into ``buffer``, reused across calls, when given).
+    Only the last POST flushes the cache and sets the version."""
     parts = list(flat_chunks(named_tensors)) if load_format == FLATTENED else [named_tensors]
     for index, part in enumerate(parts):
         last = index == len(parts) - 1
 
         def broadcast_part(part: list[tuple[str, torch.Tensor]] = part) -> None:
             if load_format == FLATTENED:
-                dist.broadcast(flatten(part), src=0, group=group)
+                nbytes = sum(t.numel() * t.element_size() for _, t in part)
+                out = buffer.take(nbytes, part[0][1].device) if buffer is not None else None
+                dist.broadcast(flatten(part, out), src=0, group=group)
                 return
             for _, tensor in part:
                 dist.broadcast(tensor.detach().contiguous(), src=0, group=group)
