@@ -43,6 +43,34 @@ class _Retryable(Exception):
     """A 5xx: worth another try."""
 
 
+class CachedPrefixes:
+    """Token sequences each server's radix cache holds, as far as this client can tell: the
+    prompts it committed and every prompt + output it got back since the server last
+    flushed (a new ``weight_version`` in a reply, or a flush sent through this client).
+    Wrong after an LRU eviction, and then forks merely prefill their prefix again."""
+
+    LIMIT = 1 << 20  # sequences remembered per server before starting afresh
+
+    def __init__(self) -> None:
+        self._held: dict[str, set[int]] = {}
+        self._version: dict[str, str] = {}
+
+    def holds(self, url: str, ids: list[int]) -> bool:
+        return hash(tuple(ids)) in self._held.get(url, ())
+
+    def add(self, url: str, ids: list[int], weight_version: str | None = None) -> None:
+        if weight_version is not None and self._version.get(url) != weight_version:
+            self._held.pop(url, None)  # new weights: the server flushed its cache
+            self._version[url] = weight_version
+        held = self._held.setdefault(url, set())
+        if len(held) >= self.LIMIT:
+            held.clear()
+        held.add(hash(tuple(ids)))
+
+    def forget(self) -> None:
+        self._held.clear()
+
+
 class SGLangClient:
     """Implements :class:`~arbor.engines.types.RolloutEngine` over one or more servers."""
 
@@ -69,6 +97,7 @@ class SGLangClient:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._session: aiohttp.ClientSession | None = None
         self._semaphore: asyncio.Semaphore | None = None
+        self.prefixes = CachedPrefixes()
 
     async def __aenter__(self) -> SGLangClient:
         return self
@@ -101,6 +130,12 @@ class SGLangClient:
         embedded engine gives fork ``j`` of one request; on SGLang it also keeps the
         forks of a seeded request distinct). One call per round of a tree instead of
         one per path: the server admits the round together and the HTTP work shrinks.
+
+        Forks of a prompt the server's cache does not hold yet (a root round, the
+        independent baseline, after a flush) would each prefill it: under SGLang's default
+        ``fcfs`` schedule requests of one batch do not share an uncached prefix. Such
+        prompts are committed first with ``max_new_tokens: 0`` (as SGLang's own parallel
+        sampling does), so the forks find them cached.
         """
         by_server: dict[str, list[int]] = {}
         for i, request in enumerate(requests):
@@ -108,6 +143,7 @@ class SGLangClient:
         results: list[list[GenerateOutput]] = [[] for _ in requests]
 
         async def batch(url: str, indices: list[int]) -> None:
+            await self._commit_prefixes(url, [requests[i] for i in indices])
             items = [item for i in indices for item in _fork_items(requests[i])]
             payload = {
                 "input_ids": [list(item.input_ids) for item in items],
@@ -121,9 +157,26 @@ class SGLangClient:
             outputs = iter(parse_output(item) for item in body)
             for i in indices:
                 results[i] = [next(outputs) for _ in range(requests[i].sampling.n)]
+                for out in results[i]:
+                    self.prefixes.add(url, [*requests[i].input_ids, *out.output_ids], out.weight_version)
 
         await asyncio.gather(*(batch(url, indices) for url, indices in by_server.items()))
         return results
+
+    async def _commit_prefixes(self, url: str, requests: list[GenerateRequest]) -> None:
+        """Put the uncached prompts of multi-fork ``requests`` into ``url``'s cache."""
+        uncached: dict[int, list[int]] = {}
+        for request in requests:
+            ids = list(request.input_ids)
+            if request.sampling.n > 1 and not self.prefixes.holds(url, ids):
+                uncached.setdefault(hash(tuple(ids)), ids)
+        if not uncached:
+            return
+        payload = {"input_ids": list(uncached.values()), "sampling_params": {"max_new_tokens": 0}}
+        body = await self._call(url, "POST", "/generate", payload)
+        replies = body if isinstance(body, list) else [body]
+        for ids, reply in zip(uncached.values(), replies):
+            self.prefixes.add(url, ids, parse_output(reply).weight_version)
 
     def server_for(self, affinity_key: str | None) -> str:
         """The server a request goes to: rendezvous hash of the key, else round-robin."""
@@ -143,6 +196,7 @@ class SGLangClient:
         payload: dict[str, Any] = {"model_path": model_path}
         if weight_version is not None:
             payload["weight_version"] = weight_version
+        self.prefixes.forget()
         return await self._all("POST", "/update_weights_from_disk", payload, check_success=True)
 
     async def init_weights_update_group(
@@ -208,6 +262,8 @@ class SGLangClient:
             payload["load_format"] = load_format
         if weight_version is not None:
             payload["weight_version"] = weight_version
+        if flush_cache:
+            self.prefixes.forget()
         # Never retried: a half-received broadcast cannot be replayed.
         return await self._all(
             "POST", "/update_weights_from_distributed", payload, check_success=True, retries=0
@@ -242,9 +298,11 @@ class SGLangClient:
             _check_success(reply, url)
 
     async def flush_cache(self) -> None:
+        self.prefixes.forget()
         await self._all("POST", "/flush_cache", {})
 
     async def release_memory_occupation(self) -> None:
+        self.prefixes.forget()  # SGLang flushes its cache when it releases the KV memory
         await self._all("POST", "/release_memory_occupation", {})
 
     async def resume_memory_occupation(self) -> None:
