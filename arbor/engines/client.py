@@ -310,21 +310,21 @@ class SGLangClient:
 
     async def model_info(self) -> list[dict[str, Any]]:
         """``/model_info`` of each server (``/get_model_info`` on older SGLang)."""
-        try:
-            return await self._all("GET", "/model_info", None)
-        except EngineError as exc:
-            if exc.status != 404:
-                raise
-            return await self._all("GET", "/get_model_info", None)
+        return await self._get_renamed("/model_info", "/get_model_info")
 
     async def server_info(self) -> list[dict[str, Any]]:
-        """``/server_info`` of each server (``/get_server_info`` on older SGLang): its launch arguments (``tp_size``, ...) and ``version``."""
+        """``/server_info`` of each server (``/get_server_info`` on older SGLang): its
+        launch arguments (``tp_size``, ``dp_size``, ...) and ``version``."""
+        return await self._get_renamed("/server_info", "/get_server_info")
+
+    async def _get_renamed(self, path: str, older_path: str) -> list[Any]:
+        """GET ``path`` on every server, ``older_path`` where the server answers 404."""
         try:
-            return await self._all("GET", "/server_info", None)
+            return await self._all("GET", path, None)
         except EngineError as exc:
             if exc.status != 404:
                 raise
-            return await self._all("GET", "/get_server_info", None)
+            return await self._all("GET", older_path, None)
 
     async def get_weight_version(self) -> list[str]:
         """Each server's weight version (``/get_weight_version``, else ``/model_info``'s)."""

@@ -200,6 +200,10 @@ def build_app(engine: LocalEngine, tokenizer: Any = None) -> web.Application:
             return web.json_response(items[0])
         return web.json_response(items)
 
+    def refused(message: str) -> web.Response:
+        """SGLang's answer to a weight call it refuses: 400 with success false."""
+        return web.json_response({"success": False, "message": message}, status=400)
+
     @routes.post("/update_weights_from_disk")
     @handler
     async def update_from_disk(request: web.Request) -> web.Response:
@@ -230,31 +234,27 @@ def build_app(engine: LocalEngine, tokenizer: Any = None) -> web.Application:
     async def destroy_group(request: web.Request) -> web.Response:
         name = (await _json_body(request)).get("group_name", DEFAULT_GROUP)
         if name != state.group.group_name:
-            return web.json_response(
-                {"success": False, "message": f"no weight update group {name!r} to destroy"}, status=400
-            )
+            return refused(f"no weight update group {name!r} to destroy")
         state.group.destroy()
         return web.json_response({"success": True, "message": "destroyed"})
 
-    def refused(message: str) -> web.Response:
-        """SGLang's answer to a weight call it refuses: 400 with success false."""
-        return web.json_response({"success": False, "message": message}, status=400)
+    def session(opening: bool) -> Any:
+        """``/begin_weight_update`` (opening) or ``/end_weight_update``: one session at a time."""
 
-    @routes.post("/begin_weight_update")
-    @handler
-    async def begin_weight_update(request: web.Request) -> web.Response:
-        if state.updating:
-            return refused("a weight-update session is already open; call end_weight_update() first")
-        state.updating = True
-        return web.json_response({"success": True, "message": "Success"})
+        async def switch(request: web.Request) -> web.Response:
+            if state.updating == opening:
+                return refused(
+                    "a weight-update session is already open; call end_weight_update() first"
+                    if opening
+                    else "no weight-update session is open; call begin_weight_update() first"
+                )
+            state.updating = opening
+            return web.json_response({"success": True, "message": "Success"})
 
-    @routes.post("/end_weight_update")
-    @handler
-    async def end_weight_update(request: web.Request) -> web.Response:
-        if not state.updating:
-            return refused("no weight-update session is open; call begin_weight_update() first")
-        state.updating = False
-        return web.json_response({"success": True, "message": "Success"})
+        return switch
+
+    routes.post("/begin_weight_update")(session(True))
+    routes.post("/end_weight_update")(session(False))
 
     @routes.post("/update_weights_from_distributed")
     @handler
