@@ -183,6 +183,7 @@ class WeightUpdateGroup:
         self.group: Any = None
         self.group_name: str | None = None
         self.buffer = FlatBuffer()  # flat buckets land here; the caller copies them out
+        self.device = torch.device("cpu")  # where broadcasts land: the GPU under NCCL
 
     def init_from_request(self, body: dict[str, Any]) -> str:
         """Handle ``/init_weights_update_group`` (blocks until the learner joins)."""
@@ -204,6 +205,7 @@ class WeightUpdateGroup:
             raise ValueError("group_name must be a non-empty string")
         self.group = open_group(address, port, offset, world, name, backend)
         self.group_name = name
+        self.device = torch.device("cuda" if backend == "nccl" else "cpu")
         return f"joined {name} as rank {offset} of {world}"
 
     def receive(self, body: dict[str, Any]) -> dict[str, torch.Tensor]:
@@ -225,12 +227,12 @@ class WeightUpdateGroup:
         torch_dtypes = [parse_dtype(d) for d in dtypes]
         shapes = [[int(s) for s in shape] for shape in shapes]
         if load_format == FLATTENED:
-            flat = self.buffer.take(flat_size(torch_dtypes, shapes), torch.device("cpu"))
+            flat = self.buffer.take(flat_size(torch_dtypes, shapes), self.device)
             dist.broadcast(flat, src=0, group=self.group)
             return unflatten(flat, names, torch_dtypes, shapes)
         received = {}
         for tensor_name, dtype, shape in zip(names, torch_dtypes, shapes):
-            received[tensor_name] = torch.empty(shape, dtype=dtype)
+            received[tensor_name] = torch.empty(shape, dtype=dtype, device=self.device)
             dist.broadcast(received[tensor_name], src=0, group=self.group)
         return received
 
