@@ -7,7 +7,7 @@ gives it: ``rank = rank_offset + tp_rank``) and receives as its
 ``receive_weights_from_distributed`` does: one async broadcast per tensor, or SGLang's
 ``FlattenedTensorBucket.empty(...)`` + one broadcast + ``reconstruct_tensors()`` for
 ``load_format: "flattened_bucket"``. The front process answers with SGLang 0.5.23's
-session rules and reply shapes (scheduler ``SchedulerWeightUpdaterManager``,
+session rules (none, and no session routes, when ``--version`` is below 0.5.22) and reply shapes (scheduler ``SchedulerWeightUpdaterManager``,
 ``http_server.py``). Only the model load is left out: received tensors are kept and can
 be dumped (``POST /dump {"path"}``, a test-only route) for a bit-exact comparison.
 
@@ -73,6 +73,8 @@ def build_app(conns: list[Connection], tp_size: int, version: str) -> Any:
 
     from aiohttp import web
 
+    # Sessions came with SGLang 0.5.22: an older server has no such routes (404) and no rule.
+    sessions = tuple(int(part) for part in version.split(".")[:3] if part.isdigit()) >= (0, 5, 22)
     state = {"session": False, "weight_version": "default"}
     routes = web.RouteTableDef()
 
@@ -101,14 +103,12 @@ def build_app(conns: list[Connection], tp_size: int, version: str) -> Any:
         body.setdefault("group_name", "weight_update_group")
         return reply(*await on_all_ranks("destroy", body))
 
-    @routes.post("/begin_weight_update")
     async def begin(request: web.Request) -> web.Response:
         if state["session"]:
             return reply(False, "a weight-update session is already open; call end_weight_update() first")
         state["session"] = True
         return reply(True, "Success")
 
-    @routes.post("/end_weight_update")
     async def end(request: web.Request) -> web.Response:
         if not state["session"]:
             return reply(False, "no weight-update session is open; call begin_weight_update() first")
@@ -118,7 +118,7 @@ def build_app(conns: list[Connection], tp_size: int, version: str) -> Any:
     @routes.post("/update_weights_from_distributed")
     async def update(request: web.Request) -> web.Response:
         body = await request.json()
-        if not state["session"]:
+        if sessions and not state["session"]:
             return reply(False, "update_weights_from_distributed must run between "
                          "begin_weight_update() and end_weight_update()")
         success, message = await on_all_ranks("update", body)
@@ -142,6 +142,9 @@ def build_app(conns: list[Connection], tp_size: int, version: str) -> Any:
     async def health(request: web.Request) -> web.Response:
         return web.Response(text="")
 
+    if sessions:
+        routes.post("/begin_weight_update")(begin)
+        routes.post("/end_weight_update")(end)
     app = web.Application(client_max_size=1 << 30)
     app.add_routes(routes)
     return app

@@ -136,8 +136,8 @@ def start_receivers(tp_sizes: list[int], version: str | None) -> tuple[list[subp
 def test_weight_sync_into_sglangs_own_group_code(tmp_path, version, load_format):
     """Two engines (TP 2 and TP 1: ranks 1-2 and 3 of 4) receive with SGLang's code, bit-exact.
 
-    ``version`` None: the installed SGLang's (flat buckets); "0.5.2": an older server that
-    receives per tensor.
+    ``version`` None: the installed SGLang's (flat buckets, sessions); "0.5.2": an older
+    server that receives per tensor and has no session routes (404: pushed without).
     """
     if sglang_missing():
         pytest.skip(sglang_missing())
