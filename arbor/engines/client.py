@@ -11,7 +11,11 @@
   so that server's radix cache holds the tree; requests without a key go round-robin.
 - Connection errors, timeouts and 5xx are retried with exponential backoff; a 4xx raises
   :class:`EngineError` at once with the server's message (retrying cannot fix it).
-- Control calls (weights, cache, memory, health) go to every server.
+- ``generate_many`` sends a round as one batch per server, forks as seeded items; a
+  multi-fork prompt the server has not cached yet is first committed with
+  ``max_new_tokens: 0``, so its forks share one prefill (:class:`CachedPrefixes`).
+- Control calls (weights, cache, memory, health) go to every server; weight pushes run in
+  SGLang's sessions (``/begin_weight_update`` ... ``/end_weight_update``).
 """
 
 from __future__ import annotations
