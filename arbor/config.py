@@ -106,6 +106,9 @@ class EngineConfig:
     startup_timeout_s: float = 600.0
     request_timeout_s: float = 600.0
     max_retries: int = 3
+    # SGLang: --enable-deterministic-inference, so per-fork sampling seeds are honoured and
+    # runs reproduce (slower kernels). Off: SGLang ignores seeds; forks use its randomness.
+    deterministic: bool = False
 
 
 @dataclass
@@ -450,6 +453,13 @@ def validate(cfg: Config, where: str = "<config>") -> None:
     need(not e.urls or e.kind == "external", "engine.urls", f"is only used with engine.kind: external (kind is {e.kind})")
     need(0 < e.mem_fraction <= 1, "engine.mem_fraction", f"must be in (0, 1], got {e.mem_fraction}")
     need(e.max_retries >= 0, "engine.max_retries", "must be ≥ 0")
+    need(e.tp_size >= 1, "engine.tp_size", f"must be ≥ 1, got {e.tp_size}")
+    on_gpus = e.kind == "sglang" or le.device == "cuda"
+    # NCCL cannot pair two ranks on one GPU: learner rank 0 and its colocated engine.
+    need(not (cfg.ray.colocate and on_gpus and le.weight_sync == "distributed"), "learner.weight_sync",
+         "must be disk with ray.colocate on GPUs (NCCL cannot put the learner's rank and the engine's on one GPU)")
+    need(not (cfg.ray.colocate and e.tp_size > 1), "engine.tp_size",
+         f"must be 1 with ray.colocate (a colocated engine gets one learner GPU), got {e.tp_size}")
 
     need(bool(cfg.reward.functions), "reward.functions", "must name at least one reward function")
     for i, term in enumerate(cfg.reward.functions):

@@ -347,11 +347,18 @@ class EngineWorker:
 
 def engine_args(cfg: Config) -> list[str]:
     """Server flags from the config (the embedded server's cache bound, SGLang's memory)."""
-    from arbor.engines.launch import sglang_available
+    from arbor.engines.launch import sglang_available, sglang_flags
 
     sglang = cfg.engine.kind == "sglang" or (cfg.engine.kind == "auto" and sglang_available())
     if sglang:
-        args = ["--mem-fraction-static", str(cfg.engine.mem_fraction), "--tp-size", str(cfg.engine.tp_size)]
+        # With model.dtype auto, the learner's (on GPUs its auto is bfloat16); an explicit
+        # model.dtype reaches the server as launch_engines(dtype=...).
+        dtype = None if cfg.model.dtype != "auto" else cfg.learner.dtype.replace("auto", "bfloat16")
+        args = sglang_flags(
+            mem_fraction=cfg.engine.mem_fraction, tp_size=cfg.engine.tp_size, dtype=dtype,
+            seed=cfg.run.seed, trust_remote_code=cfg.model.trust_remote_code,
+            memory_saver=cfg.ray.colocate, deterministic=cfg.engine.deterministic,
+        )
     else:
         args = ["--max-cached-tokens", str(cfg.engine.max_cached_tokens)]
     return args + list(cfg.engine.extra_args)

@@ -5,10 +5,14 @@
     gap = await probe_logprob_gap(client, learner.model, prompts)   # ~0 after a correct sync
 
 Two transports, both SGLang's own endpoints so the same code drives SGLang and
-``arbor serve``: ``distributed`` (a gloo/NCCL group, the learner broadcasts each bucket,
-``/update_weights_from_distributed``), and ``disk`` (the learner writes an HF directory,
-``/update_weights_from_disk``). The radix cache is flushed with the last bucket: KV
-computed by old weights must never serve new rollouts.
+``arbor serve``: ``distributed`` (a gloo/NCCL group built as SGLang builds it, with every
+TP rank of every engine a member; ``/update_weights_from_distributed``), and ``disk`` (the
+learner writes an HF directory, ``/update_weights_from_disk``). A distributed push runs in
+a weight-update session (``/begin_weight_update`` ... ``/end_weight_update``, which SGLang
+>= 0.5.22 requires; older servers answer 404 and go without) and sends each bucket as one
+flat broadcast (``load_format: "flattened_bucket"``) where every server supports it
+(SGLang >= 0.5.6, ``arbor serve``), else one broadcast per tensor. The radix cache is
+flushed with the last bucket: KV computed by old weights must never serve new rollouts.
 """
 
 from __future__ import annotations
@@ -21,7 +25,13 @@ from typing import Any
 import torch
 
 from arbor.engines.client import SGLangClient
-from arbor.engines.distributed import connect_learner, send_weights
+from arbor.engines.distributed import (
+    FLATTENED,
+    FlatBuffer,
+    close_group,
+    connect_learner,
+    send_weights,
+)
 from arbor.engines.server import free_port
 from arbor.engines.types import GenerateRequest, SamplingParams
 from arbor.lm_head import logprobs_and_entropy
@@ -68,35 +78,70 @@ class WeightSync:
         *,
         master_address: str = "127.0.0.1",
         export_dir: str | Path | None = None,
+        flatten: bool = True,
     ) -> None:
+        """``flatten``: send each bucket as one flat broadcast where every engine takes it
+        (False: one broadcast per tensor everywhere, e.g. to compare the two)."""
         if method not in ("distributed", "disk"):
             raise ValueError(f"weight sync method must be 'distributed' or 'disk', got {method!r}")
         if method == "disk" and export_dir is None:
             raise ValueError("weight sync over disk needs export_dir")
         self.client, self.method = client, method
         self.master_address = master_address
+        self.flatten = flatten
         self.export_dir = Path(export_dir) if export_dir is not None else None
         self._group: Any = None
+        self._group_name = ""
+        self._load_format: str | None = None  # set with the group, from the servers' versions
+        self._buffer = FlatBuffer()  # the flat bucket being sent, reused push after push
 
     async def push(self, buckets: Iterator[list[tuple[str, torch.Tensor]]], version: str) -> None:
         """Send every bucket; the last one flushes the cache and sets ``version``."""
         if self.method == "disk":
             raise ValueError("disk sync writes a directory: use push_directory")
-        if self._group is None:
-            self._group = await connect_learner(
-                self.client, self.master_address, free_port(self.master_address),
-                world_size=1 + len(self.client.urls),
-            )
+        buckets = iter(buckets)
         pending = next(buckets, None)
-        while pending is not None:
-            following = next(buckets, None)
-            last = following is None
-            await send_weights(
-                self.client, self._group, pending, flush_cache=last,
-                weight_version=version if last else None,
-            )
-            pending = following
+        if pending is None:
+            raise ValueError("weight sync got no tensors to push")
+        if self._group is None:
+            await self._connect(on_gpu=pending[0][1].is_cuda)
+        sessions = await self.client.begin_weight_update()
+        try:
+            while pending is not None:
+                following = next(buckets, None)
+                last = following is None
+                await send_weights(
+                    self.client, self._group, pending, group_name=self._group_name,
+                    load_format=self._load_format if self.flatten else None,
+                    flush_cache=last, weight_version=version if last else None, buffer=self._buffer,
+                )
+                pending = following
+        finally:
+            await self.client.end_weight_update(sessions)
         await self.check_version(version)
+
+    async def _connect(self, on_gpu: bool) -> None:
+        """Join every engine's TP ranks to a new group; pick the fastest format all accept."""
+        infos = await self.client.server_info()
+        self._load_format = FLATTENED if all(map(accepts_flattened_bucket, infos)) else None
+        port = free_port(self.master_address)
+        # A name of its own: torch allows one live group per name in a process, and a
+        # learner may open a new sync (new engines) before the old group is gone.
+        self._group_name = f"arbor_weight_sync_{port}"
+        # NCCL where the learner's tensors live on a GPU (SGLang's engines always do).
+        self._group = await connect_learner(
+            self.client, self.master_address, port,
+            tp_sizes=[engine_ranks(info, url) for info, url in zip(infos, self.client.urls)],
+            group_name=self._group_name, backend="nccl" if on_gpu else "gloo",
+        )
+
+    async def close(self) -> None:
+        """Destroy the group on the engines and here (a later push opens a new one)."""
+        if self._group is None:
+            return
+        await self.client.destroy_weights_update_group(self._group_name)
+        close_group(self._group)
+        self._group = None
 
     async def push_directory(self, model_dir: str | Path, version: str) -> None:
         """Engines load an HF directory the learner wrote (the fallback transport)."""
@@ -109,6 +154,35 @@ class WeightSync:
         stale = [(url, v) for url, v in zip(self.client.urls, versions) if v != version]
         if stale:
             raise RuntimeError(f"weight sync to version {version!r} failed: engines report {stale}")
+
+
+FLATTENED_SINCE = (0, 5, 6)  # the first SGLang whose distributed receive takes flat buckets
+
+
+def accepts_flattened_bucket(server_info: dict[str, Any]) -> bool:
+    """The server takes ``load_format: "flattened_bucket"`` over the distributed group."""
+    if server_info.get("engine") == "arbor":
+        return True
+    return _version(str(server_info.get("version", "0"))) >= FLATTENED_SINCE
+
+
+def _version(text: str) -> tuple[int, ...]:
+    """``"0.5.10.post1"`` -> ``(0, 5, 10)``; unparsable parts end it."""
+    parts = []
+    for piece in text.split(".")[:3]:
+        if not piece.isdigit():
+            break
+        parts.append(int(piece))
+    return tuple(parts)
+
+
+def engine_ranks(server_info: dict[str, Any], url: str) -> int:
+    """How many group ranks an engine takes: its tensor-parallel size (one per TP rank)."""
+    if int(server_info.get("dp_size", 1)) != 1:
+        # Each data-parallel replica would join with the same TP ranks: the ranks collide.
+        raise ValueError(f"{url} runs dp_size={server_info['dp_size']}: distributed weight sync "
+                         "needs dp_size 1 (run one engine per replica, engine.num_engines)")
+    return int(server_info.get("tp_size", 1))
 
 
 ProbeSample = tuple[list[int], list[int], list[float]]  # prompt ids, output ids, engine logprobs

@@ -49,6 +49,8 @@ class FakeServer:
         if self.status != 200:
             return web.json_response({"error": {"message": "bad ids"}}, status=self.status)
         body = self.bodies[-1]
+        if isinstance(body["sampling_params"], dict) and body["sampling_params"].get("max_new_tokens") == 0:
+            return web.json_response([sglang_item([]) for _ in body["input_ids"]])  # a prefix commit
         if isinstance(body["input_ids"][0], list):  # a batch: one item per prompt (n = 1)
             assert all(p.get("n", 1) == 1 for p in body["sampling_params"])
             return web.json_response([sglang_item([p[0], 5]) for p in body["input_ids"]])
@@ -250,20 +252,51 @@ def test_generate_many_sends_one_batch_per_server_with_forks_as_seeded_items():
             ]
             results = await client.generate_many(requests)
             homes = [client.server_for(r.affinity_key) for r in requests]
-        return fakes, urls, results, homes
+            calls = [fake.calls["/generate"] for fake in fakes]
+            # The same prompts again, and children of the first round's outputs: all cached.
+            children = [GenerateRequest([10 + i, 10 + i, 5], SamplingParams(2, n=2), f"tree-{i % 4}") for i in range(8)]
+            await client.generate_many(requests + children)
+            again = [fake.calls["/generate"] - before for fake, before in zip(fakes, calls)]
+        return fakes, urls, results, homes, calls, again
 
-    fakes, urls, results, homes = asyncio.run(main())
+    fakes, urls, results, homes, calls, again = asyncio.run(main())
     # Two forks per request, in request order (the fake echoes each prompt's first id).
     assert [[o.output_ids[0] for o in outs] for outs in results] == [[10 + i] * 2 for i in range(8)]
-    for fake, url in zip(fakes, urls):
+    for fake, url, first_round, second_round in zip(fakes, urls, calls, again):
         mine = [i for i in range(8) if homes[i] == url]
         if not mine:
             assert fake.calls["/generate"] == 0
             continue
-        assert fake.calls["/generate"] == 1  # the whole round in one call
-        body = fake.bodies[0]
+        # The uncached prompts committed once (max_new_tokens 0), then the whole round in
+        # one call; the second round finds every prefix cached: one call.
+        assert (first_round, second_round) == (2, 1)
+        commit, body = fake.bodies[0], fake.bodies[1]
+        assert commit == {"input_ids": [[10 + i] for i in mine], "sampling_params": {"max_new_tokens": 0}}
         assert body["input_ids"] == [[10 + i] for i in mine for _ in range(2)]
         assert [p["sampling_seed"] for p in body["sampling_params"]] == [
             100 * i + j for i in mine for j in range(2)
         ]
 
+
+
+def test_forks_of_an_uncached_prompt_all_find_it_cached(tmp_path):
+    """Against a real `arbor serve`: the committed prompt is in the cache for every fork."""
+    from tiny_model import build_tiny_model_dir
+
+    from arbor.engines.local import LocalEngine
+    from arbor.engines.server import ServerThread
+
+    engine = LocalEngine(build_tiny_model_dir(tmp_path / "tiny"))
+    prompt = list(range(3, 35))
+
+    async def forks(url: str) -> list[int]:
+        async with SGLangClient([url]) as client:
+            (outs,) = await client.generate_many([GenerateRequest(prompt, SamplingParams(4, n=4, seed=1))])
+            return [out.cached_tokens for out in outs]
+
+    try:
+        with ServerThread(engine) as url:
+            # Every fork reuses the whole prompt but the last token (which it recomputes).
+            assert asyncio.run(forks(url)) == [len(prompt) - 1] * 4
+    finally:
+        engine.shutdown()

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 import urllib.request
 
 import pytest
 from tiny_model import build_tiny_model_dir
 
+from arbor.config import load_config
 from arbor.engines.launch import (
     EngineLaunchError,
     _command,
@@ -15,6 +19,8 @@ from arbor.engines.launch import (
     sglang_available,
 )
 from arbor.engines.server import free_port
+from arbor.errors import ConfigError
+from arbor.orchestration import engine_args
 
 
 def test_auto_starts_embedded_servers_and_shuts_them_down(tmp_path):
@@ -80,3 +86,73 @@ def test_server_command_lines():
     assert _gpu_for(1, {"CUDA_VISIBLE_DEVICES": "0,1,2,3"}, per_engine=2) == "2,3"  # tensor parallel
     with pytest.raises(EngineLaunchError, match="needs 1 GPU"):
         _gpu_for(2, {"CUDA_VISIBLE_DEVICES": "4,6"})
+
+
+def sglang_command(**overrides) -> list[str]:
+    """The full command arbor starts SGLang with, for the config ``overrides`` (dotted keys)."""
+    cfg = load_config(None, ["engine.kind=sglang", *(f"{k}={v}" for k, v in overrides.items())])
+    dtype = None if cfg.model.dtype == "auto" else cfg.model.dtype
+    return _command("sglang", "/models/m", "0.0.0.0", 31000, dtype, engine_args(cfg))
+
+
+def test_sglang_flags_follow_the_config():
+    plain = sglang_command()
+    assert plain[plain.index("--dtype") + 1] == "bfloat16"  # the learner's, never SGLang's auto
+    assert plain[plain.index("--random-seed") + 1] == "0"
+    assert not {"--trust-remote-code", "--enable-memory-saver", "--enable-deterministic-inference"} & set(plain)
+    full = sglang_command(**{"model.trust_remote_code": "true", "ray.colocate": "true",
+                             "learner.weight_sync": "disk", "engine.deterministic": "true",
+                             "model.dtype": "float16", "run.seed": "7"})
+    assert {"--trust-remote-code", "--enable-memory-saver", "--enable-deterministic-inference"} <= set(full)
+    assert full.count("--dtype") == 1 and full[full.index("--dtype") + 1] == "float16"
+    fp32 = sglang_command(**{"learner.dtype": "float32"})
+    assert fp32[fp32.index("--dtype") + 1] == "float32"
+
+
+# Parses a command line with SGLang's own ServerArgs parser (no GPU needed), in a subprocess:
+# importing sglang patches transformers, which the other tests must not see.
+PARSE = """
+import argparse, json, sys
+from sglang.srt.server_args import ServerArgs
+parser = argparse.ArgumentParser()
+ServerArgs.add_cli_args(parser)
+args = parser.parse_args(json.loads(sys.argv[1]))
+print(json.dumps({k: getattr(args, k) for k in json.loads(sys.argv[2])}))
+"""
+
+
+def test_every_flag_arbor_passes_is_one_sglang_parses():
+    probe = subprocess.run([sys.executable, "-c", "import sglang.srt.server_args"], capture_output=True, text=True)
+    if probe.returncode != 0:
+        pytest.skip("sglang is not importable here: " + probe.stderr.strip().splitlines()[-1])
+    command = sglang_command(**{"model.trust_remote_code": "true", "ray.colocate": "true",
+                                "learner.weight_sync": "disk", "engine.deterministic": "true",
+                                "engine.tp_size": "1", "run.seed": "7", "engine.extra_args": "[--log-level, warning]"})
+    assert command[1:3] == ["-m", "sglang.launch_server"]
+    keys = ["model_path", "host", "port", "dtype", "tp_size", "mem_fraction_static", "random_seed",
+            "trust_remote_code", "enable_memory_saver", "enable_deterministic_inference", "log_level"]
+    done = subprocess.run([sys.executable, "-c", PARSE, json.dumps(command[3:]), json.dumps(keys)],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    parsed = json.loads(done.stdout.strip().splitlines()[-1])
+    assert parsed == {
+        "model_path": "/models/m", "host": "0.0.0.0", "port": 31000, "dtype": "bfloat16", "tp_size": 1,
+        "mem_fraction_static": 0.8, "random_seed": 7, "trust_remote_code": True, "enable_memory_saver": True,
+        "enable_deterministic_inference": True, "log_level": "warning",
+    }
+
+
+@pytest.mark.parametrize(
+    "overrides, key",
+    [
+        (["ray.colocate=true", "engine.kind=sglang"], "learner.weight_sync"),
+        (["ray.colocate=true", "learner.device=cuda"], "learner.weight_sync"),
+        (["ray.colocate=true", "learner.weight_sync=disk", "engine.tp_size=2"], "engine.tp_size"),
+        (["engine.tp_size=0"], "engine.tp_size"),
+    ],
+)
+def test_impossible_engine_combinations_are_refused_naming_the_key(overrides, key):
+    with pytest.raises(ConfigError) as err:
+        load_config(None, overrides)
+    assert key in str(err.value)
+    load_config(None, ["ray.colocate=true", "learner.device=cpu"])  # gloo on CPU pairs fine

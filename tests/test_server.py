@@ -19,7 +19,7 @@ from tiny_model import build_tiny_model_dir
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from arbor.engines.local import LocalEngine
-from arbor.engines.server import ServerThread, free_port, parse_args
+from arbor.engines.server import ServerThread, parse_args
 
 PROMPT = [17, 42, 99, 5, 63, 120, 7, 88]
 
@@ -151,15 +151,16 @@ LEARNER = textwrap.dedent(
     import asyncio, os, sys
     from transformers import AutoModelForCausalLM
     from arbor.engines.client import SGLangClient
-    from arbor.engines.distributed import connect_learner, send_weights
-    url, port, model_dir = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+    from arbor.weight_sync import WeightSync, named_tensor_buckets
+    url, model_dir = sys.argv[1], sys.argv[2]
     state = AutoModelForCausalLM.from_pretrained(model_dir).state_dict()
 
     async def main():
         async with SGLangClient([url]) as client:
-            group = await connect_learner(client, "127.0.0.1", port, world_size=2)
-            await send_weights(client, group, list(state.items()), weight_version="dist-1")
-            print("sent", len(state), await client.get_weight_version(), flush=True)
+            sync = WeightSync(client, "distributed", master_address="127.0.0.1")
+            await sync.push(named_tensor_buckets(iter(state.items()), bucket_mb=0.05), "dist-1")
+            print("sent", len(state), sync._load_format, await client.get_weight_version(), flush=True)
+            print("group", sync._group_name, flush=True)
 
     asyncio.run(main())
     # Skip interpreter teardown: destroying a gloo group whose peer still holds it can
@@ -170,22 +171,36 @@ LEARNER = textwrap.dedent(
 
 
 def test_update_weights_from_distributed_with_a_learner_process(served):
-    """A separate learner process joins as rank 0 and broadcasts model B's weights."""
+    """A separate learner process joins as rank 0 and sends model B's weights in flat buckets."""
     url, engine, model_b = served
     state_b = AutoModelForCausalLM.from_pretrained(model_b).state_dict()
     learner = subprocess.run(
-        [sys.executable, "-c", LEARNER, url, str(free_port()), str(model_b)],
-        capture_output=True,
-        text=True,
-        timeout=120,
+        [sys.executable, "-c", LEARNER, url, str(model_b)], capture_output=True, text=True, timeout=120
     )
     assert learner.returncode == 0, learner.stdout + learner.stderr
-    assert f"sent {len(state_b)} ['dist-1']" in learner.stdout
+    assert f"sent {len(state_b)} flattened_bucket ['dist-1']" in learner.stdout
     served_state = engine.model.state_dict()
     for name, tensor in state_b.items():
-        assert torch.equal(served_state[name], tensor), name
+        assert torch.equal(served_state[name], tensor), name  # bit-exact
     assert engine.cache.num_tokens == 0  # flushed with the new weights
-    assert call(url, "POST", "/destroy_weights_update_group", {})[0] == 200
+    assert call(url, "POST", "/destroy_weights_update_group", {"group_name": "other"})[0] == 400
+    group_name = learner.stdout.split("group ")[1].split()[0]
+    assert call(url, "POST", "/destroy_weights_update_group", {"group_name": group_name})[0] == 200
+
+
+def test_weight_updates_only_inside_a_session(served):
+    """SGLang 0.5.23's rules: updates between begin and end only, one session at a time."""
+    url, _, _ = served
+    update = {"names": ["x"], "dtypes": ["float32"], "shapes": [[1]]}
+    status, body = call(url, "POST", "/update_weights_from_distributed", update)
+    assert status == 400 and body["success"] is False and "begin_weight_update" in body["message"]
+    assert call(url, "POST", "/end_weight_update", {}) [0] == 400  # nothing to end
+    assert call(url, "POST", "/begin_weight_update", {}) == (200, {"success": True, "message": "Success"})
+    status, body = call(url, "POST", "/begin_weight_update", {})
+    assert status == 400 and "already open" in body["message"]
+    assert call(url, "POST", "/end_weight_update", {})[0] == 200
+    info = call(url, "GET", "/server_info")[1]
+    assert (info["engine"], info["tp_size"]) == ("arbor", 1)
 
 
 def test_cli_arguments():

@@ -11,7 +11,11 @@
   so that server's radix cache holds the tree; requests without a key go round-robin.
 - Connection errors, timeouts and 5xx are retried with exponential backoff; a 4xx raises
   :class:`EngineError` at once with the server's message (retrying cannot fix it).
-- Control calls (weights, cache, memory, health) go to every server.
+- ``generate_many`` sends a round as one batch per server, forks as seeded items; a
+  multi-fork prompt the server has not cached yet is first committed with
+  ``max_new_tokens: 0``, so its forks share one prefill (:class:`CachedPrefixes`).
+- Control calls (weights, cache, memory, health) go to every server; weight pushes run in
+  SGLang's sessions (``/begin_weight_update`` ... ``/end_weight_update``).
 """
 
 from __future__ import annotations
@@ -43,6 +47,34 @@ class _Retryable(Exception):
     """A 5xx: worth another try."""
 
 
+class CachedPrefixes:
+    """Token sequences each server's radix cache holds, as far as this client can tell: the
+    prompts it committed and every prompt + output it got back since the server last
+    flushed (a new ``weight_version`` in a reply, or a flush sent through this client).
+    Wrong after an LRU eviction, and then forks merely prefill their prefix again."""
+
+    LIMIT = 1 << 20  # sequences remembered per server before starting afresh
+
+    def __init__(self) -> None:
+        self._held: dict[str, set[int]] = {}
+        self._version: dict[str, str] = {}
+
+    def holds(self, url: str, ids: list[int]) -> bool:
+        return hash(tuple(ids)) in self._held.get(url, ())
+
+    def add(self, url: str, ids: list[int], weight_version: str | None = None) -> None:
+        if weight_version is not None and self._version.get(url) != weight_version:
+            self._held.pop(url, None)  # new weights: the server flushed its cache
+            self._version[url] = weight_version
+        held = self._held.setdefault(url, set())
+        if len(held) >= self.LIMIT:
+            held.clear()
+        held.add(hash(tuple(ids)))
+
+    def forget(self) -> None:
+        self._held.clear()
+
+
 class SGLangClient:
     """Implements :class:`~arbor.engines.types.RolloutEngine` over one or more servers."""
 
@@ -69,6 +101,7 @@ class SGLangClient:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._session: aiohttp.ClientSession | None = None
         self._semaphore: asyncio.Semaphore | None = None
+        self.prefixes = CachedPrefixes()
 
     async def __aenter__(self) -> SGLangClient:
         return self
@@ -101,6 +134,12 @@ class SGLangClient:
         embedded engine gives fork ``j`` of one request; on SGLang it also keeps the
         forks of a seeded request distinct). One call per round of a tree instead of
         one per path: the server admits the round together and the HTTP work shrinks.
+
+        Forks of a prompt the server's cache does not hold yet (a root round, the
+        independent baseline, after a flush) would each prefill it: under SGLang's default
+        ``fcfs`` schedule requests of one batch do not share an uncached prefix. Such
+        prompts are committed first with ``max_new_tokens: 0`` (as SGLang's own parallel
+        sampling does), so the forks find them cached.
         """
         by_server: dict[str, list[int]] = {}
         for i, request in enumerate(requests):
@@ -108,6 +147,7 @@ class SGLangClient:
         results: list[list[GenerateOutput]] = [[] for _ in requests]
 
         async def batch(url: str, indices: list[int]) -> None:
+            await self._commit_prefixes(url, [requests[i] for i in indices])
             items = [item for i in indices for item in _fork_items(requests[i])]
             payload = {
                 "input_ids": [list(item.input_ids) for item in items],
@@ -121,9 +161,26 @@ class SGLangClient:
             outputs = iter(parse_output(item) for item in body)
             for i in indices:
                 results[i] = [next(outputs) for _ in range(requests[i].sampling.n)]
+                for out in results[i]:
+                    self.prefixes.add(url, [*requests[i].input_ids, *out.output_ids], out.weight_version)
 
         await asyncio.gather(*(batch(url, indices) for url, indices in by_server.items()))
         return results
+
+    async def _commit_prefixes(self, url: str, requests: list[GenerateRequest]) -> None:
+        """Put the uncached prompts of multi-fork ``requests`` into ``url``'s cache."""
+        uncached: dict[int, list[int]] = {}
+        for request in requests:
+            ids = list(request.input_ids)
+            if request.sampling.n > 1 and not self.prefixes.holds(url, ids):
+                uncached.setdefault(hash(tuple(ids)), ids)
+        if not uncached:
+            return
+        payload = {"input_ids": list(uncached.values()), "sampling_params": {"max_new_tokens": 0}}
+        body = await self._call(url, "POST", "/generate", payload)
+        replies = body if isinstance(body, list) else [body]
+        for ids, reply in zip(uncached.values(), replies):
+            self.prefixes.add(url, ids, parse_output(reply).weight_version)
 
     def server_for(self, affinity_key: str | None) -> str:
         """The server a request goes to: rendezvous hash of the key, else round-robin."""
@@ -143,37 +200,45 @@ class SGLangClient:
         payload: dict[str, Any] = {"model_path": model_path}
         if weight_version is not None:
             payload["weight_version"] = weight_version
+        self.prefixes.forget()
         return await self._all("POST", "/update_weights_from_disk", payload, check_success=True)
 
     async def init_weights_update_group(
         self,
         master_address: str,
         master_port: int,
-        world_size: int,
         *,
+        tp_sizes: list[int] | None = None,
         group_name: str = "weight_update_group",
         backend: str = "gloo",
-        ranks_per_server: int = 1,
     ) -> list[Any]:
-        """Server i joins as ranks ``1 + i * ranks_per_server ...`` (the learner is rank 0).
+        """Every TP rank of server i joins as rank ``rank_offset_i + tp_rank`` (the learner is
+        rank 0): world_size = 1 + Σ tp_size, rank_offset_i = 1 + Σ_{j<i} tp_size_j.
 
         Blocks on the servers until the learner opens its side of the group too: run the
         learner's ``open_group(..., rank=0)`` concurrently with this call.
         """
+        from arbor.engines.distributed import rank_layout
 
-        def payload(index: int) -> dict[str, Any]:
-            return {
-                "master_address": master_address,
-                "master_port": master_port,
-                "rank_offset": 1 + index * ranks_per_server,
-                "world_size": world_size,
-                "group_name": group_name,
-                "backend": backend,
-            }
-
+        world_size, offsets = rank_layout(tp_sizes or [1] * len(self.urls))
+        if len(offsets) != len(self.urls):
+            raise ValueError(f"{len(offsets)} tp_sizes for {len(self.urls)} servers")
         calls = [
-            self._call(url, "POST", "/init_weights_update_group", payload(i), retries=0)
-            for i, url in enumerate(self.urls)
+            self._call(
+                url,
+                "POST",
+                "/init_weights_update_group",
+                {
+                    "master_address": master_address,
+                    "master_port": master_port,
+                    "rank_offset": offset,
+                    "world_size": world_size,
+                    "group_name": group_name,
+                    "backend": backend,
+                },
+                retries=0,
+            )
+            for url, offset in zip(self.urls, offsets)
         ]
         return [_check_success(r, url) for r, url in zip(await asyncio.gather(*calls), self.urls)]
 
@@ -184,10 +249,12 @@ class SGLangClient:
         shapes: list[list[int]],
         *,
         group_name: str = "weight_update_group",
+        load_format: str | None = None,
         flush_cache: bool = True,
         weight_version: str | None = None,
     ) -> list[Any]:
-        """Servers receive the tensors the learner then broadcasts (run both concurrently)."""
+        """Servers receive the tensors the learner then broadcasts (run both concurrently);
+        ``load_format: "flattened_bucket"``: all of them as one flat broadcast."""
         payload: dict[str, Any] = {
             "names": names,
             "dtypes": dtypes,
@@ -195,17 +262,51 @@ class SGLangClient:
             "group_name": group_name,
             "flush_cache": flush_cache,
         }
+        if load_format is not None:
+            payload["load_format"] = load_format
         if weight_version is not None:
             payload["weight_version"] = weight_version
+        if flush_cache:
+            self.prefixes.forget()
         # Never retried: a half-received broadcast cannot be replayed.
         return await self._all(
             "POST", "/update_weights_from_distributed", payload, check_success=True, retries=0
         )
 
+    async def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> None:
+        await self._all(
+            "POST", "/destroy_weights_update_group", {"group_name": group_name}, check_success=True
+        )
+
+    async def begin_weight_update(self) -> list[str]:
+        """Open a weight-update session on every server (SGLang >= 0.5.22 refuses updates
+        outside one); the URLs where one opened (an older server answers 404: skipped)."""
+
+        async def begin(url: str) -> str | None:
+            try:
+                _check_success(await self._call(url, "POST", "/begin_weight_update", {}, retries=0), url)
+            except EngineError as exc:
+                if exc.status != 404:
+                    raise
+                return None
+            return url
+
+        return [url for url in await asyncio.gather(*map(begin, self.urls)) if url is not None]
+
+    async def end_weight_update(self, urls: list[str]) -> None:
+        """Close the sessions :meth:`begin_weight_update` opened on ``urls``."""
+        replies = await asyncio.gather(
+            *(self._call(url, "POST", "/end_weight_update", {}, retries=0) for url in urls)
+        )
+        for reply, url in zip(replies, urls):
+            _check_success(reply, url)
+
     async def flush_cache(self) -> None:
+        self.prefixes.forget()
         await self._all("POST", "/flush_cache", {})
 
     async def release_memory_occupation(self) -> None:
+        self.prefixes.forget()  # SGLang flushes its cache when it releases the KV memory
         await self._all("POST", "/release_memory_occupation", {})
 
     async def resume_memory_occupation(self) -> None:
@@ -213,12 +314,21 @@ class SGLangClient:
 
     async def model_info(self) -> list[dict[str, Any]]:
         """``/model_info`` of each server (``/get_model_info`` on older SGLang)."""
+        return await self._get_renamed("/model_info", "/get_model_info")
+
+    async def server_info(self) -> list[dict[str, Any]]:
+        """``/server_info`` of each server (``/get_server_info`` on older SGLang): its
+        launch arguments (``tp_size``, ``dp_size``, ...) and ``version``."""
+        return await self._get_renamed("/server_info", "/get_server_info")
+
+    async def _get_renamed(self, path: str, older_path: str) -> list[Any]:
+        """GET ``path`` on every server, ``older_path`` where the server answers 404."""
         try:
-            return await self._all("GET", "/model_info", None)
+            return await self._all("GET", path, None)
         except EngineError as exc:
             if exc.status != 404:
                 raise
-            return await self._all("GET", "/get_model_info", None)
+            return await self._all("GET", older_path, None)
 
     async def get_weight_version(self) -> list[str]:
         """Each server's weight version (``/get_weight_version``, else ``/model_info``'s)."""

@@ -1,15 +1,22 @@
-"""Learner -> engine weight transfer over a torch.distributed group (gloo on CPU).
+"""Learner -> engine weight transfer over a torch.distributed group, built as SGLang builds it.
 
-The learner is rank 0 and broadcasts each tensor; every engine is a rank
-``rank_offset + i``. Both ends build the group the same way — TCP rendezvous at
-``master_address:master_port``, a store prefixed with ``group_name``, a standalone gloo
-process group — so it never touches (or needs) the default process group of the learner
-(which DeepSpeed owns) or of the server.
+The learner is rank 0 and broadcasts; every tensor-parallel rank of every engine is a rank
+of its own (:func:`rank_layout`). Both ends make the group exactly as SGLang 0.5's
+``init_custom_process_group`` does (behind ``/init_weights_update_group``): a TCP
+rendezvous at ``master_address:master_port``, ``PrefixStore(group_name, store)``, then
+torch's ``_new_process_group_helper`` with the announced backend (NCCL when the tensors
+are on a GPU, gloo on CPU). The group is standalone: it never touches the learner's
+default process group (DeepSpeed's) or the server's.
 
-Learner side, with an :class:`~arbor.engines.client.SGLangClient` over the engines (works
-against SGLang too: same endpoints, same group set-up)::
+Two receive formats, as in SGLang's ``receive_weights_from_distributed``:
+- per tensor (``load_format`` absent): one broadcast per announced tensor, in name order;
+- ``load_format: "flattened_bucket"`` (SGLang >= 0.5.6): one broadcast of a ``uint8``
+  buffer holding the tensors' bytes back to back in announced order (SGLang's
+  ``FlattenedTensorBucket``); each tensor must start at a multiple of its item size.
 
-    group = await connect_learner(client, "10.0.0.1", port, world_size=1 + len(client.urls))
+Learner side, with an :class:`~arbor.engines.client.SGLangClient` over the engines::
+
+    group = await connect_learner(client, "10.0.0.1", port, tp_sizes=[1, 1])
     await send_weights(client, group, list(model.state_dict().items()), weight_version="7")
 """
 
@@ -17,15 +24,39 @@ from __future__ import annotations
 
 import asyncio
 import datetime
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.distributed_c10d import (
+    Backend,
+    PrefixStore,
+    _new_process_group_helper,
+    _world,
+    rendezvous,
+)
 
 if TYPE_CHECKING:
     from arbor.engines.client import SGLangClient
 
 DEFAULT_GROUP = "weight_update_group"
+FLATTENED = "flattened_bucket"  # SGLang's load_format for one broadcast per bucket
+
+
+def rank_layout(tp_sizes: list[int]) -> tuple[int, list[int]]:
+    """(world_size, rank_offset of each engine): the learner is rank 0, then every TP rank.
+
+    >>> rank_layout([2, 1, 4])
+    (8, [1, 3, 4])
+    """
+    if not tp_sizes or any(size < 1 for size in tp_sizes):
+        raise ValueError(f"every engine needs tp_size >= 1, got {tp_sizes}")
+    offsets, next_rank = [], 1
+    for size in tp_sizes:
+        offsets.append(next_rank)
+        next_rank += size
+    return next_rank, offsets
 
 
 def open_group(
@@ -34,22 +65,37 @@ def open_group(
     rank: int,
     world_size: int,
     group_name: str = DEFAULT_GROUP,
+    backend: str = "gloo",
     timeout_s: float = 120.0,
 ) -> Any:
-    """A standalone gloo process group (blocks until all ``world_size`` ranks joined)."""
+    """Join the group as SGLang's ``init_custom_process_group`` does; blocks until all joined.
+
+    Any other construction (a plain ``ProcessGroupGloo``, another store prefix) waits on
+    store keys SGLang never writes, and both ends time out.
+    """
+    timeout = datetime.timedelta(seconds=timeout_s)
     url = f"tcp://{master_address}:{master_port}"
-    store, _, _ = next(
-        dist.rendezvous(url, rank, world_size, timeout=datetime.timedelta(seconds=timeout_s))
+    store, _, _ = next(rendezvous(url, rank, world_size, timeout=timeout))
+    store.set_timeout(timeout)
+    group, _ = _new_process_group_helper(
+        world_size,
+        rank,
+        [],
+        Backend(backend),
+        PrefixStore(group_name, store),
+        group_name=group_name,
+        backend_options=None,
+        timeout=timeout,
+        device_id=None,
     )
-    prefixed = dist.PrefixStore(group_name, store)
-    return dist.ProcessGroupGloo(prefixed, rank, world_size, datetime.timedelta(seconds=timeout_s))
+    # What SGLang sets too: collectives on this group map ranks to themselves.
+    _world.pg_group_ranks[group] = {i: i for i in range(world_size)}
+    return group
 
 
-def broadcast(group: Any, tensor: torch.Tensor, src: int = 0) -> None:
-    """In-place broadcast of ``tensor`` from rank ``src`` over ``group``."""
-    opts = dist.BroadcastOptions()
-    opts.rootRank = src
-    group.broadcast([tensor], opts).wait()
+def close_group(group: Any) -> None:
+    """Destroy ``group`` (frees its name: torch refuses two live groups of one name)."""
+    dist.destroy_process_group(group)
 
 
 def parse_dtype(name: str) -> torch.dtype:
@@ -60,22 +106,94 @@ def parse_dtype(name: str) -> torch.dtype:
     return dtype
 
 
+def dtype_name(dtype: torch.dtype) -> str:
+    # SGLang resolves dtypes with getattr(torch, name): send "bfloat16", not "torch.bfloat16".
+    return str(dtype).removeprefix("torch.")
+
+
+def flat_chunks(
+    named_tensors: list[tuple[str, torch.Tensor]],
+) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Split a bucket where a tensor would start off its item-size alignment in the flat
+    buffer (SGLang 0.5.23 refuses those); a bucket of one dtype is never split."""
+    chunk: list[tuple[str, torch.Tensor]] = []
+    offset = 0
+    for name, tensor in named_tensors:
+        if chunk and offset % tensor.element_size():
+            yield chunk
+            chunk, offset = [], 0
+        chunk.append((name, tensor))
+        offset += tensor.numel() * tensor.element_size()
+    if chunk:
+        yield chunk
+
+
+def flatten(named_tensors: list[tuple[str, torch.Tensor]], out: torch.Tensor | None = None) -> torch.Tensor:
+    """The tensors' bytes back to back, ``uint8 [Σ nbytes]`` (SGLang's FlattenedTensorBucket),
+    written into ``out`` when given (exactly that many bytes)."""
+    parts = [t.detach().contiguous().reshape(-1).view(torch.uint8) for _, t in named_tensors]
+    return torch.cat(parts, out=out) if out is not None else torch.cat(parts)
+
+
+class FlatBuffer:
+    """One ``uint8`` buffer reused for every flat bucket on CPU.
+
+    Fresh memory is page-faulted in on first touch, on every allocation of this size: on
+    the 2-core dev VM filling a new 512 MB buffer took ~2 s, refilling a used one ~0.1 s.
+    CUDA tensors get a fresh buffer (the caching allocator already reuses its blocks, and
+    a buffer kept for good would hold GPU memory through training).
+    """
+
+    def __init__(self) -> None:
+        self.data: torch.Tensor | None = None
+
+    def take(self, nbytes: int, device: torch.device) -> torch.Tensor:
+        """A ``uint8 [nbytes]`` view to write into (contents undefined)."""
+        if device.type != "cpu":
+            return torch.empty(nbytes, dtype=torch.uint8, device=device)
+        if self.data is None or self.data.numel() < nbytes:
+            self.data = torch.empty(nbytes, dtype=torch.uint8)
+        return self.data[:nbytes]
+
+
+def unflatten(
+    flat: torch.Tensor, names: list[str], dtypes: list[torch.dtype], shapes: list[list[int]]
+) -> dict[str, torch.Tensor]:
+    """Views into ``flat`` (``uint8 [Σ nbytes]``) with the announced dtypes and shapes."""
+    out, offset = {}, 0
+    for name, dtype, shape in zip(names, dtypes, shapes):
+        size = torch.Size(shape).numel() * dtype.itemsize
+        if offset % dtype.itemsize:
+            raise ValueError(f"tensor {name} starts at byte {offset}, not a multiple of {dtype}'s size")
+        out[name] = flat[offset : offset + size].view(dtype).reshape(shape)
+        offset += size
+    if offset != flat.numel():
+        raise ValueError(f"announced {offset} bytes, the buffer holds {flat.numel()}")
+    return out
+
+
+def flat_size(dtypes: list[torch.dtype], shapes: list[list[int]]) -> int:
+    return sum(torch.Size(shape).numel() * dtype.itemsize for dtype, shape in zip(dtypes, shapes))
+
+
 class WeightUpdateGroup:
     """The engine (server) end: join the learner's group, then receive broadcasts."""
 
     def __init__(self) -> None:
         self.group: Any = None
         self.group_name: str | None = None
+        self.buffer = FlatBuffer()  # flat buckets land here; the caller copies them out
+        self.device = torch.device("cpu")  # where broadcasts land: the GPU under NCCL
 
     def init_from_request(self, body: dict[str, Any]) -> str:
         """Handle ``/init_weights_update_group`` (blocks until the learner joins)."""
-        backend = body.get("backend", "gloo")
+        backend = body.get("backend", "nccl")  # SGLang's default
         if backend not in ("gloo", "nccl"):
             raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
         if backend == "nccl" and not torch.cuda.is_available():
             raise ValueError("backend 'nccl' needs CUDA; this engine runs on CPU: use 'gloo'")
         address, port = body.get("master_address"), body.get("master_port")
-        offset, world = body.get("rank_offset", 1), body.get("world_size")
+        offset, world = body.get("rank_offset"), body.get("world_size")
         if not isinstance(address, str) or not isinstance(port, int):
             raise ValueError("master_address (str) and master_port (int) are required")
         if not isinstance(offset, int) or not isinstance(world, int) or not 0 < offset < world:
@@ -83,30 +201,44 @@ class WeightUpdateGroup:
         if self.group is not None:
             raise ValueError(f"a weight update group ({self.group_name}) is already open")
         name = body.get("group_name", DEFAULT_GROUP)
-        self.group = open_group(address, port, offset, world, name)
+        if not isinstance(name, str) or not name:
+            raise ValueError("group_name must be a non-empty string")
+        self.group = open_group(address, port, offset, world, name, backend)
         self.group_name = name
+        self.device = torch.device("cuda" if backend == "nccl" else "cpu")
         return f"joined {name} as rank {offset} of {world}"
 
     def receive(self, body: dict[str, Any]) -> dict[str, torch.Tensor]:
-        """Handle ``/update_weights_from_distributed``: one broadcast per named tensor."""
+        """Handle ``/update_weights_from_distributed``: the announced tensors, received
+        (a flat bucket's are views into a buffer the next flat bucket overwrites)."""
         names, dtypes, shapes = body.get("names"), body.get("dtypes"), body.get("shapes")
         if not (isinstance(names, list) and isinstance(dtypes, list) and isinstance(shapes, list)):
             raise ValueError("names, dtypes and shapes must be lists")
         if not len(names) == len(dtypes) == len(shapes):
             raise ValueError(f"{len(names)} names, {len(dtypes)} dtypes, {len(shapes)} shapes")
+        load_format = body.get("load_format")
+        if load_format not in (None, FLATTENED):
+            raise ValueError(f"load_format must be absent or {FLATTENED!r}, got {load_format!r}")
         if self.group is None:
             raise ValueError("no weight update group: call /init_weights_update_group first")
-        name = body.get("group_name", self.group_name)
+        name = body.get("group_name", DEFAULT_GROUP)
         if name != self.group_name:
             raise ValueError(f"unknown group {name!r} (open: {self.group_name!r})")
+        torch_dtypes = [parse_dtype(d) for d in dtypes]
+        shapes = [[int(s) for s in shape] for shape in shapes]
+        if load_format == FLATTENED:
+            flat = self.buffer.take(flat_size(torch_dtypes, shapes), self.device)
+            dist.broadcast(flat, src=0, group=self.group)
+            return unflatten(flat, names, torch_dtypes, shapes)
         received = {}
-        for tensor_name, dtype, shape in zip(names, dtypes, shapes):
-            tensor = torch.empty([int(s) for s in shape], dtype=parse_dtype(dtype))
-            broadcast(self.group, tensor)
-            received[tensor_name] = tensor
+        for tensor_name, dtype, shape in zip(names, torch_dtypes, shapes):
+            received[tensor_name] = torch.empty(shape, dtype=dtype, device=self.device)
+            dist.broadcast(received[tensor_name], src=0, group=self.group)
         return received
 
     def destroy(self) -> None:
+        if self.group is not None:
+            close_group(self.group)
         self.group, self.group_name = None, None
 
 
@@ -114,17 +246,24 @@ async def connect_learner(
     client: SGLangClient,
     master_address: str,
     master_port: int,
-    world_size: int,
     *,
+    tp_sizes: list[int] | None = None,
     group_name: str = DEFAULT_GROUP,
     backend: str = "gloo",
 ) -> Any:
-    """Open the group as rank 0 while the servers join it (both sides block until all meet)."""
+    """Open the group as rank 0 while the servers' TP ranks join it (all block until met).
+
+    ``tp_sizes[i]``: engine i's tensor-parallel size (default 1 each).
+    """
+    tp_sizes = tp_sizes or [1] * len(client.urls)
+    world_size, _ = rank_layout(tp_sizes)
     _, group = await asyncio.gather(
         client.init_weights_update_group(
-            master_address, master_port, world_size, group_name=group_name, backend=backend
+            master_address, master_port, tp_sizes=tp_sizes, group_name=group_name, backend=backend
         ),
-        asyncio.to_thread(open_group, master_address, master_port, 0, world_size, group_name),
+        asyncio.to_thread(
+            open_group, master_address, master_port, 0, world_size, group_name, backend
+        ),
     )
     return group
 
@@ -135,28 +274,37 @@ async def send_weights(
     named_tensors: list[tuple[str, torch.Tensor]],
     *,
     group_name: str = DEFAULT_GROUP,
+    load_format: str | None = None,
     flush_cache: bool = True,
     weight_version: str | None = None,
+    buffer: FlatBuffer | None = None,
 ) -> None:
-    """Broadcast ``named_tensors`` to every server: one POST announcing names, dtypes and
-    shapes, and (concurrently) one broadcast per tensor in that order."""
-    names = [name for name, _ in named_tensors]
-    # SGLang resolves dtypes with getattr(torch, name): send "bfloat16", not "torch.bfloat16".
-    dtypes = [str(t.dtype).removeprefix("torch.") for _, t in named_tensors]
-    shapes = [list(t.shape) for _, t in named_tensors]
+    """Send ``named_tensors`` to every server: a POST announcing names, dtypes and shapes,
+    and (concurrently) one broadcast per tensor, or per flat chunk with ``load_format:
+    "flattened_bucket"`` (flattened into ``buffer``, reused across calls, when given).
+    Only the last POST flushes the cache and sets the version."""
+    parts = list(flat_chunks(named_tensors)) if load_format == FLATTENED else [named_tensors]
+    for index, part in enumerate(parts):
+        last = index == len(parts) - 1
 
-    def broadcast_all() -> None:
-        for _, tensor in named_tensors:
-            broadcast(group, tensor.detach().contiguous())
+        def broadcast_part(part: list[tuple[str, torch.Tensor]] = part) -> None:
+            if load_format == FLATTENED:
+                nbytes = sum(t.numel() * t.element_size() for _, t in part)
+                out = buffer.take(nbytes, part[0][1].device) if buffer is not None else None
+                dist.broadcast(flatten(part, out), src=0, group=group)
+                return
+            for _, tensor in part:
+                dist.broadcast(tensor.detach().contiguous(), src=0, group=group)
 
-    await asyncio.gather(
-        client.update_weights_from_distributed(
-            names,
-            dtypes,
-            shapes,
-            group_name=group_name,
-            flush_cache=flush_cache,
-            weight_version=weight_version,
-        ),
-        asyncio.to_thread(broadcast_all),
-    )
+        await asyncio.gather(
+            client.update_weights_from_distributed(
+                [name for name, _ in part],
+                [dtype_name(t.dtype) for _, t in part],
+                [list(t.shape) for _, t in part],
+                group_name=group_name,
+                load_format=load_format,
+                flush_cache=flush_cache and last,
+                weight_version=weight_version if last else None,
+            ),
+            asyncio.to_thread(broadcast_part),
+        )

@@ -197,6 +197,37 @@ def _command(
     return command + list(extra)
 
 
+def sglang_flags(
+    *,
+    mem_fraction: float,
+    tp_size: int,
+    dtype: str | None,
+    seed: int,
+    trust_remote_code: bool = False,
+    memory_saver: bool = False,
+    deterministic: bool = False,
+) -> list[str]:
+    """``sglang.launch_server`` flags for an RL engine (checked against SGLang's own parser
+    in tests/test_launch.py).
+
+    ``dtype`` is the learner's (None: given elsewhere): SGLang's ``auto`` serves an fp32 checkpoint in fp16, and the
+    engine's log-probs must come from the weights the learner trains. ``memory_saver``:
+    without ``--enable-memory-saver`` (and ``torch_memory_saver``) SGLang's
+    ``/release_memory_occupation`` frees nothing, which colocated engines rely on.
+    ``deterministic``: SGLang uses ``sampling_seed`` only with
+    ``--enable-deterministic-inference`` (slower kernels); otherwise seeds are ignored.
+    """
+    flags = ["--mem-fraction-static", str(mem_fraction), "--tp-size", str(tp_size)]
+    flags += ["--random-seed", str(seed)] + (["--dtype", dtype] if dtype else [])
+    if trust_remote_code:
+        flags.append("--trust-remote-code")
+    if memory_saver:
+        flags.append("--enable-memory-saver")
+    if deterministic:
+        flags.append("--enable-deterministic-inference")
+    return flags
+
+
 def _gpu_for(index: int, env: dict[str, str], per_engine: int = 1) -> str:
     """Engine i gets the i-th group of ``per_engine`` visible GPUs (its tensor-parallel ranks)."""
     visible = env.get("CUDA_VISIBLE_DEVICES")

@@ -10,11 +10,14 @@ Endpoints (request / response fields as SGLang 0.5 names them):
   ``max_new_tokens: 0`` commits the prompt into the radix cache and returns no tokens.
 - ``POST /update_weights_from_disk`` ``{model_path, weight_version?}``;
   ``POST /init_weights_update_group`` ``{master_address, master_port, rank_offset, world_size,
-  group_name, backend}`` + ``POST /update_weights_from_distributed`` ``{names, dtypes, shapes,
-  group_name, flush_cache, weight_version?}`` (the learner is rank 0 and broadcasts each tensor);
+  group_name, backend}`` (the group built as SGLang builds it) + ``POST
+  /update_weights_from_distributed`` ``{names, dtypes, shapes, group_name, flush_cache,
+  weight_version?, load_format?}`` (the learner is rank 0 and broadcasts each tensor, or the
+  whole list as one ``"flattened_bucket"``), allowed only between ``POST /begin_weight_update``
+  and ``POST /end_weight_update`` (400 outside, 400 on a second begin), as in SGLang 0.5.23;
 - ``POST /flush_cache``, ``/release_memory_occupation``, ``/resume_memory_occupation``;
-- ``GET /model_info`` (= ``/get_model_info``), ``/get_weight_version``, ``/get_server_info``
-  (engine counters), ``/health``, ``/health_generate``.
+- ``GET /model_info`` (= ``/get_model_info``), ``/get_weight_version``, ``/server_info`` (=
+  ``/get_server_info``: ``tp_size`` 1 and engine counters), ``/health``, ``/health_generate``.
 Malformed requests get ``400 {"error": {"message": ...}}`` and the server keeps serving.
 """
 
@@ -31,7 +34,7 @@ from typing import Any
 import torch
 from aiohttp import web
 
-from arbor.engines.distributed import WeightUpdateGroup
+from arbor.engines.distributed import DEFAULT_GROUP, WeightUpdateGroup
 from arbor.engines.local import EngineReleased, LocalEngine
 from arbor.engines.types import GenerateOutput, GenerateRequest, SamplingParams
 
@@ -128,6 +131,7 @@ class ServerState:
         self.engine = engine
         self.tokenizer = tokenizer
         self.group = WeightUpdateGroup()
+        self.updating = False  # inside /begin_weight_update ... /end_weight_update
 
     def to_json(self, out: GenerateOutput, return_logprob: bool, latency: float) -> dict[str, Any]:
         finish: dict[str, Any] = {"type": out.finish_reason}
@@ -196,6 +200,10 @@ def build_app(engine: LocalEngine, tokenizer: Any = None) -> web.Application:
             return web.json_response(items[0])
         return web.json_response(items)
 
+    def refused(message: str) -> web.Response:
+        """SGLang's answer to a weight call it refuses: 400 with success false."""
+        return web.json_response({"success": False, "message": message}, status=400)
+
     @routes.post("/update_weights_from_disk")
     @handler
     async def update_from_disk(request: web.Request) -> web.Response:
@@ -224,13 +232,37 @@ def build_app(engine: LocalEngine, tokenizer: Any = None) -> web.Application:
     @routes.post("/destroy_weights_update_group")
     @handler
     async def destroy_group(request: web.Request) -> web.Response:
+        name = (await _json_body(request)).get("group_name", DEFAULT_GROUP)
+        if name != state.group.group_name:
+            return refused(f"no weight update group {name!r} to destroy")
         state.group.destroy()
         return web.json_response({"success": True, "message": "destroyed"})
+
+    def session(opening: bool) -> Any:
+        """``/begin_weight_update`` (opening) or ``/end_weight_update``: one session at a time."""
+
+        async def switch(request: web.Request) -> web.Response:
+            if state.updating == opening:
+                return refused(
+                    "a weight-update session is already open; call end_weight_update() first"
+                    if opening
+                    else "no weight-update session is open; call begin_weight_update() first"
+                )
+            state.updating = opening
+            return web.json_response({"success": True, "message": "Success"})
+
+        return switch
+
+    routes.post("/begin_weight_update")(session(True))
+    routes.post("/end_weight_update")(session(False))
 
     @routes.post("/update_weights_from_distributed")
     @handler
     async def update_distributed(request: web.Request) -> web.Response:
         body = await _json_body(request)
+        if not state.updating:  # refused before joining any broadcast, as SGLang does
+            return refused("update_weights_from_distributed must run between "
+                           "begin_weight_update() and end_weight_update()")
         loop = asyncio.get_running_loop()
         tensors = await loop.run_in_executor(None, state.group.receive, body)
         flush = bool(body.get("flush_cache", True))
@@ -276,12 +308,13 @@ def build_app(engine: LocalEngine, tokenizer: Any = None) -> web.Application:
     async def weight_version(request: web.Request) -> web.Response:
         return web.json_response({"weight_version": engine.weight_version})
 
-    @routes.get("/get_server_info")
     async def server_info(request: web.Request) -> web.Response:
         stats = engine.stats
         return web.json_response(
             {
                 "engine": "arbor",
+                "tp_size": 1,
+                "dp_size": 1,
                 "model_path": engine.model_path,
                 "weight_version": engine.weight_version,
                 "cached_tokens_in_cache": engine.cache.num_tokens,
@@ -294,6 +327,9 @@ def build_app(engine: LocalEngine, tokenizer: Any = None) -> web.Application:
                 "row_steps": stats.row_steps,
             }
         )
+
+    routes.get("/server_info")(server_info)
+    routes.get("/get_server_info")(server_info)
 
     @routes.get("/health")
     async def health(request: web.Request) -> web.Response:

@@ -1,0 +1,164 @@
+"""Weight sync speed: learner -> `arbor serve`, per tensor vs flat buckets vs disk, vs raw gloo.
+
+    python scripts/bench_weight_sync.py [--bucket-mb 512] [--repeats 1] [--tiny]
+
+This process is the learner: it builds a Qwen2.5-0.5B-shaped model (24 layers, hidden
+896, 14 query / 2 KV heads, MLP 4864, vocabulary 151,936, tied embeddings: 494M
+parameters, ~0.99 GB) with random bfloat16 weights, saves it, starts ``arbor serve
+--dtype bfloat16`` on it through the launcher, and times, on the same bytes:
+
+- **per tensor**: ``WeightSync(..., flatten=False).push``: one broadcast per tensor (what
+  SGLang < 0.5.6 receives);
+- **bucketed**: ``WeightSync(...).push``: one flat broadcast per ``--bucket-mb`` bucket
+  (``load_format: "flattened_bucket"``);
+- **disk**: ``save_pretrained`` into a directory + ``/update_weights_from_disk``;
+- **raw**: gloo broadcasts of buffers of the bucketed push's sizes to a bare receiver
+  process (a group built the same way, nothing else): the ceiling for the bucketed push.
+
+Each distributed push includes the session calls, the HTTP round trips, the server's copy
+into its parameters and the cache flush; one untimed bucketed push first opens the group
+and touches the flat buffers both ends reuse (a training run pushes every step). Fresh
+memory is slow here (page faults: ~2 s to fill a new 512 MB buffer on the 2-core dev VM),
+so the raw receiver, too, receives into one buffer touched beforehand.
+Ends with ``RESULT gb=<GB pushed> sync_s_per_tensor=... sync_s_bucketed=... sync_s_disk=...
+raw_gbps=<GB/s> bucketed_gbps=<GB/s>`` (best of ``--repeats``). On a 2-core machine the
+learner, the server and the receiver share the cores: run it on a quiet machine, note
+``uptime``. ``--tiny``: a 2-layer toy model, to check that the script runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from arbor.engines.client import SGLangClient  # noqa: E402
+from arbor.engines.distributed import close_group, open_group  # noqa: E402
+from arbor.engines.launch import launch_engines  # noqa: E402
+from arbor.engines.server import free_port  # noqa: E402
+from arbor.weight_sync import WeightSync, named_tensor_buckets  # noqa: E402
+
+QWEN25_05B = dict(
+    hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+    intermediate_size=4864, vocab_size=151936, tie_word_embeddings=True, max_position_embeddings=32768,
+)
+TINY = dict(
+    hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+    intermediate_size=128, vocab_size=512, tie_word_embeddings=True, max_position_embeddings=512,
+)
+
+# The raw receiver: joins the group as rank 1 and receives buffers of the given sizes into
+# one buffer touched beforehand (pure transfer: no page faults, no copies).
+RAW_RECEIVER = """
+import sys, torch, torch.distributed as dist
+from arbor.engines.distributed import open_group
+port, sizes = int(sys.argv[1]), [int(s) for s in sys.argv[2].split(",")]
+buffer = torch.ones(max(sizes), dtype=torch.uint8)
+group = open_group("127.0.0.1", port, 1, 2, "raw_bench")
+for _ in range(int(sys.argv[3])):
+    for size in sizes:
+        dist.broadcast(buffer[:size], src=0, group=group)
+print("received", flush=True)
+"""
+
+
+def build_model(config_kwargs: dict, path: Path) -> torch.nn.Module:
+    """A random bfloat16 Qwen2 model, saved to ``path`` for the server to load."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(Qwen2Config(**config_kwargs, torch_dtype="bfloat16")).to(torch.bfloat16)
+    model.save_pretrained(path)
+    return model
+
+
+def bucket_sizes(named: list[tuple[str, torch.Tensor]], bucket_mb: float) -> list[int]:
+    """Bytes of each bucket the bucketed push broadcasts."""
+    return [sum(t.nbytes for _, t in bucket) for bucket in named_tensor_buckets(iter(named), bucket_mb)]
+
+
+def time_raw(sizes: list[int], repeats: int) -> float:
+    """Best seconds to broadcast buffers of ``sizes`` bytes to a bare receiver process."""
+    port = free_port()
+    receiver = subprocess.Popen(
+        [sys.executable, "-c", RAW_RECEIVER, str(port), ",".join(map(str, sizes)), str(repeats)],
+        stdout=subprocess.PIPE, text=True, cwd=REPO,
+    )
+    group = open_group("127.0.0.1", port, 0, 2, "raw_bench")
+    buffers = [torch.randint(0, 255, (size,), dtype=torch.uint8) for size in sizes]
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for buffer in buffers:
+            torch.distributed.broadcast(buffer, src=0, group=group)
+        best = min(best, time.perf_counter() - start)
+    assert "received" in receiver.communicate(timeout=600)[0]
+    close_group(group)
+    return best
+
+
+async def time_pushes(
+    url: str, model: torch.nn.Module, export_dir: Path, bucket_mb: float, repeats: int
+) -> dict[str, float]:
+    """Best seconds of each transport over ``repeats`` pushes."""
+    named = [(name, param.detach()) for name, param in model.named_parameters()]
+    best = {"per_tensor": float("inf"), "bucketed": float("inf"), "disk": float("inf")}
+    async with SGLangClient([url], timeout_s=3600) as client:
+        sync = WeightSync(client, "distributed", master_address="127.0.0.1")
+        disk = WeightSync(client, "disk", export_dir=export_dir)
+        # Not timed: opens the group and touches the reused flat buffers of both ends once
+        # (the steady state of a training run, which pushes every step).
+        await sync.push(named_tensor_buckets(iter(named), bucket_mb), "warm-up")
+        for repeat in range(repeats):
+            for mode in ("per_tensor", "bucketed"):
+                sync.flatten = mode == "bucketed"
+                start = time.perf_counter()
+                await sync.push(named_tensor_buckets(iter(named), bucket_mb), f"{mode}-{repeat}")
+                best[mode] = min(best[mode], time.perf_counter() - start)
+                print(f"{mode}: {time.perf_counter() - start:.2f} s", flush=True)
+            start = time.perf_counter()
+            model.save_pretrained(export_dir)
+            await disk.push_directory(export_dir, f"disk-{repeat}")
+            best["disk"] = min(best["disk"], time.perf_counter() - start)
+            print(f"disk: {time.perf_counter() - start:.2f} s", flush=True)
+    return best
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--bucket-mb", type=float, default=512.0, help="learner.sync_bucket_mb")
+    parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--tiny", action="store_true", help="a toy model: check that it runs")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    with tempfile.TemporaryDirectory(prefix="bench-weight-sync-") as tmp:
+        model = build_model(TINY if args.tiny else QWEN25_05B, Path(tmp) / "model")
+        named = [(name, param.detach()) for name, param in model.named_parameters()]
+        gigabytes = sum(t.nbytes for _, t in named) / 1e9
+        print(f"model: {sum(t.numel() for _, t in named) / 1e6:.1f}M parameters, {gigabytes:.3f} GB bf16, "
+              f"{len(named)} tensors", flush=True)
+        raw_s = time_raw(bucket_sizes(named, args.bucket_mb), args.repeats)
+        print(f"raw gloo: {raw_s:.2f} s", flush=True)
+        with launch_engines("embedded", model_path=str(Path(tmp) / "model"), dtype="bfloat16",
+                            log_dir=Path(tmp) / "logs", startup_timeout_s=600) as handle:
+            best = asyncio.run(time_pushes(handle.urls[0], model, Path(tmp) / "export", args.bucket_mb,
+                                           args.repeats))
+    print(
+        f"RESULT gb={gigabytes:.4g} sync_s_per_tensor={best['per_tensor']:.3f} "
+        f"sync_s_bucketed={best['bucketed']:.3f} sync_s_disk={best['disk']:.3f} "
+        f"raw_gbps={gigabytes / raw_s:.3f} bucketed_gbps={gigabytes / best['bucketed']:.3f}",
+        flush=True,
+    )
+
+
+if __name__ == "__main__":
+    main()
