@@ -119,6 +119,9 @@ class RewardConfig:
     functions: list[RewardTermConfig] = field(default_factory=lambda: [RewardTermConfig()])
     timeout_s: float = 5.0  # a check past this is killed, scores 0, and is counted
     workers: int = 2
+    # More than this share of a step's checks timed out or crashed: the run stops (a broken
+    # reward function must not train on zeros). 1.0: never stop.
+    max_failure_fraction: float = 0.1
 
 
 @dataclass
@@ -456,6 +459,8 @@ def validate(cfg: Config, where: str = "<config>") -> None:
         need(":" in term.fn, f"reward.functions[{i}].fn", f"must be 'module:attr', got {term.fn!r}")
     need(cfg.reward.timeout_s > 0, "reward.timeout_s", "must be > 0")
     need(cfg.reward.workers >= 1, "reward.workers", "must be ≥ 1")
+    need(0 <= cfg.reward.max_failure_fraction <= 1, "reward.max_failure_fraction",
+         f"must be in [0, 1], got {cfg.reward.max_failure_fraction}")
 
     need(0 <= lo.clip_low < 1, "loss.clip_low", f"must be in [0, 1), got {lo.clip_low}")
     need(lo.clip_high >= 0, "loss.clip_high", f"must be ≥ 0, got {lo.clip_high}")

@@ -2,6 +2,7 @@
 
 import multiprocessing
 import os
+import signal
 import time
 
 # A worker that dies while importing its reward module (the pool must not respawn forever).
@@ -46,6 +47,11 @@ def dies(problem: dict, completion: str) -> float:
         os._exit(3)  # a worker that vanishes mid-check (e.g. killed for memory)
     return 1.0
 
+
+def segfaults(problem: dict, completion: str) -> float:
+    if completion == "segv":
+        os.kill(os.getpid(), signal.SIGSEGV)  # what a crash in a C extension looks like
+    return 1.0
 
 
 def in_worker(problem: dict, completion: str) -> float:
