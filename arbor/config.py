@@ -16,6 +16,7 @@ import dataclasses
 import re
 import types
 import typing
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -225,9 +226,10 @@ class RunConfig:
     output_dir: str = "runs/arbor"
     seed: int = 0
     steps: int = 100
-    log_every: int = 1
+    log_every: int = 1  # a console line every N steps (and the last); metrics.jsonl and TensorBoard get every step
     eval_every: int = 0  # 0: never
     save_every: int = 50  # 0: only at the end
+    keep_checkpoints: int = 2  # the newest N complete checkpoints are kept, older ones deleted
     save_trees_every: int = 10  # trees written for `arbor view`; 0: never
     resume: bool = False
     tensorboard: bool = True
@@ -418,8 +420,13 @@ def _suggest(name: str, options: list[str]) -> str:
 # -- validation of values and combinations ------------------------------------------------
 
 
-def validate(cfg: Config, where: str = "<config>") -> None:
-    """Range and cross-field checks; each error names the key(s) involved."""
+def validate(cfg: Config, where: Callable[[str], str] | None = None) -> None:
+    """Range and cross-field checks; each error names the key(s) involved.
+
+    ``where(key)`` says where a key came from (``file:line``, an override); without it,
+    errors say ``<config>`` (a config built in code).
+    """
+    where = where or (lambda key: "<config>")
 
     def need(ok: bool, key: str, why: str) -> None:
         if not ok:
@@ -529,7 +536,9 @@ def validate(cfg: Config, where: str = "<config>") -> None:
     need(cfg.data.prompts_per_step >= 1, "data.prompts_per_step", "must be ≥ 1")
     need(cfg.data.max_prompt_tokens >= 1, "data.max_prompt_tokens", "must be ≥ 1")
     need(cfg.run.steps >= 0, "run.steps", "must be ≥ 0")
-    for name in ("log_every", "eval_every", "save_every", "save_trees_every"):
+    need(cfg.run.log_every >= 1, "run.log_every", f"must be ≥ 1, got {cfg.run.log_every}")
+    need(cfg.run.keep_checkpoints >= 1, "run.keep_checkpoints", f"must be ≥ 1, got {cfg.run.keep_checkpoints}")
+    for name in ("eval_every", "save_every", "save_trees_every"):
         need(getattr(cfg.run, name) >= 0, f"run.{name}", "must be ≥ 0")
     need(cfg.run.eval_every == 0 or (cfg.eval.path or cfg.data.eval_path) is not None, "run.eval_every",
          "needs eval.path or data.eval_path (a set to evaluate on)")

@@ -69,6 +69,7 @@ class RunContext:
 
     cfg: Config
     start_step: int = 0
+    schedule_steps: int = 0  # run.steps the LR schedule spans (kept from the first run on resume)
     eval_problems: list[dict] = field(default_factory=list)
     data_metrics: dict[str, float] = field(default_factory=dict)  # problems skipped at start-up
     _closers: list[Any] = field(default_factory=list)
@@ -115,7 +116,12 @@ class RunContext:
             self._closers.append(self.engines.shutdown)
             self.client = SGLangClient(self.engines.urls, timeout_s=cfg.engine.request_timeout_s,
                                        max_retries=cfg.engine.max_retries)
-            self.learners = LearnerGroup(cfg, self.placement, total_steps=cfg.run.steps * self.updates_per_step())
+            # A resumed run keeps the schedule's original horizon (README: run.resume).
+            self.schedule_steps = cfg.run.steps if previous is None else checkpoint.schedule_horizon(previous, cfg.run.steps)
+            if self.schedule_steps != cfg.run.steps and cfg.optim.schedule != "constant":
+                print(f"arbor train: run.steps is {cfg.run.steps}, but the {cfg.optim.schedule} learning-rate schedule "
+                      f"keeps the horizon of {self.schedule_steps} steps it started with (past it: optim.min_lr_ratio)")
+            self.learners = LearnerGroup(cfg, self.placement, total_steps=self.schedule_steps * self.updates_per_step())
             self._closers.append(self.learners.shutdown)
             if previous is not None:
                 self.resume(previous)
@@ -189,8 +195,9 @@ class RunContext:
         self.log.status(f"saving checkpoint of step {step}…")
         directory = checkpoint.step_dir(self.cfg.run.output_dir, step)
         self.learners.call("save", str(directory / "learner"))
-        checkpoint.write_driver_state(directory, {"step": step, "stream": self.stream.state_dict()})
-        checkpoint.mark_latest(self.cfg.run.output_dir, step)
+        checkpoint.write_driver_state(directory, {"step": step, "stream": self.stream.state_dict(),
+                                                  "schedule_steps": self.schedule_steps})
+        checkpoint.mark_latest(self.cfg.run.output_dir, step, keep=self.cfg.run.keep_checkpoints)
 
     def resume(self, directory: Path) -> None:
         """Continue from a checkpoint: learner state, data cursor, RNG, engine weights."""

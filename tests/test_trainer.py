@@ -111,6 +111,21 @@ def test_resume_after_a_kill_repeats_the_next_step(run_inputs, tmp_path):
     assert [m["step"] for m in read_metrics(tmp_path / "b")] == [1, 2, 3]
 
 
+def test_resume_with_more_steps_keeps_the_lr_schedule_horizon(run_inputs, tmp_path):
+    """A 1-step run with a linear decay to half the lr, resumed with run.steps=3: the
+    schedule keeps its 1-step horizon (steps 2 and 3 train at the floor), instead of being
+    stretched over 3 steps (step 3 would train at 2/3 of the way down: 0.667 × lr)."""
+    root, model, data = run_inputs
+    overrides = ("learner.backend=torch", "learner.zero_stage=0", "optim.schedule=linear", "optim.min_lr_ratio=0.5",
+                 "rollout.mode=independent", "run.keep_checkpoints=1")
+    (first,) = train(config(root, model, data, tmp_path / "e", "run.steps=1", *overrides))
+    assert first["train/lr"] == pytest.approx(1e-2)
+    resumed = train(config(root, model, data, tmp_path / "e", "run.steps=3", "run.resume=true", *overrides))
+    assert [m["train/lr"] for m in resumed] == pytest.approx([5e-3, 5e-3])
+    # run.keep_checkpoints=1: only the newest checkpoint stays.
+    assert sorted(p.name for p in (tmp_path / "e" / "checkpoints").glob("step-*")) == ["step-000003"]
+
+
 def test_plain_torch_learner_linear_loss_and_disk_sync(run_inputs, tmp_path):
     """The debugging set-up: one plain-torch rank, GRPO + linear training, weights via disk;
     colocated, so the engine releases its memory while the learner trains; two minibatches
