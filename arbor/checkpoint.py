@@ -90,6 +90,14 @@ def schedule_horizon(directory: Path, steps: int) -> int:
     return int(state.get("schedule_steps", steps))
 
 
+def resume_hint(output_dir: str | Path) -> str:
+    """What a run that stops on a fault tells its user: where it can continue from."""
+    latest = latest_checkpoint(output_dir)
+    if latest is None:
+        return "No checkpoint was written yet."
+    return f"The last checkpoint is {latest}: continue with run.resume=true."
+
+
 def read_driver_state(directory: Path) -> dict[str, Any]:
     """The driver state of a checkpoint; restores the driver's RNGs as a side effect."""
     state = json.loads((directory / "driver.json").read_text())

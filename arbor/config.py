@@ -107,6 +107,9 @@ class EngineConfig:
     startup_timeout_s: float = 600.0
     request_timeout_s: float = 600.0
     max_retries: int = 3
+    # A dead engine is restarted (weights restored, requests resent); more restarts than this
+    # without a step in between that it served whole stop the run.
+    max_restarts: int = 3
 
 
 @dataclass
@@ -460,6 +463,7 @@ def validate(cfg: Config, where: Callable[[str], str] | None = None) -> None:
     need(not e.urls or e.kind == "external", "engine.urls", f"is only used with engine.kind: external (kind is {e.kind})")
     need(0 < e.mem_fraction <= 1, "engine.mem_fraction", f"must be in (0, 1], got {e.mem_fraction}")
     need(e.max_retries >= 0, "engine.max_retries", "must be ≥ 0")
+    need(e.max_restarts >= 0, "engine.max_restarts", f"must be ≥ 0 (0: a dead engine stops the run), got {e.max_restarts}")
 
     need(bool(cfg.reward.functions), "reward.functions", "must name at least one reward function")
     for i, term in enumerate(cfg.reward.functions):

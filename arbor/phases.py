@@ -166,6 +166,7 @@ def sync_weights(ctx: RunContext, version: str, probe: list[RolloutTree]) -> dic
     from arbor.weight_sync import probe_samples
 
     cfg = ctx.cfg
+    ctx.recovery.revive_dead()  # a server that died after its last request is restarted first
     ctx.learners.push_weights(ctx.engines.urls, version)
     metrics: dict[str, float] = {"sync/weight_version": float(version)}
     if probe:

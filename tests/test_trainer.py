@@ -126,6 +126,93 @@ def test_resume_with_more_steps_keeps_the_lr_schedule_horizon(run_inputs, tmp_pa
     assert sorted(p.name for p in (tmp_path / "e" / "checkpoints").glob("step-*")) == ["step-000003"]
 
 
+def kill_engine_mid_rollout(steps_to_hit):
+    """An after_step hook that, from then on, SIGKILLs the run's engine server (by its pid)
+    when the first tree of the steps in ``steps_to_hit`` is done: the other tree's requests
+    are then in flight or about to be sent."""
+    import os
+    import signal
+
+    import ray
+
+    kills = []
+
+    def arm(ctx, step, metrics):
+        if kills or step + 1 not in steps_to_hit:
+            return
+        show = ctx.log.status
+        worker = ctx.engines.workers[0]
+
+        def status(text):
+            if text.startswith("rollout: 1/") and len(kills) < len(steps_to_hit):
+                pid = ray.get(worker.pid.remote())
+                os.kill(pid, signal.SIGKILL)
+                kills.append(pid)
+            show(text)
+
+        ctx.log.status = status
+
+    return arm, kills
+
+
+def test_an_engine_killed_mid_rollout_is_restarted_and_the_step_completes(run_inputs, tmp_path):
+    root, model, data = run_inputs
+    cfg = config(root, model, data, tmp_path / "f", "learner.backend=torch", "learner.zero_stage=0", "run.steps=3")
+    arm, kills = kill_engine_mid_rollout({2})
+    versions = []
+
+    def after_step(ctx, step, metrics):
+        versions.append(ctx.run_async(ctx.client.get_weight_version()))
+        arm(ctx, step, metrics)
+
+    history = train(cfg, after_step=after_step)
+    assert len(kills) == 1
+    assert [m["engine/restarts"] for m in history] == [0, 1, 0]
+    assert [m["rollout/trees"] for m in history] == [2, 2, 2]  # the killed step's trees all came back
+    assert versions == [["1"], ["2"], ["3"]]  # the restarted engine got the weights and the next syncs reached it
+    assert all(m["sync/logprob_gap"] <= 1e-4 for m in history)
+
+
+def test_an_engine_that_keeps_dying_stops_the_run_with_its_log_and_checkpoint(run_inputs, tmp_path):
+    from arbor.engine_recovery import EngineFailedError
+
+    root, model, data = run_inputs
+    cfg = config(root, model, data, tmp_path / "g", "learner.backend=torch", "learner.zero_stage=0", "run.steps=3",
+                 "engine.max_restarts=0")
+    arm, kills = kill_engine_mid_rollout({2})
+    with pytest.raises(EngineFailedError, match=r"(?s)died 1 times .*engine.max_restarts=0.*step-000001: continue "
+                                                r"with run.resume=true.*last lines of .*engine-0.log"):
+        train(cfg, after_step=arm)
+    assert len(kills) == 1 and (tmp_path / "g" / "checkpoints" / "latest").read_text() == "step-000001"
+
+
+def test_a_lost_learner_rank_stops_the_run_naming_it_and_resume_continues(run_inputs, tmp_path):
+    """Rank 1 of two is SIGKILLed (by its pid) at the end of step 2: saving step 2's
+    checkpoint stops the run with an error naming rank 1 and step 1's checkpoint (still
+    the latest, intact); run.resume=true redoes step 2 and finishes."""
+    import os
+    import signal
+
+    import ray
+
+    from arbor.orchestration import LearnerFailedError
+
+    root, model, data = run_inputs
+    cfg = config(root, model, data, tmp_path / "h", "learner.backend=deepspeed", "learner.zero_stage=3",
+                 "learner.num_ranks=2", "run.steps=3")
+
+    def kill_rank_1(ctx, step, metrics):
+        if step == 2:
+            os.kill(ray.get(ctx.learners.workers[1].pid.remote()), signal.SIGKILL)
+
+    with pytest.raises(LearnerFailedError, match=r"learner rank 1 died .*step-000001: continue with run.resume=true"):
+        train(cfg, after_step=kill_rank_1)
+    cfg.run.resume = True
+    resumed = train(cfg)
+    assert len(resumed) == 2 and all(m["sync/logprob_gap"] <= 1e-4 for m in resumed)
+    assert [m["step"] for m in read_metrics(tmp_path / "h")] == [1, 2, 3]
+
+
 def test_plain_torch_learner_linear_loss_and_disk_sync(run_inputs, tmp_path):
     """The debugging set-up: one plain-torch rank, GRPO + linear training, weights via disk;
     colocated, so the engine releases its memory while the learner trains; two minibatches

@@ -11,6 +11,9 @@
   so that server's radix cache holds the tree; requests without a key go round-robin.
 - Connection errors, timeouts and 5xx are retried with exponential backoff; a 4xx raises
   :class:`EngineError` at once with the server's message (retrying cannot fix it).
+- ``client.recover = fn``: when a retryable call still fails, ``await fn(url, error)``
+  (the trainer restarts that server and restores its weights) and the call is sent again
+  once; what ``fn`` raises ends the call.
 - Control calls (weights, cache, memory, health) go to every server.
 """
 
@@ -64,6 +67,8 @@ class SGLangClient:
         self.backoff_s = backoff_s
         self.max_concurrency = max_concurrency
         self._round_robin = itertools.cycle(range(len(self.urls)))
+        # Called when a retryable call to a server kept failing (it died): restart it, or raise.
+        self.recover: Callable[[str, EngineError], Awaitable[None]] | None = None
         # Both belong to one event loop; a client used from a new loop (e.g. a second
         # asyncio.run) makes new ones.
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -202,6 +207,10 @@ class SGLangClient:
             "POST", "/update_weights_from_distributed", payload, check_success=True, retries=0
         )
 
+    async def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> list[Any]:
+        """Every server leaves the group (before a new one opens, e.g. after an engine restart)."""
+        return await self._all("POST", "/destroy_weights_update_group", {"group_name": group_name})
+
     async def flush_cache(self) -> None:
         await self._all("POST", "/flush_cache", {})
 
@@ -272,10 +281,20 @@ class SGLangClient:
             self._loop, self._session = loop, None
             self._semaphore = asyncio.Semaphore(self.max_concurrency)
         assert self._semaphore is not None
+
+        def attempt() -> Awaitable[Any]:
+            return self._once(url, method, path, payload)
+
         async with self._semaphore:
-            return await _with_retries(
-                lambda: self._once(url, method, path, payload), retries, self.backoff_s, url + path
-            )
+            try:
+                return await _with_retries(attempt, retries, self.backoff_s, url + path)
+            except EngineError as exc:
+                # A 4xx is the request's fault; a call that must not be replayed (retries=0:
+                # health checks, weight broadcasts) is not recovered either.
+                if self.recover is None or exc.status is not None or retries == 0:
+                    raise
+                await self.recover(url, exc)  # the server is back (restarted) or this raises
+            return await _with_retries(attempt, retries, self.backoff_s, url + path)
 
     async def _once(self, url: str, method: str, path: str, payload: Any) -> Any:
         if self._session is None or self._session.closed:
