@@ -48,6 +48,7 @@ from arbor.plugins import default_search_dirs, load_object
 Item = tuple[dict, str]  # (problem row, completion text)
 _SHOW = 200  # characters of a completion or message shown in errors
 _LOG_LINE = 500  # characters of one log record from a worker
+_STARTUP_DEATHS = 3  # workers in a row that die before they are ready: the module kills them, stop
 
 
 @runtime_checkable
@@ -269,6 +270,7 @@ class RewardPool:
         self.timeout_s = timeout_s
         self.start_timeout_s = start_timeout_s
         self._ctx = mp.get_context("spawn")
+        self._startup_deaths = 0  # workers that died while starting since one was last ready
         self._workers = [self._start_worker() for _ in range(workers)]
 
     def _start_worker(self) -> _Worker:
@@ -357,11 +359,18 @@ class RewardPool:
         try:
             kind, *payload = w.conn.recv()
         except (EOFError, OSError):
-            if not w.ready:  # died while importing: it would die again, don't loop
+            if not w.ready:
+                # Killed while importing (the OOM killer, an operator) is worth another worker;
+                # a module that kills every worker at import would loop: stop after a few.
                 w.process.join(timeout=5)
-                raise RuntimeError(
-                    f"a reward worker died during start-up (exit code {w.process.exitcode})"
-                ) from None
+                self._startup_deaths += 1
+                if self._startup_deaths >= _STARTUP_DEATHS:
+                    raise RuntimeError(
+                        f"a reward worker died during start-up {self._startup_deaths} times in a row "
+                        f"(last exit code {w.process.exitcode})"
+                    ) from None
+                self._replace(w)
+                return
             # Died mid-check (killed for memory, os._exit in user code): the item scores 0
             # and is counted, like a timeout; a fresh worker takes over.
             if w.task is not None:
@@ -371,6 +380,7 @@ class RewardPool:
             return
         if kind == "ready":
             w.ready = True
+            self._startup_deaths = 0
         elif kind == "load_error":
             raise ConfigError(payload[0])
         elif kind == "ok":

@@ -9,6 +9,10 @@ import time
 if (os.environ.get("ARBOR_TEST_DIE_AT_IMPORT")
         and multiprocessing.current_process().name == "arbor-reward-worker"):
     os._exit(7)
+# A worker that takes a while to import (so a test can kill it while it starts).
+if (os.environ.get("ARBOR_TEST_SLOW_IMPORT")
+        and multiprocessing.current_process().name == "arbor-reward-worker"):
+    time.sleep(float(os.environ["ARBOR_TEST_SLOW_IMPORT"]))
 
 
 def length(problem: dict, completion: str) -> float:

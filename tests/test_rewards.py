@@ -148,10 +148,20 @@ def test_failure_fraction_stops_above_the_limit_only():
         check_failure_fraction(2, 10, 0.1, lines * 2)
 
 
+def test_a_worker_killed_while_starting_is_replaced(monkeypatch):
+    """Killed during its imports (found by scripts/soak.py): one death is not a broken module."""
+    monkeypatch.setenv("ARBOR_TEST_SLOW_IMPORT", "2")  # the first worker is surely still importing
+    with RewardPool(f"{FIX}:one", workers=1, timeout_s=5, search_dirs=[HERE]) as pool:
+        (starting,) = [c for c in multiprocessing.active_children() if c.name == "arbor-reward-worker"]
+        os.kill(starting.pid, signal.SIGKILL)
+        monkeypatch.delenv("ARBOR_TEST_SLOW_IMPORT")  # its replacement starts at once
+        assert pool.score([(problem(0), "c")]).scores == [1.0]
+
+
 def test_worker_dying_at_start_up_is_an_error_not_a_loop(monkeypatch):
     monkeypatch.setenv("ARBOR_TEST_DIE_AT_IMPORT", "1")
     with RewardPool(f"{FIX}:one", workers=1, timeout_s=5, search_dirs=[HERE]) as pool:
-        with pytest.raises(RuntimeError, match="died during start-up.*exit code 7"):
+        with pytest.raises(RuntimeError, match="died during start-up 3 times in a row.*exit code 7"):
             pool.score([(problem(0), "c")])
 
 
