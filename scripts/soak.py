@@ -5,7 +5,8 @@
 Runs ``configs/quickstart.yaml`` in this process (``arbor.trainer.train``) with a killer
 thread that SIGKILLs, at random moments, processes this run started itself, by pid: the
 engine server (``EngineWorker.pid``; only while a rollout is under way, the phase where a
-dead engine's requests are sent again) and a reward worker (a ``arbor-reward-worker``
+dead engine's requests are sent again, and never in two steps in a row: that is a crash
+loop, which stops the run after ``engine.max_restarts``) and a reward worker (a ``arbor-reward-worker``
 child of this process; only while rewards are being scored). Then it checks that the run
 finished, that every step's metrics were written, and that the final checkpoint resumes
 (one more step with ``run.resume=true``). Ends with
@@ -47,7 +48,8 @@ class Killer:
         self.done = {"engine": 0, "reward": 0}
         self.rng = random.Random(seed)
         self.phase = ""  # the run's last status line: "rollout: 3/32 trees", "rewards: 10/256", ...
-        self.engine_pid: Any = lambda: None  # the engine server's pid (None: not known now)
+        self.engine_pid: Any = lambda: None  # the engine server's pid (None: not to be killed now)
+        self.rest_steps = 0  # steps to finish before the engine may be killed again
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self.loop, daemon=True)
 
@@ -67,11 +69,15 @@ class Killer:
         self.thread.start()
 
     def refresh(self, ctx: Any) -> None:
-        """After a step: the engine may have been restarted (a new pid)."""
+        """After a step: the engine may have been restarted (a new pid). After an engine kill
+        one step is left whole: an engine killed in every step is a crash loop, which stops
+        the run after engine.max_restarts by design."""
         import ray
 
-        pid = ray.get(ctx.engines.workers[0].pid.remote())
-        self.engine_pid = lambda: pid
+        self.rest_steps = max(0, self.rest_steps - 1)
+        if self.rest_steps == 0:
+            pid = ray.get(ctx.engines.workers[0].pid.remote())
+            self.engine_pid = lambda: pid
 
     def loop(self) -> None:
         """A random pause, a random victim, then the next moment its phase is under way."""
@@ -88,7 +94,7 @@ class Killer:
                 pid = self.engine_pid()
                 if pid is not None:  # None: killed this step; its restart's pid is read after the step
                     self.kill(what, pid)
-                    self.engine_pid = lambda: None
+                    self.engine_pid, self.rest_steps = (lambda: None), 2
                 continue
             workers = [c for c in multiprocessing.active_children() if c.name == "arbor-reward-worker"]
             if workers:
