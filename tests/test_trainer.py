@@ -13,12 +13,18 @@ from arbor.metrics import read_metrics
 from arbor.trainer import train
 
 REWARD = '''
+import os
 import random
 
 
 def coin(problem, completion):
     """Deterministic in the text: some leaves win, so every tree has an advantage signal."""
     return float(random.Random(completion).random() < 0.5)
+
+
+def crashes(problem, completion):
+    """A broken reward function: its worker dies on every check."""
+    os._exit(1)
 '''
 
 
@@ -211,6 +217,18 @@ def test_a_lost_learner_rank_stops_the_run_naming_it_and_resume_continues(run_in
     resumed = train(cfg)
     assert len(resumed) == 2 and all(m["sync/logprob_gap"] <= 1e-4 for m in resumed)
     assert [m["step"] for m in read_metrics(tmp_path / "h")] == [1, 2, 3]
+
+
+def test_a_reward_function_whose_workers_all_crash_stops_the_run(run_inputs, tmp_path):
+    from arbor.rewards import RewardFailureError
+
+    root, model, data = run_inputs
+    cfg = config(root, model, data, tmp_path / "i", "learner.backend=torch", "learner.zero_stage=0",
+                 f"reward.functions=[{{fn: {root}/coin_reward.py:crashes}}]")
+    with pytest.raises(RewardFailureError, match=r"8 of 8 reward checks .*reward.max_failure_fraction=0.1(.|\n)*"
+                                                 r"problem id 'p\d+': reward check crashed"):
+        train(cfg)
+    assert not (tmp_path / "i" / "metrics.jsonl").read_text()  # nothing was trained on the zeros
 
 
 def test_plain_torch_learner_linear_loss_and_disk_sync(run_inputs, tmp_path):
