@@ -116,10 +116,7 @@ class EngineRecovery:
             if served != [version]:
                 raise EngineFailedError(f"engine {url} restarted but serves weight version {served}, not {version!r}")
         if self.weight_sync == "distributed":
-            # The old group had the dead server in it: everyone leaves, the next sync opens a new one.
-            others = [u for u in self.engines.urls if u != url]
-            if others:
-                run_sync(lambda c: c.destroy_weights_update_group(), others)
-            self.learners.call("reset_weight_sync")
+            # The old group had the dead server in it: the others leave, the next sync opens a new one.
+            self.learners.call("reset_weight_sync", [u for u in self.engines.urls if u != url])
         print(f"arbor train: engine {url} is back, serving weight version {version or 'of model.path'}",
               file=sys.stderr, flush=True)

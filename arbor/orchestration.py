@@ -232,9 +232,13 @@ class LearnerWorker:
         finally:
             model.train(was_training)
 
-    def reset_weight_sync(self) -> None:
-        """Forget the weight-update group: an engine of it was restarted, so the next push
-        opens a new one with every engine (they left the old one: EngineRecovery)."""
+    def reset_weight_sync(self, alive_urls: list[str]) -> None:
+        """An engine of the weight-update group was restarted (outside it now): the engines
+        still in it (``alive_urls``) leave it, and the next push opens a new group with all."""
+        if self.sync is not None and alive_urls:  # only rank 0 holds one, after its first push
+            from arbor.engines.client import run_sync
+
+            run_sync(lambda client: client.destroy_weights_update_group(), alive_urls)
         self.sync = None
 
     def _weight_sync(self, urls: list[str]) -> Any:

@@ -163,7 +163,9 @@ def kill_engine_mid_rollout(steps_to_hit):
 
 def test_an_engine_killed_mid_rollout_is_restarted_and_the_step_completes(run_inputs, tmp_path):
     root, model, data = run_inputs
-    cfg = config(root, model, data, tmp_path / "f", "learner.backend=torch", "learner.zero_stage=0", "run.steps=3")
+    # Two engines: the survivor must leave the old weight-update group for the next sync's new one.
+    cfg = config(root, model, data, tmp_path / "f", "learner.backend=torch", "learner.zero_stage=0", "run.steps=3",
+                 "engine.num_engines=2")
     arm, kills = kill_engine_mid_rollout({2})
     versions = []
 
@@ -175,7 +177,7 @@ def test_an_engine_killed_mid_rollout_is_restarted_and_the_step_completes(run_in
     assert len(kills) == 1
     assert [m["engine/restarts"] for m in history] == [0, 1, 0]
     assert [m["rollout/trees"] for m in history] == [2, 2, 2]  # the killed step's trees all came back
-    assert versions == [["1"], ["2"], ["3"]]  # the restarted engine got the weights and the next syncs reached it
+    assert versions == [["1", "1"], ["2", "2"], ["3", "3"]]  # the restarted engine got the weights, the next syncs reached both
     assert all(m["sync/logprob_gap"] <= 1e-4 for m in history)
 
 
