@@ -6,6 +6,8 @@ comes back as a tool message, and the model continues.
       agent: agents/python_tool.py:PythonTool
 
 The episode ends when a model turn has no code block, or after ``max_tool_calls`` calls.
+Where the machine cannot isolate tools from the network (no working ``unshare``), the
+agent refuses to start unless ``agent_args: {allow_network: true}`` says that is meant.
 A tool that times out, raises, runs out of memory or prints megabytes gives an error
 message (marked ``"error": "1"`` for the tool-error metric); the rollout goes on.
 """
@@ -26,10 +28,10 @@ INSTRUCTION = (
 
 class PythonTool:
     def __init__(self, max_tool_calls: int = 3, timeout_s: float = 5.0, memory_mb: int = 512,
-                 max_output_chars: int = 2000, workers: int = 4) -> None:
+                 max_output_chars: int = 2000, workers: int = 4, allow_network: bool = False) -> None:
         self.max_tool_calls, self.timeout_s = max_tool_calls, timeout_s
         self.memory_mb, self.max_output_chars = memory_mb, max_output_chars
-        self.pool = ToolPool(workers)
+        self.pool = ToolPool(workers, allow_network=allow_network)
 
     def start(self, problem: dict) -> list[dict[str, str]]:
         # The prompt is text or chat messages; the instruction ends its last user message.

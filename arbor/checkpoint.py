@@ -1,13 +1,17 @@
 """Run checkpoints: the learner's state (every rank) plus the driver's, resumable exactly.
 
     <output_dir>/checkpoints/step-000010/learner/...   DeepSpeed (or torch) state per rank
-    <output_dir>/checkpoints/step-000010/driver.json   step, data cursor, RNG, metric history
+    <output_dir>/checkpoints/step-000010/driver.json   step, data cursor, LR schedule horizon
+    <output_dir>/checkpoints/step-000010/rng.pt        the driver's RNG states
     <output_dir>/checkpoints/latest                    "step-000010", written last
 
 A checkpoint is complete only once ``latest`` names it (written after everything else,
 atomically), so a run killed while saving resumes from the previous one. ``run.resume``
 picks ``latest``; the learner reloads its state and pushes the weights to the engines,
-the problem stream continues at its cursor, and the RNGs are restored.
+the problem stream continues at its cursor, and the RNGs are restored. The metrics are
+not in the checkpoint: ``metrics.jsonl`` is appended to (:func:`arbor.metrics.read_metrics`
+keeps the last record of a step a resumed run redid). ``run.keep_checkpoints`` bounds how
+many complete checkpoints stay on disk.
 """
 
 from __future__ import annotations
@@ -74,6 +78,24 @@ def latest_checkpoint(output_dir: str | Path) -> Path | None:
     if not (path / "driver.json").exists():
         raise FileNotFoundError(f"{pointer} names {path.name}, which has no driver.json")
     return path
+
+
+def schedule_horizon(directory: Path, steps: int) -> int:
+    """The ``run.steps`` the checkpointed run's learning-rate schedule was built for.
+
+    A resumed run keeps it, so a larger ``run.steps`` extends the run without reshaping a
+    decaying schedule. ``steps``: the value to use for checkpoints written before it was saved.
+    """
+    state = json.loads((directory / "driver.json").read_text())
+    return int(state.get("schedule_steps", steps))
+
+
+def resume_hint(output_dir: str | Path) -> str:
+    """What a run that stops on a fault tells its user: where it can continue from."""
+    latest = latest_checkpoint(output_dir)
+    if latest is None:
+        return "No checkpoint was written yet."
+    return f"The last checkpoint is {latest}: continue with run.resume=true."
 
 
 def read_driver_state(directory: Path) -> dict[str, Any]:

@@ -16,6 +16,7 @@ import dataclasses
 import re
 import types
 import typing
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -109,6 +110,9 @@ class EngineConfig:
     # SGLang: --enable-deterministic-inference, so per-fork sampling seeds are honoured and
     # runs reproduce (slower kernels). Off: SGLang ignores seeds; forks use its randomness.
     deterministic: bool = False
+    # A dead engine is restarted (weights restored, requests resent); more restarts than this
+    # without a step in between that it served whole stop the run.
+    max_restarts: int = 3
 
 
 @dataclass
@@ -122,6 +126,9 @@ class RewardConfig:
     functions: list[RewardTermConfig] = field(default_factory=lambda: [RewardTermConfig()])
     timeout_s: float = 5.0  # a check past this is killed, scores 0, and is counted
     workers: int = 2
+    # More than this share of a step's checks timed out or crashed: the run stops (a broken
+    # reward function must not train on zeros). 1.0: never stop.
+    max_failure_fraction: float = 0.1
 
 
 @dataclass
@@ -225,9 +232,10 @@ class RunConfig:
     output_dir: str = "runs/arbor"
     seed: int = 0
     steps: int = 100
-    log_every: int = 1
+    log_every: int = 1  # a console line every N steps (and the last); metrics.jsonl and TensorBoard get every step
     eval_every: int = 0  # 0: never
     save_every: int = 50  # 0: only at the end
+    keep_checkpoints: int = 2  # the newest N complete checkpoints are kept, older ones deleted
     save_trees_every: int = 10  # trees written for `arbor view`; 0: never
     resume: bool = False
     tensorboard: bool = True
@@ -418,8 +426,13 @@ def _suggest(name: str, options: list[str]) -> str:
 # -- validation of values and combinations ------------------------------------------------
 
 
-def validate(cfg: Config, where: str = "<config>") -> None:
-    """Range and cross-field checks; each error names the key(s) involved."""
+def validate(cfg: Config, where: Callable[[str], str] | None = None) -> None:
+    """Range and cross-field checks; each error names the key(s) involved.
+
+    ``where(key)`` says where a key came from (``file:line``, an override); without it,
+    errors say ``<config>`` (a config built in code).
+    """
+    where = where or (lambda key: "<config>")
 
     def need(ok: bool, key: str, why: str) -> None:
         if not ok:
@@ -460,12 +473,15 @@ def validate(cfg: Config, where: str = "<config>") -> None:
          "must be disk with ray.colocate on GPUs (NCCL cannot put the learner's rank and the engine's on one GPU)")
     need(not (cfg.ray.colocate and e.tp_size > 1), "engine.tp_size",
          f"must be 1 with ray.colocate (a colocated engine gets one learner GPU), got {e.tp_size}")
+    need(e.max_restarts >= 0, "engine.max_restarts", f"must be ≥ 0 (0: a dead engine stops the run), got {e.max_restarts}")
 
     need(bool(cfg.reward.functions), "reward.functions", "must name at least one reward function")
     for i, term in enumerate(cfg.reward.functions):
         need(":" in term.fn, f"reward.functions[{i}].fn", f"must be 'module:attr', got {term.fn!r}")
     need(cfg.reward.timeout_s > 0, "reward.timeout_s", "must be > 0")
     need(cfg.reward.workers >= 1, "reward.workers", "must be ≥ 1")
+    need(0 <= cfg.reward.max_failure_fraction <= 1, "reward.max_failure_fraction",
+         f"must be in [0, 1], got {cfg.reward.max_failure_fraction}")
 
     need(0 <= lo.clip_low < 1, "loss.clip_low", f"must be in [0, 1), got {lo.clip_low}")
     need(lo.clip_high >= 0, "loss.clip_high", f"must be ≥ 0, got {lo.clip_high}")
@@ -534,7 +550,9 @@ def validate(cfg: Config, where: str = "<config>") -> None:
     need(cfg.data.prompts_per_step >= 1, "data.prompts_per_step", "must be ≥ 1")
     need(cfg.data.max_prompt_tokens >= 1, "data.max_prompt_tokens", "must be ≥ 1")
     need(cfg.run.steps >= 0, "run.steps", "must be ≥ 0")
-    for name in ("log_every", "eval_every", "save_every", "save_trees_every"):
+    need(cfg.run.log_every >= 1, "run.log_every", f"must be ≥ 1, got {cfg.run.log_every}")
+    need(cfg.run.keep_checkpoints >= 1, "run.keep_checkpoints", f"must be ≥ 1, got {cfg.run.keep_checkpoints}")
+    for name in ("eval_every", "save_every", "save_trees_every"):
         need(getattr(cfg.run, name) >= 0, f"run.{name}", "must be ≥ 0")
     need(cfg.run.eval_every == 0 or (cfg.eval.path or cfg.data.eval_path) is not None, "run.eval_every",
          "needs eval.path or data.eval_path (a set to evaluate on)")

@@ -1,6 +1,6 @@
 """Step metrics: TensorBoard scalars, a ``metrics.jsonl`` line per step, the console display.
 
-    log = MetricsLog(cfg.run, total_steps=cfg.run.steps, start_step=0)
+    log = MetricsLog(cfg.run, total_steps=cfg.run.steps)   # console line every run.log_every steps
     with log.phase("rollout"):                      # per-phase seconds -> time/rollout_s
         ...
     log.write(step, {"reward/mean": 0.4, ...})     # TensorBoard + jsonl + console line
@@ -40,6 +40,7 @@ class MetricsLog:
         self.dir = Path(run_cfg.output_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.total = total_steps
+        self.log_every = run_cfg.log_every
         self.stream = stream or sys.stdout
         self.phases: dict[str, float] = {}
         self.writer: Any = None
@@ -66,7 +67,11 @@ class MetricsLog:
             self.stream.flush()
 
     def write(self, step: int, metrics: dict[str, float]) -> dict[str, float]:
-        """Record one step (``step`` counts from 1); returns the metrics with the phase times."""
+        """Record one step (``step`` counts from 1); returns the metrics with the phase times.
+
+        Every step goes to ``metrics.jsonl`` and TensorBoard (resume and analysis need them
+        all); the console shows every ``run.log_every``-th step, step 0 and the last.
+        """
         metrics = dict(metrics)
         for name, seconds in self.phases.items():
             metrics[f"time/{name}_s"] = seconds
@@ -78,10 +83,11 @@ class MetricsLog:
             self.writer.flush()
         self.jsonl.write(json.dumps({"step": step, **metrics}) + "\n")
         self.jsonl.flush()
-        shown = "  ".join(fmt.format(metrics[k]) for k, fmt in CONSOLE if k in metrics)
         self.status("")
-        self.stream.write(f"\rstep {step}/{self.total}  {shown}\n")
-        self.stream.flush()
+        if step % self.log_every == 0 or step == self.total:
+            shown = "  ".join(fmt.format(metrics[k]) for k, fmt in CONSOLE if k in metrics)
+            self.stream.write(f"\rstep {step}/{self.total}  {shown}\n")
+            self.stream.flush()
         return metrics
 
     def close(self) -> None:

@@ -28,6 +28,7 @@ from typing import Any, TypeVar
 
 import torch
 
+from arbor import checkpoint
 from arbor.config import Config, RayConfig
 from arbor.engines.server import free_port
 
@@ -171,6 +172,10 @@ class LearnerWorker:
     def address(self) -> tuple[str, int]:
         return node_address(), free_port("")  # free on every interface of this node
 
+    def pid(self) -> int:
+        """This rank's process id (fault tests kill it)."""
+        return os.getpid()
+
     def setup(self, master: tuple[str, int], total_steps: int) -> None:
         """Join the learner group and build the model, DeepSpeed engine and optimizer."""
         cfg = self.cfg
@@ -227,6 +232,18 @@ class LearnerWorker:
         finally:
             model.train(was_training)
 
+    def reset_weight_sync(self, alive_urls: list[str]) -> None:
+        """An engine of the weight-update group was restarted (outside it now): the engines
+        still in it (``alive_urls``) leave it, and the next push opens a new group with all."""
+        if self.sync is not None:  # only rank 0 holds one, after its first push
+            from arbor.engines.client import run_sync
+
+            group = self.sync.group_name
+            if group is not None and alive_urls:
+                run_sync(lambda client: client.destroy_weights_update_group(group), alive_urls)
+            self.sync.close_local()
+        self.sync = None
+
     def _weight_sync(self, urls: list[str]) -> Any:
         if self.sync is None or self.sync.client.urls != [u.rstrip("/") for u in urls]:
             from arbor.engines.client import SGLangClient
@@ -268,8 +285,17 @@ class LearnerWorker:
         return float(sum(t.double().abs().sum() for t in self.learner.full_state_dict().values()))
 
 
+class LearnerFailedError(RuntimeError):
+    """A learner rank died (its Ray actor was lost): the run stops; the last checkpoint is intact."""
+
+
 class LearnerGroup:
-    """``learner.num_ranks`` :class:`LearnerWorker` actors forming one data-parallel group."""
+    """``learner.num_ranks`` :class:`LearnerWorker` actors forming one data-parallel group.
+
+    A rank that dies (killed, out of memory, node lost) stops the run with
+    :class:`LearnerFailedError` naming the rank and the last checkpoint, at once: the other
+    ranks may be blocked in a collective with it, so results are awaited as they come.
+    """
 
     def __init__(self, cfg: Config, placement: Placement, total_steps: int) -> None:
         import ray
@@ -279,8 +305,10 @@ class LearnerGroup:
             actor.options(**placement.learner_options(rank)).remote(cfg, rank)
             for rank in range(cfg.learner.num_ranks)
         ]
-        master = ray.get(self.workers[0].address.remote())
+        self.output_dir = cfg.run.output_dir
+        master = self.results([self.workers[0].address.remote()])[0]
         self.call("setup", master, total_steps)
+        self.weight_version: str | None = None  # what the engines serve; None: model.path's weights
 
     @property
     def world_size(self) -> int:
@@ -288,23 +316,38 @@ class LearnerGroup:
 
     def call(self, method: str, *args: Any) -> list[Any]:
         """``method(*args)`` on every rank at once (collectives need all ranks); results by rank."""
+        return self.results([getattr(w, method).remote(*args) for w in self.workers])
+
+    def results(self, refs: list[Any]) -> list[Any]:
+        """``ray.get(refs)`` (ref r from rank r), or LearnerFailedError as soon as a rank is lost."""
         import ray
 
-        return ray.get([getattr(w, method).remote(*args) for w in self.workers])
+        pending = list(refs)
+        while pending:
+            ready, pending = ray.wait(pending, num_returns=1)
+            try:
+                ray.get(ready[0])
+            except ray.exceptions.RayActorError as e:
+                rank = refs.index(ready[0])
+                cause = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+                raise LearnerFailedError(
+                    f"learner rank {rank} died ({type(e).__name__}: {cause}); the run stops. "
+                    f"{checkpoint.resume_hint(self.output_dir)}"
+                ) from e
+        return ray.get(refs)
 
     def step(
         self, packs_per_rank: Sequence[Sequence[Any]], denominator: float, filler: Any = None
     ) -> list[dict[str, float]]:
         """One update: rank r trains ``packs_per_rank[r]``; a rank without packs runs ``filler`` at zero loss."""
-        import ray
-
-        return ray.get([
+        return self.results([
             w.step.remote(list(p), denominator, None if p else filler)
             for w, p in zip(self.workers, packs_per_rank)
         ])
 
     def push_weights(self, urls: list[str], version: str) -> None:
         self.call("push_weights", urls, version)
+        self.weight_version = version
 
     def logprob_gap(self, samples: list[tuple[list[int], list[int], list[float]]]) -> float:
         return self.call("logprob_gap", samples)[0]
@@ -337,9 +380,21 @@ class EngineWorker:
             extra_args=engine_args(cfg), log_dir=os.path.join(log_dir, f"engine-{index}"),
             startup_timeout_s=cfg.engine.startup_timeout_s, gpus_per_engine=cfg.engine.tp_size,
         )
+        self.startup_timeout_s = cfg.engine.startup_timeout_s
 
     def urls(self) -> list[str]:
         return self.handle.urls
+
+    def pid(self) -> int:
+        """The server's process id (what a fault test or scripts/soak.py kills)."""
+        return self.handle.processes[0].pid
+
+    def restart(self) -> None:
+        """Start the dead server again on its port (model.path's weights; EngineRecovery restores the run's)."""
+        self.handle.restart(0, self.startup_timeout_s)
+
+    def log_tail(self, lines: int = 30) -> str:
+        return self.handle.log_tail(0, lines)
 
     def shutdown(self) -> None:
         self.handle.shutdown()
@@ -385,6 +440,10 @@ class EngineGroup:
             for i in range(cfg.engine.num_engines)
         ]
         self.urls = [u for urls in ray.get([w.urls.remote() for w in self.workers]) for u in urls]
+
+    def worker(self, url: str) -> Any:
+        """The actor owning the server at ``url`` (one server per actor); None for external engines."""
+        return self.workers[self.urls.index(url)] if self.workers else None
 
     def shutdown(self) -> None:
         import ray

@@ -11,6 +11,7 @@ learner group, the reward pool and the tokenizer; the phases own nothing.
 
 from __future__ import annotations
 
+import logging
 import random
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -21,11 +22,14 @@ from arbor.answers import has_final_answer
 from arbor.config import AlgorithmConfig
 from arbor.learner import sums_metrics
 from arbor.packing import assign_to_ranks, loss_denominator, pack_trees
+from arbor.rewards import check_failure_fraction, failed_checks
 from arbor.sampler import SampleStats, sample_trees
 from arbor.tree import RolloutTree
 
 if TYPE_CHECKING:
     from arbor.trainer import RunContext
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -37,6 +41,8 @@ class Batch:
     stats: list[SampleStats] = field(default_factory=list)
     correct: list[bool] = field(default_factory=list)  # per sampled leaf: first reward term > 0
     reward_timeouts: int = 0
+    reward_crashed: int = 0  # checks whose worker died (killed, segfault); scored 0
+    reward_failures: list[str] = field(default_factory=list)  # one line per timed-out / crashed check
     rounds: int = 0
 
 
@@ -46,7 +52,11 @@ def step_seed(seed: int, step: int, round_: int = 0) -> int:
 
 
 def collect_rollouts(ctx: RunContext, step: int) -> Batch:
-    """Sample ``data.prompts_per_step`` trees, score them; refill what dynamic sampling drops."""
+    """Sample ``data.prompts_per_step`` trees, score them; refill what dynamic sampling drops.
+
+    Raises :class:`~arbor.rewards.RewardFailureError` when more than
+    ``reward.max_failure_fraction`` of the step's reward checks timed out or crashed.
+    """
     cfg = ctx.cfg
     target = cfg.data.prompts_per_step
     rounds = 1 + (cfg.algorithm.max_refill_rounds if cfg.algorithm.dynamic_sampling else 0)
@@ -56,15 +66,16 @@ def collect_rollouts(ctx: RunContext, step: int) -> Batch:
         with ctx.log.phase("rollout"):
             trees, stats = sample(ctx, problems, cfg.rollout, step_seed(cfg.run.seed, step, round_))
         with ctx.log.phase("reward"):
-            correct, timeouts = score_trees(ctx, trees)
+            correct = score_trees(ctx, trees, batch)
         batch.sampled += trees
         batch.stats += stats
         batch.correct += correct
-        batch.reward_timeouts += timeouts
         batch.rounds = round_ + 1
         batch.trees += dynamic_sampling_filter(trees) if cfg.algorithm.dynamic_sampling else trees
         if len(batch.trees) >= target:
             break
+    check_failure_fraction(batch.reward_timeouts + batch.reward_crashed, len(batch.correct),
+                           cfg.reward.max_failure_fraction, batch.reward_failures)
     return batch
 
 
@@ -89,8 +100,11 @@ def sample(ctx: RunContext, problems: list[dict], rollout_cfg: Any, seed: int) -
     ))
 
 
-def score_trees(ctx: RunContext, trees: list[RolloutTree]) -> tuple[list[bool], int]:
-    """Set every leaf's reward; returns per-leaf correctness (first reward term > 0) and timeouts."""
+def score_trees(ctx: RunContext, trees: list[RolloutTree], batch: Batch) -> list[bool]:
+    """Set every leaf's reward; returns per-leaf correctness (first reward term > 0).
+
+    Timed-out and crashed checks (scored 0) are counted in ``batch`` and warned about by problem id.
+    """
     leaves = [(tree, leaf) for tree in trees for leaf in tree.leaves()]
     items = [
         (tree.problem, ctx.tokenizer.decode(tree.response_ids(leaf), skip_special_tokens=True))
@@ -99,8 +113,14 @@ def score_trees(ctx: RunContext, trees: list[RolloutTree]) -> tuple[list[bool], 
     result = ctx.rewards.score(items, lambda d, n: ctx.log.status(f"rewards: {d}/{n}"))
     for (_, leaf), score in zip(leaves, result.scores):
         leaf.reward = score
+    failures = failed_checks(result, items)
+    for line in failures:
+        log.warning("%s", line)
+    batch.reward_timeouts += len(result.timed_out)
+    batch.reward_crashed += len(result.crashed)
+    batch.reward_failures += failures
     first = next(iter(result.term_scores.values()), result.scores)
-    return [v > 0 for v in first], result.timeouts
+    return [v > 0 for v in first]
 
 
 def batch_advantages(trees: list[RolloutTree], algorithm: AlgorithmConfig) -> list:
@@ -146,6 +166,7 @@ def sync_weights(ctx: RunContext, version: str, probe: list[RolloutTree]) -> dic
     from arbor.weight_sync import probe_samples
 
     cfg = ctx.cfg
+    ctx.recovery.revive_dead()  # a server that died after its last request is restarted first
     ctx.learners.push_weights(ctx.engines.urls, version)
     metrics: dict[str, float] = {"sync/weight_version": float(version)}
     if probe:
@@ -196,6 +217,7 @@ def rollout_metrics(batch: Batch) -> dict[str, float]:
         "reward/std": (sum((r - sum(rewards) / n) ** 2 for r in rewards) / n) ** 0.5,
         "reward/accuracy": sum(batch.correct) / n,
         "reward/timeouts": float(batch.reward_timeouts),
+        "reward/crashed": float(batch.reward_crashed),
         "response/length_mean": sum(lengths) / n,
         "response/length_max": float(max(lengths, default=0)),
         "response/finished": sum(leaf.finish_reason == "stop" for leaf in leaves) / n,

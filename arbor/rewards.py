@@ -48,6 +48,7 @@ from arbor.plugins import default_search_dirs, load_object
 Item = tuple[dict, str]  # (problem row, completion text)
 _SHOW = 200  # characters of a completion or message shown in errors
 _LOG_LINE = 500  # characters of one log record from a worker
+_STARTUP_DEATHS = 3  # workers in a row that die before they are ready: the module kills them, stop
 
 
 @runtime_checkable
@@ -83,6 +84,39 @@ class RewardError(RuntimeError):
         super().__init__(message)
         self.problem_id = problem_id
         self.partial_scores = partial_scores
+
+
+class RewardFailureError(RuntimeError):
+    """More than ``reward.max_failure_fraction`` of a step's checks timed out or crashed:
+    the rewards are mostly zeros that mean "not scored", and training on them would be silent."""
+
+
+def failed_checks(result: ScoreResult, items: Sequence[Item]) -> list[str]:
+    """One line per timed-out or crashed check of ``result``, naming the problem id."""
+    lines = []
+    for kind, indices in (("timed out", result.timed_out), ("crashed (worker died)", result.crashed)):
+        for i in indices:
+            problem_id = items[i][0].get("id", f"<item {i}>")
+            lines.append(f"problem id {problem_id!r}: reward check {kind} after "
+                         f"{result.check_seconds[i]:.1f} s, scored 0")
+    return lines
+
+
+def check_failure_fraction(failed: int, checks: int, max_fraction: float, examples: Sequence[str]) -> None:
+    """Raise :class:`RewardFailureError` when ``failed / checks > max_fraction``.
+
+    ``examples``: lines from :func:`failed_checks`, a few of which the message quotes.
+    ``check_failure_fraction(3, 16, 0.1, [...])`` raises (0.19 > 0.1); ``(1, 16, 0.1, …)`` does not.
+    """
+    if checks == 0 or failed / checks <= max_fraction:
+        return
+    shown = "\n  ".join(examples[:5]) + (f"\n  … and {len(examples) - 5} more" if len(examples) > 5 else "")
+    raise RewardFailureError(
+        f"{failed} of {checks} reward checks this step timed out or crashed "
+        f"({failed / checks:.0%} > reward.max_failure_fraction={max_fraction}); their zeros are "
+        f"not rewards, so the run stops. Fix the reward function or raise reward.timeout_s / "
+        f"reward.max_failure_fraction:\n  {shown}"
+    )
 
 
 def clip_text(text: str, limit: int = _SHOW) -> str:
@@ -236,6 +270,7 @@ class RewardPool:
         self.timeout_s = timeout_s
         self.start_timeout_s = start_timeout_s
         self._ctx = mp.get_context("spawn")
+        self._startup_deaths = 0  # workers that died while starting since one was last ready
         self._workers = [self._start_worker() for _ in range(workers)]
 
     def _start_worker(self) -> _Worker:
@@ -324,11 +359,18 @@ class RewardPool:
         try:
             kind, *payload = w.conn.recv()
         except (EOFError, OSError):
-            if not w.ready:  # died while importing: it would die again, don't loop
+            if not w.ready:
+                # Killed while importing (the OOM killer, an operator) is worth another worker;
+                # a module that kills every worker at import would loop: stop after a few.
                 w.process.join(timeout=5)
-                raise RuntimeError(
-                    f"a reward worker died during start-up (exit code {w.process.exitcode})"
-                ) from None
+                self._startup_deaths += 1
+                if self._startup_deaths >= _STARTUP_DEATHS:
+                    raise RuntimeError(
+                        f"a reward worker died during start-up {self._startup_deaths} times in a row "
+                        f"(last exit code {w.process.exitcode})"
+                    ) from None
+                self._replace(w)
+                return
             # Died mid-check (killed for memory, os._exit in user code): the item scores 0
             # and is counted, like a timeout; a fresh worker takes over.
             if w.task is not None:
@@ -338,6 +380,7 @@ class RewardPool:
             return
         if kind == "ready":
             w.ready = True
+            self._startup_deaths = 0
         elif kind == "load_error":
             raise ConfigError(payload[0])
         elif kind == "ok":

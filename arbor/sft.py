@@ -364,7 +364,7 @@ def run_sft(cfg: Config) -> list[dict[str, float]]:
                   flush=True)
         history.append(metrics)
         if step == len(batches) or (cfg.run.save_every and step % cfg.run.save_every == 0):
-            _save_checkpoint(learner, out, step, rank)
+            _save_checkpoint(learner, out, step, rank, cfg.run.keep_checkpoints)
     learner.export_hf(out / "hf", tokenizer)
     if log is not None:
         log.stream.close()
@@ -372,14 +372,14 @@ def run_sft(cfg: Config) -> list[dict[str, float]]:
     return history
 
 
-def _save_checkpoint(learner: Learner, out: Path, step: int, rank: int) -> None:
+def _save_checkpoint(learner: Learner, out: Path, step: int, rank: int, keep: int) -> None:
     directory = checkpoint.step_dir(out, step)
     learner.save(directory / "learner")
     if torch.distributed.is_initialized():
         torch.distributed.barrier()  # every rank's shard is on disk before `latest` names it
     if rank == 0:
         checkpoint.write_driver_state(directory, {"step": step})
-        checkpoint.mark_latest(out, step)
+        checkpoint.mark_latest(out, step, keep=keep)
 
 
 def _default_distributed_env(cfg: Config) -> None:

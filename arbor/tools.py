@@ -6,9 +6,11 @@
 
 Every call is a fresh ``python -I`` process in its own temporary directory (its working
 directory and ``HOME``, deleted afterwards) with a minimal environment, limits on
-address space (``memory_mb``), CPU time and file size, no network where the kernel
-allows a private network namespace (``unshare -n``, or ``unshare -rn`` for non-root
-users; :func:`network_isolation` says which), and a process group killed on timeout.
+address space (``memory_mb``), CPU time and file size, no network (a private network
+namespace: ``unshare -n``, or ``unshare -rn`` for non-root users; :func:`network_isolation`
+says which), and a process group killed on timeout. Where no namespace can be made, a
+pool refuses to start (:class:`~arbor.errors.ConfigError` saying why) unless it was
+built with ``allow_network=True``: tools quietly reaching the network is never the default.
 Nothing a tool does can crash a rollout: a timeout, an exception, a memory blow-up or a
 flood of output each becomes an error observation for the model. Calls of different
 branches run concurrently, at most ``workers`` at once.
@@ -28,6 +30,8 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from arbor.errors import ConfigError
 
 # Runs inside the sandbox before the tool's code: the limits, then the code itself with
 # tracebacks showing only the tool's own frames.
@@ -78,34 +82,46 @@ class ToolResult:
         return text
 
 
-@functools.cache
 def network_isolation() -> list[str] | None:
     """The ``unshare`` prefix that gives a process no network here, or None if none works."""
-    unshare = shutil.which("unshare")
+    return _probe_isolation(os.environ.get("PATH", ""))[0]
+
+
+@functools.cache
+def _probe_isolation(path: str) -> tuple[list[str] | None, str]:
+    """``(prefix, "")`` for the first ``unshare`` form that works with ``PATH=path``, else
+    ``(None, why)``. Cached per PATH: probing starts two processes."""
+    unshare = shutil.which("unshare", path=path)
     if unshare is None:
-        return None
+        return None, f"no `unshare` program on PATH ({path or 'empty'})"
+    failures = []
     for prefix in ([unshare, "-n"], [unshare, "-rn"]):
         try:
-            done = subprocess.run([*prefix, "true"], capture_output=True, timeout=10)
-        except (OSError, subprocess.TimeoutExpired):
+            done = subprocess.run([*prefix, "true"], capture_output=True, text=True, timeout=10)
+        except (OSError, subprocess.TimeoutExpired) as e:
+            failures.append(f"`{' '.join(prefix)} true`: {e}")
             continue
         if done.returncode == 0:
-            return prefix
-    return None
+            return prefix, ""
+        failures.append(f"`{' '.join(prefix)} true` exited {done.returncode}: {done.stderr.strip()[:200]}")
+    return None, "; ".join(failures)
 
 
 class ToolPool:
     """Runs tool calls concurrently, at most ``workers`` at a time, each sandboxed."""
 
-    def __init__(self, workers: int = 4, *, require_no_network: bool = False) -> None:
+    def __init__(self, workers: int = 4, *, allow_network: bool = False) -> None:
+        """``allow_network=True`` runs tools without network isolation where none can be
+        made; otherwise such a machine is a :class:`ConfigError` here, at start-up."""
         if workers < 1:
             raise ValueError(f"workers must be ≥ 1, got {workers}")
         self.workers = workers
-        self.isolation = network_isolation()
-        if self.isolation is None and require_no_network:
-            raise RuntimeError(
-                "tool sandbox: this machine cannot give processes a private network namespace "
-                "(`unshare -n` / `unshare -rn` fail); tools would have network access"
+        self.isolation, why = _probe_isolation(os.environ.get("PATH", ""))
+        if self.isolation is None and not allow_network:
+            raise ConfigError(
+                f"tool sandbox: cannot cut tools off the network here ({why}). Run where `unshare -n` "
+                "(root) or `unshare -rn` (unprivileged user namespaces) works, or let tools reach the "
+                "network explicitly: rollout.agent_args: {allow_network: true}"
             )
         self._semaphore: asyncio.Semaphore | None = None
         self._loop: asyncio.AbstractEventLoop | None = None

@@ -22,8 +22,10 @@ from arbor import checkpoint, phases
 from arbor.agents import fitting_problems, rollout_agent
 from arbor.config import Config, save_config
 from arbor.data import ProblemStream, load_problems
+from arbor.engine_recovery import EngineFailedError, EngineRecovery
 from arbor.metrics import MetricsLog
-from arbor.orchestration import closing
+from arbor.orchestration import LearnerFailedError, closing
+from arbor.rewards import RewardFailureError
 
 T = TypeVar("T")
 
@@ -52,6 +54,7 @@ def train(cfg: Config, after_step: Callable[[RunContext, int, dict], None] | Non
             if cfg.run.eval_every and step % cfg.run.eval_every == 0 and ctx.eval_problems:
                 with ctx.log.phase("eval"):
                     metrics |= phases.evaluate(ctx, ctx.eval_problems)
+            metrics |= ctx.recovery.step_metrics()  # engine/restarts
             history.append(ctx.log.write(step, metrics | ctx.throughput(batch) | ctx.data_metrics))
             if after_step is not None:
                 after_step(ctx, step, history[-1])
@@ -69,6 +72,7 @@ class RunContext:
 
     cfg: Config
     start_step: int = 0
+    schedule_steps: int = 0  # run.steps the LR schedule spans (kept from the first run on resume)
     eval_problems: list[dict] = field(default_factory=list)
     data_metrics: dict[str, float] = field(default_factory=dict)  # problems skipped at start-up
     _closers: list[Any] = field(default_factory=list)
@@ -115,8 +119,17 @@ class RunContext:
             self._closers.append(self.engines.shutdown)
             self.client = SGLangClient(self.engines.urls, timeout_s=cfg.engine.request_timeout_s,
                                        max_retries=cfg.engine.max_retries)
-            self.learners = LearnerGroup(cfg, self.placement, total_steps=cfg.run.steps * self.updates_per_step())
+            # A resumed run keeps the schedule's original horizon (README: run.resume).
+            self.schedule_steps = cfg.run.steps if previous is None else checkpoint.schedule_horizon(previous, cfg.run.steps)
+            if self.schedule_steps != cfg.run.steps and cfg.optim.schedule != "constant":
+                print(f"arbor train: run.steps is {cfg.run.steps}, but the {cfg.optim.schedule} learning-rate schedule "
+                      f"keeps the horizon of {self.schedule_steps} steps it started with (past it: optim.min_lr_ratio)")
+            self.learners = LearnerGroup(cfg, self.placement, total_steps=self.schedule_steps * self.updates_per_step())
             self._closers.append(self.learners.shutdown)
+            # A server that dies mid-step is restarted with the run's weights; its requests are sent again.
+            self.recovery = EngineRecovery(self.engines, self.learners, cfg.engine.max_restarts,
+                                           cfg.learner.weight_sync, cfg.run.output_dir)
+            self.client.recover = self.recovery.recover
             if previous is not None:
                 self.resume(previous)
             elif cfg.run.resume:
@@ -189,8 +202,9 @@ class RunContext:
         self.log.status(f"saving checkpoint of step {step}…")
         directory = checkpoint.step_dir(self.cfg.run.output_dir, step)
         self.learners.call("save", str(directory / "learner"))
-        checkpoint.write_driver_state(directory, {"step": step, "stream": self.stream.state_dict()})
-        checkpoint.mark_latest(self.cfg.run.output_dir, step)
+        checkpoint.write_driver_state(directory, {"step": step, "stream": self.stream.state_dict(),
+                                                  "schedule_steps": self.schedule_steps})
+        checkpoint.mark_latest(self.cfg.run.output_dir, step, keep=self.cfg.run.keep_checkpoints)
 
     def resume(self, directory: Path) -> None:
         """Continue from a checkpoint: learner state, data cursor, RNG, engine weights."""
@@ -209,7 +223,11 @@ class RunContext:
 
 
 def main(cfg: Config) -> int:
-    history = train(cfg)
+    try:
+        history = train(cfg)
+    except (EngineFailedError, LearnerFailedError, RewardFailureError) as e:  # the message says what broke and how to go on
+        print(f"arbor train: stopped: {e}", file=sys.stderr)
+        return 1
     if history:
         last = history[-1]
         summary = {k: round(last[k], 4) for k in ("reward/mean", "reward/accuracy") if k in last}

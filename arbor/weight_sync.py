@@ -140,8 +140,19 @@ class WeightSync:
         if self._group is None:
             return
         await self.client.destroy_weights_update_group(self._group_name)
-        close_group(self._group)
-        self._group = None
+        self.close_local()
+
+    @property
+    def group_name(self) -> str | None:
+        """The weight-update group's name while one is open, else None."""
+        return self._group_name if self._group is not None else None
+
+    def close_local(self) -> None:
+        """Leave the group on this side only (the engines' side is the caller's: e.g. after
+        an engine restart, only the engines still in the group can destroy it)."""
+        if self._group is not None:
+            close_group(self._group)
+            self._group = None
 
     async def push_directory(self, model_dir: str | Path, version: str) -> None:
         """Engines load an HF directory the learner wrote (the fallback transport)."""

@@ -2,12 +2,17 @@
 
 import multiprocessing
 import os
+import signal
 import time
 
 # A worker that dies while importing its reward module (the pool must not respawn forever).
 if (os.environ.get("ARBOR_TEST_DIE_AT_IMPORT")
         and multiprocessing.current_process().name == "arbor-reward-worker"):
     os._exit(7)
+# A worker that takes a while to import (so a test can kill it while it starts).
+if (os.environ.get("ARBOR_TEST_SLOW_IMPORT")
+        and multiprocessing.current_process().name == "arbor-reward-worker"):
+    time.sleep(float(os.environ["ARBOR_TEST_SLOW_IMPORT"]))
 
 
 def length(problem: dict, completion: str) -> float:
@@ -46,6 +51,11 @@ def dies(problem: dict, completion: str) -> float:
         os._exit(3)  # a worker that vanishes mid-check (e.g. killed for memory)
     return 1.0
 
+
+def segfaults(problem: dict, completion: str) -> float:
+    if completion == "segv":
+        os.kill(os.getpid(), signal.SIGSEGV)  # what a crash in a C extension looks like
+    return 1.0
 
 
 def in_worker(problem: dict, completion: str) -> float:

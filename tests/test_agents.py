@@ -93,3 +93,17 @@ def test_agent_args_from_the_config_build_the_class(tmp_path):
     config.write_text("rollout:\n  agent_args: [1, 2]\n")
     with pytest.raises(ConfigError, match="rollout.agent_args must be a mapping"):
         load_config(config)
+
+
+def test_python_tool_agent_without_network_isolation_fails_at_start_up(tmp_path, monkeypatch, capsys):
+    """`arbor train` of the tool config on a machine that cannot isolate the network stops
+    before any work, saying why; `rollout.agent_args.allow_network=true` opts out."""
+    from arbor.cli import main
+
+    monkeypatch.chdir(REPO)
+    monkeypatch.setenv("PATH", str(tmp_path))  # no `unshare` reachable
+    assert main(["train", "configs/agent_math.yaml", "--dry-run"]) == 2
+    error = capsys.readouterr().err
+    assert "config error: tool sandbox: cannot cut tools off the network here (no `unshare`" in error
+    assert main(["train", "configs/agent_math.yaml", "--dry-run", "rollout.agent_args.allow_network=true"]) == 0
+    assert "allow_network: true" in capsys.readouterr().out

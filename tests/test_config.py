@@ -142,3 +142,16 @@ def test_bad_files(tmp_path):
 
 def test_empty_file_is_the_defaults(tmp_path):
     assert load_config(write(tmp_path, "")) == Config()
+
+
+def test_validate_a_config_built_in_code_names_the_key():
+    from arbor.config import validate
+
+    cfg = Config()
+    validate(cfg)  # the defaults pass with the default `where`
+    cfg.run.keep_checkpoints = 0
+    with pytest.raises(ConfigError, match=r"^<config>: run.keep_checkpoints must be ≥ 1, got 0"):
+        validate(cfg)
+    cfg.run.keep_checkpoints, cfg.reward.max_failure_fraction = 2, 1.5
+    with pytest.raises(ConfigError, match=r"^<config>: reward.max_failure_fraction must be in \[0, 1\]"):
+        validate(cfg)

@@ -156,3 +156,23 @@ def test_impossible_engine_combinations_are_refused_naming_the_key(overrides, ke
         load_config(None, overrides)
     assert key in str(err.value)
     load_config(None, ["ray.colocate=true", "learner.device=cpu"])  # gloo on CPU pairs fine
+
+
+def test_a_killed_server_restarts_on_its_url_with_its_log_appended(tmp_path):
+    import os
+    import signal
+
+    if sglang_available():
+        pytest.skip("auto would start SGLang here")
+    model = build_tiny_model_dir(tmp_path / "model")
+    with launch_engines("embedded", model_path=str(model), log_dir=tmp_path / "logs", startup_timeout_s=120) as handle:
+        url, first = handle.urls[0], handle.processes[0]
+        os.kill(first.pid, signal.SIGKILL)
+        first.wait()
+        handle.restart(0, timeout_s=120)
+        assert handle.urls == [url] and handle.processes[0].pid != first.pid
+        with urllib.request.urlopen(url + "/health", timeout=10) as resp:
+            assert resp.status == 200
+        log = (tmp_path / "logs" / "engine-0.log").read_text()
+        assert log.count("arbor serve:") == 2 and "engine restarted (it exited with -9)" in log
+        assert "engine restarted" in handle.log_tail(0)

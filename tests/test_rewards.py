@@ -3,6 +3,11 @@
 The reward functions live in tests/reward_fixtures.py and run in spawned workers.
 """
 
+import multiprocessing
+import os
+import signal
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -10,9 +15,12 @@ import pytest
 from arbor.errors import ConfigError
 from arbor.rewards import (
     RewardError,
+    RewardFailureError,
     RewardPool,
     RewardTerm,
+    check_failure_fraction,
     clip_text,
+    failed_checks,
     in_reward_worker,
     load_reward_terms,
     score_batch,
@@ -103,10 +111,57 @@ def test_dead_worker_scores_zero_counts_as_crash_and_is_replaced():
     assert result.scores == [1.0, 0.0, 1.0] and result.crashed == [1] and result.timeouts == 0
 
 
+def test_segfaulting_worker_is_a_crash_not_an_error():
+    items = [(problem(0), "segv"), (problem(1), "ok")]
+    result = score_batch(f"{FIX}:segfaults", items, timeout_s=10, workers=1, search_dirs=[HERE])
+    assert result.scores == [0.0, 1.0] and result.crashed == [0] and result.timeouts == 0
+
+
+def test_worker_killed_from_outside_is_counted_and_named():
+    """A worker SIGKILLed by pid mid-check (the OOM killer, an operator): crashed, scored 0."""
+    items = [(problem(0, sleep=30), "slow"), (problem(1), "ok")]
+
+    def kill_busy_worker() -> None:
+        time.sleep(1.5)  # spawn + import, then the check is sleeping
+        for child in multiprocessing.active_children():
+            if child.name == "arbor-reward-worker":
+                os.kill(child.pid, signal.SIGKILL)
+
+    killer = threading.Thread(target=kill_busy_worker)
+    with RewardPool(f"{FIX}:sleepy", workers=1, timeout_s=20, search_dirs=[HERE]) as pool:
+        killer.start()
+        result = pool.score(items)
+        killer.join()
+        assert pool.score([(problem(2), "again")]).scores == [1.0]  # the replacement works
+    assert result.crashed == [0] and result.timeouts == 0 and result.scores == [0.0, 1.0]
+    (line,) = failed_checks(result, items)
+    assert line.startswith("problem id 'p0': reward check crashed (worker died)") and "scored 0" in line
+
+
+def test_failure_fraction_stops_above_the_limit_only():
+    timeout = score_batch(f"{FIX}:sleepy", [(problem(7, sleep=10), "c")], timeout_s=0.5, workers=1, search_dirs=[HERE])
+    lines = failed_checks(timeout, [(problem(7), "c")])
+    assert lines and "problem id 'p7': reward check timed out" in lines[0]
+    check_failure_fraction(1, 10, 0.1, lines)  # 10 %: at the limit, goes on
+    check_failure_fraction(0, 0, 0.0, [])  # nothing scored: nothing to judge
+    with pytest.raises(RewardFailureError, match=r"2 of 10 reward checks .*20% > reward.max_failure_fraction=0.1(.|\n)*p7"):
+        check_failure_fraction(2, 10, 0.1, lines * 2)
+
+
+def test_a_worker_killed_while_starting_is_replaced(monkeypatch):
+    """Killed during its imports (found by scripts/soak.py): one death is not a broken module."""
+    monkeypatch.setenv("ARBOR_TEST_SLOW_IMPORT", "2")  # the first worker is surely still importing
+    with RewardPool(f"{FIX}:one", workers=1, timeout_s=5, search_dirs=[HERE]) as pool:
+        (starting,) = [c for c in multiprocessing.active_children() if c.name == "arbor-reward-worker"]
+        os.kill(starting.pid, signal.SIGKILL)
+        monkeypatch.delenv("ARBOR_TEST_SLOW_IMPORT")  # its replacement starts at once
+        assert pool.score([(problem(0), "c")]).scores == [1.0]
+
+
 def test_worker_dying_at_start_up_is_an_error_not_a_loop(monkeypatch):
     monkeypatch.setenv("ARBOR_TEST_DIE_AT_IMPORT", "1")
     with RewardPool(f"{FIX}:one", workers=1, timeout_s=5, search_dirs=[HERE]) as pool:
-        with pytest.raises(RuntimeError, match="died during start-up.*exit code 7"):
+        with pytest.raises(RuntimeError, match="died during start-up 3 times in a row.*exit code 7"):
             pool.score([(problem(0), "c")])
 
 

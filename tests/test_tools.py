@@ -5,6 +5,7 @@ import socket
 
 import pytest
 
+from arbor.errors import ConfigError
 from arbor.tools import ToolPool, network_isolation
 
 
@@ -72,3 +73,26 @@ def test_calls_run_concurrently_in_one_pool():
 
     results = asyncio.run(main())
     assert [r.output for r in results] == [f"{i * i}\n" for i in range(6)]
+
+
+def test_without_unshare_a_pool_refuses_to_start_unless_network_is_allowed(tmp_path, monkeypatch):
+    """A machine with no way to isolate the network (here: a PATH without `unshare`): tools
+    must not quietly get the network; `allow_network=True` is the explicit opt-out."""
+    monkeypatch.setenv("PATH", str(tmp_path))  # an empty directory: no unshare to find
+    with pytest.raises(ConfigError, match=r"no `unshare` program on PATH .*\{allow_network: true\}"):
+        ToolPool()
+    pool = ToolPool(allow_network=True)
+    assert pool.isolation is None and network_isolation() is None
+    result = asyncio.run(pool.run_python("print(6 * 7)"))
+    assert result.ok and result.output == "42\n"
+
+
+def test_an_unshare_the_kernel_refuses_is_reported(tmp_path, monkeypatch):
+    """`unshare` present but refused (no CAP_SYS_ADMIN, user namespaces off): its own
+    message is in the error. The stand-in prints what util-linux prints in that case."""
+    fake = tmp_path / "unshare"
+    fake.write_text("#!/bin/sh\necho 'unshare: unshare failed: Operation not permitted' >&2\nexit 1\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:/usr/bin:/bin")
+    with pytest.raises(ConfigError, match=r"-rn true` exited 1: unshare: unshare failed: Operation not permitted"):
+        ToolPool()

@@ -13,12 +13,18 @@ from arbor.metrics import read_metrics
 from arbor.trainer import train
 
 REWARD = '''
+import os
 import random
 
 
 def coin(problem, completion):
     """Deterministic in the text: some leaves win, so every tree has an advantage signal."""
     return float(random.Random(completion).random() < 0.5)
+
+
+def crashes(problem, completion):
+    """A broken reward function: its worker dies on every check."""
+    os._exit(1)
 '''
 
 
@@ -109,6 +115,122 @@ def test_resume_after_a_kill_repeats_the_next_step(run_inputs, tmp_path):
         tolerance = 1e-4 if key == "sync/logprob_gap" else 1e-5  # the probe gap is ~1e-7 noise
         assert got[key] == pytest.approx(value, rel=tolerance, abs=1e-6), key
     assert [m["step"] for m in read_metrics(tmp_path / "b")] == [1, 2, 3]
+
+
+def test_resume_with_more_steps_keeps_the_lr_schedule_horizon(run_inputs, tmp_path):
+    """A 1-step run with a linear decay to half the lr, resumed with run.steps=3: the
+    schedule keeps its 1-step horizon (steps 2 and 3 train at the floor), instead of being
+    stretched over 3 steps (step 3 would train at 2/3 of the way down: 0.667 × lr)."""
+    root, model, data = run_inputs
+    overrides = ("learner.backend=torch", "learner.zero_stage=0", "optim.schedule=linear", "optim.min_lr_ratio=0.5",
+                 "rollout.mode=independent", "run.keep_checkpoints=1")
+    (first,) = train(config(root, model, data, tmp_path / "e", "run.steps=1", *overrides))
+    assert first["train/lr"] == pytest.approx(1e-2)
+    resumed = train(config(root, model, data, tmp_path / "e", "run.steps=3", "run.resume=true", *overrides))
+    assert [m["train/lr"] for m in resumed] == pytest.approx([5e-3, 5e-3])
+    # run.keep_checkpoints=1: only the newest checkpoint stays.
+    assert sorted(p.name for p in (tmp_path / "e" / "checkpoints").glob("step-*")) == ["step-000003"]
+
+
+def kill_engine_mid_rollout(steps_to_hit):
+    """An after_step hook that, from then on, SIGKILLs the run's engine server (by its pid)
+    when the first tree of the steps in ``steps_to_hit`` is done: the other tree's requests
+    are then in flight or about to be sent."""
+    import os
+    import signal
+
+    import ray
+
+    kills = []
+
+    def arm(ctx, step, metrics):
+        if kills or step + 1 not in steps_to_hit:
+            return
+        show = ctx.log.status
+        worker = ctx.engines.workers[0]
+
+        def status(text):
+            if text.startswith("rollout: 1/") and len(kills) < len(steps_to_hit):
+                pid = ray.get(worker.pid.remote())
+                os.kill(pid, signal.SIGKILL)
+                kills.append(pid)
+            show(text)
+
+        ctx.log.status = status
+
+    return arm, kills
+
+
+def test_an_engine_killed_mid_rollout_is_restarted_and_the_step_completes(run_inputs, tmp_path):
+    root, model, data = run_inputs
+    # Two engines: the survivor must leave the old weight-update group for the next sync's new one.
+    cfg = config(root, model, data, tmp_path / "f", "learner.backend=torch", "learner.zero_stage=0", "run.steps=3",
+                 "engine.num_engines=2")
+    arm, kills = kill_engine_mid_rollout({2})
+    versions = []
+
+    def after_step(ctx, step, metrics):
+        versions.append(ctx.run_async(ctx.client.get_weight_version()))
+        arm(ctx, step, metrics)
+
+    history = train(cfg, after_step=after_step)
+    assert len(kills) == 1
+    assert [m["engine/restarts"] for m in history] == [0, 1, 0]
+    assert [m["rollout/trees"] for m in history] == [2, 2, 2]  # the killed step's trees all came back
+    assert versions == [["1", "1"], ["2", "2"], ["3", "3"]]  # the restarted engine got the weights, the next syncs reached both
+    assert all(m["sync/logprob_gap"] <= 1e-4 for m in history)
+
+
+def test_an_engine_that_keeps_dying_stops_the_run_with_its_log_and_checkpoint(run_inputs, tmp_path):
+    from arbor.engine_recovery import EngineFailedError
+
+    root, model, data = run_inputs
+    cfg = config(root, model, data, tmp_path / "g", "learner.backend=torch", "learner.zero_stage=0", "run.steps=3",
+                 "engine.max_restarts=0")
+    arm, kills = kill_engine_mid_rollout({2})
+    with pytest.raises(EngineFailedError, match=r"(?s)died 1 times .*engine.max_restarts=0.*step-000001: continue "
+                                                r"with run.resume=true.*last lines of .*engine-0.log"):
+        train(cfg, after_step=arm)
+    assert len(kills) == 1 and (tmp_path / "g" / "checkpoints" / "latest").read_text() == "step-000001"
+
+
+def test_a_lost_learner_rank_stops_the_run_naming_it_and_resume_continues(run_inputs, tmp_path):
+    """Rank 1 of two is SIGKILLed (by its pid) at the end of step 2: saving step 2's
+    checkpoint stops the run with an error naming rank 1 and step 1's checkpoint (still
+    the latest, intact); run.resume=true redoes step 2 and finishes."""
+    import os
+    import signal
+
+    import ray
+
+    from arbor.orchestration import LearnerFailedError
+
+    root, model, data = run_inputs
+    cfg = config(root, model, data, tmp_path / "h", "learner.backend=deepspeed", "learner.zero_stage=3",
+                 "learner.num_ranks=2", "run.steps=3")
+
+    def kill_rank_1(ctx, step, metrics):
+        if step == 2:
+            os.kill(ray.get(ctx.learners.workers[1].pid.remote()), signal.SIGKILL)
+
+    with pytest.raises(LearnerFailedError, match=r"learner rank 1 died .*step-000001: continue with run.resume=true"):
+        train(cfg, after_step=kill_rank_1)
+    cfg.run.resume = True
+    resumed = train(cfg)
+    assert len(resumed) == 2 and all(m["sync/logprob_gap"] <= 1e-4 for m in resumed)
+    assert [m["step"] for m in read_metrics(tmp_path / "h")] == [1, 2, 3]
+
+
+def test_a_reward_function_whose_workers_all_crash_stops_the_run(run_inputs, tmp_path):
+    from arbor.rewards import RewardFailureError
+
+    root, model, data = run_inputs
+    cfg = config(root, model, data, tmp_path / "i", "learner.backend=torch", "learner.zero_stage=0",
+                 f"reward.functions=[{{fn: {root}/coin_reward.py:crashes}}]")
+    with pytest.raises(RewardFailureError, match=r"8 of 8 reward checks .*reward.max_failure_fraction=0.1(.|\n)*"
+                                                 r"problem id 'p\d+': reward check crashed"):
+        train(cfg)
+    assert not (tmp_path / "i" / "metrics.jsonl").read_text()  # nothing was trained on the zeros
 
 
 def test_plain_torch_learner_linear_loss_and_disk_sync(run_inputs, tmp_path):

@@ -14,6 +14,9 @@
 - ``generate_many`` sends a round as one batch per server, forks as seeded items; a
   multi-fork prompt the server has not cached yet is first committed with
   ``max_new_tokens: 0``, so its forks share one prefill (:class:`CachedPrefixes`).
+- ``client.recover = fn``: when a retryable call still fails, ``await fn(url, error)``
+  (the trainer restarts that server and restores its weights) and the call is sent again
+  once; what ``fn`` raises ends the call.
 - Control calls (weights, cache, memory, health) go to every server; weight pushes run in
   SGLang's sessions (``/begin_weight_update`` ... ``/end_weight_update``).
 """
@@ -96,6 +99,8 @@ class SGLangClient:
         self.backoff_s = backoff_s
         self.max_concurrency = max_concurrency
         self._round_robin = itertools.cycle(range(len(self.urls)))
+        # Called when a retryable call to a server kept failing (it died): restart it, or raise.
+        self.recover: Callable[[str, EngineError], Awaitable[None]] | None = None
         # Both belong to one event loop; a client used from a new loop (e.g. a second
         # asyncio.run) makes new ones.
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -382,10 +387,20 @@ class SGLangClient:
             self._loop, self._session = loop, None
             self._semaphore = asyncio.Semaphore(self.max_concurrency)
         assert self._semaphore is not None
+
+        def attempt() -> Awaitable[Any]:
+            return self._once(url, method, path, payload)
+
         async with self._semaphore:
-            return await _with_retries(
-                lambda: self._once(url, method, path, payload), retries, self.backoff_s, url + path
-            )
+            try:
+                return await _with_retries(attempt, retries, self.backoff_s, url + path)
+            except EngineError as exc:
+                # A 4xx is the request's fault; a call that must not be replayed (retries=0:
+                # health checks, weight broadcasts) is not recovered either.
+                if self.recover is None or exc.status is not None or retries == 0:
+                    raise
+                await self.recover(url, exc)  # the server is back (restarted) or this raises
+            return await _with_retries(attempt, retries, self.backoff_s, url + path)
 
     async def _once(self, url: str, method: str, path: str, payload: Any) -> Any:
         if self._session is None or self._session.closed:

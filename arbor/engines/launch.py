@@ -12,8 +12,10 @@ Kinds:
 - ``external``: the given ``urls``, only health-checked; nothing is started or stopped.
 
 Each process writes ``<log_dir>/engine-<i>.log``; a server that dies or is not healthy
-within ``startup_timeout_s`` raises with the tail of its log. ``shutdown()`` terminates,
-then kills, every process it started (also at interpreter exit, so no orphans).
+within ``startup_timeout_s`` raises with the tail of its log. ``restart(i)`` starts a dead
+server again with the same command and port (its URL stays valid; the log is appended to).
+``shutdown()`` terminates, then kills, every process it started (also at interpreter exit,
+so no orphans).
 """
 
 from __future__ import annotations
@@ -57,6 +59,8 @@ class EngineHandle:
     urls: list[str]
     processes: list[subprocess.Popen] = field(default_factory=list)
     log_files: list[Path] = field(default_factory=list)
+    commands: list[list[str]] = field(default_factory=list)  # per process, for restart()
+    envs: list[dict[str, str]] = field(default_factory=list)
 
     def wait_healthy(self, timeout_s: float = 300.0, poll_s: float = 0.5) -> None:
         """Block until every URL answers ``GET /health`` with 200."""
@@ -76,6 +80,25 @@ class EngineHandle:
                     + self._log_tails(pending)
                 )
             time.sleep(poll_s)
+
+    def restart(self, index: int, timeout_s: float = 300.0) -> None:
+        """Kill what is left of server ``index`` and start it again on its port; wait until
+        healthy (an :class:`EngineLaunchError` with its log's tail if it dies or hangs)."""
+        old = self.processes[index]
+        _signal_group(old, signal.SIGKILL)
+        old.wait()
+        with open(self.log_files[index], "ab") as log:
+            log.write(f"\n--- arbor: {self.kind} engine restarted (it exited with {old.returncode}) ---\n".encode())
+            log.flush()
+            self.processes[index] = subprocess.Popen(
+                self.commands[index], stdout=log, stderr=subprocess.STDOUT, env=self.envs[index],
+                start_new_session=True,
+            )
+        self.wait_healthy(timeout_s)
+
+    def log_tail(self, index: int, lines: int = 30) -> str:
+        """The last ``lines`` of server ``index``'s log, headed by its path ("" without one)."""
+        return self._log_tails([index], lines)
 
     def shutdown(self, grace_s: float = 10.0) -> None:
         """SIGTERM each server's process group (SGLang forks workers), SIGKILL after grace."""
@@ -174,6 +197,8 @@ def launch_engines(
                 )
             handle.processes.append(process)
             handle.log_files.append(log_file)
+            handle.commands.append(command)
+            handle.envs.append(env)
             handle.urls.append(f"http://{host}:{port}")
     if wait:
         try:

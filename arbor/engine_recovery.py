@@ -1,0 +1,122 @@
+"""Engine failures during a run: restart the server, give it the run's weights, send again.
+
+    recovery = EngineRecovery(engines, learners, cfg.engine.max_restarts, cfg.learner.weight_sync, out_dir)
+    client.recover = recovery.recover     # the client awaits it when a server stopped answering
+    ...                                   # one RL step
+    metrics |= recovery.step_metrics()    # engine/restarts of the step
+
+A server that dies mid-step (killed, out of memory) makes the client's retries of a
+request fail; the client then awaits :meth:`EngineRecovery.recover` and sends the request
+again. Recovery, once per death whichever request noticed it first:
+
+1. nothing, if the server answers ``/health`` (a hiccup, or another request restarted it);
+2. its :class:`~arbor.orchestration.EngineWorker` starts it again (same command and port:
+   the URL, and so the client's routing of trees to servers, stays as it was);
+3. it gets the run's weights and version: the learners export them (the HF directory
+   ``learner.weight_sync: disk`` uses) and the server loads them and flushes its cache. With
+   ``learner.weight_sync: distributed`` the other engines leave the weight-update group and
+   the learner drops it, so the next sync opens a new group with every engine.
+
+The requests in flight are sent again as they were (seeded), so the step completes with
+the same trees. An engine that needs more than ``engine.max_restarts`` restarts without a
+step in between that it served whole stops the run: :class:`EngineFailedError` with its
+log's last lines and the last checkpoint (``run.resume=true`` continues from it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+import threading
+from typing import Any
+
+from arbor import checkpoint
+from arbor.engines.client import EngineError, run_sync
+from arbor.engines.launch import EngineLaunchError
+
+
+class EngineFailedError(RuntimeError):
+    """An engine could not be kept running: the run stops (the last checkpoint is intact)."""
+
+
+class EngineRecovery:
+    """Restarts dead engines for the driver's client and counts the restarts."""
+
+    def __init__(self, engines: Any, learners: Any, max_restarts: int, weight_sync: str, output_dir: str) -> None:
+        self.engines, self.learners = engines, learners
+        self.max_restarts, self.weight_sync, self.output_dir = max_restarts, weight_sync, output_dir
+        self.in_a_row = dict.fromkeys(engines.urls, 0)  # restarts since the engine last served a whole step
+        self.died_this_step: set[str] = set()
+        self.restarts_this_step = 0
+        self._locks = {url: threading.Lock() for url in engines.urls}
+
+    async def recover(self, url: str, error: EngineError) -> None:
+        """Bring the server at ``url`` back with the run's weights, or raise EngineFailedError."""
+        await asyncio.to_thread(self._recover, url, error)
+
+    def revive_dead(self) -> None:
+        """Recover every server that does not answer ``/health`` now (before a weight sync,
+        whose broadcast cannot be replayed: a server that died after its last rollout
+        request is found here rather than in the middle of the broadcast)."""
+        for url in self.engines.urls:
+            if not run_sync(lambda c: c.health(), [url]):
+                self._recover(url, EngineError("not answering /health before the weight sync", url=url))
+
+    def step_metrics(self) -> dict[str, float]:
+        """``engine/restarts`` of the step now ending; engines that did not die in it start
+        counting their restarts in a row from 0 again."""
+        for url in self.in_a_row:
+            if url not in self.died_this_step:
+                self.in_a_row[url] = 0
+        metrics = {"engine/restarts": float(self.restarts_this_step)}
+        self.died_this_step, self.restarts_this_step = set(), 0
+        return metrics
+
+    def _recover(self, url: str, error: EngineError) -> None:
+        with self._locks[url]:  # the other requests to this server wait for its restart
+            if run_sync(lambda c: c.health(), [url]):
+                return
+            worker = self.engines.worker(url)
+            if worker is None:
+                raise EngineFailedError(
+                    f"engine {url} stopped answering ({error}); it is external (engine.kind: external), "
+                    f"so arbor cannot restart it. {checkpoint.resume_hint(self.output_dir)}"
+                )
+            import ray
+
+            while True:
+                self.in_a_row[url] += 1
+                if self.in_a_row[url] > self.max_restarts:
+                    tail = ray.get(worker.log_tail.remote())
+                    raise EngineFailedError(
+                        f"engine {url} died {self.in_a_row[url]} times without serving a whole step in between "
+                        f"(engine.max_restarts={self.max_restarts}); last error: {error}. {checkpoint.resume_hint(self.output_dir)}{tail}"
+                    )
+                print(f"arbor train: engine {url} stopped answering ({error}); restarting it "
+                      f"({self.in_a_row[url]}/{self.max_restarts} in a row)", file=sys.stderr, flush=True)
+                try:
+                    ray.get(worker.restart.remote())
+                    break
+                except EngineLaunchError as e:  # died again while starting: counts as another failure
+                    error = EngineError(str(e).splitlines()[0], url=url)
+            self.restarts_this_step += 1
+            self.died_this_step.add(url)
+            self._restore_weights(url)
+
+    def _restore_weights(self, url: str) -> None:
+        """The restarted server serves model.path's weights: give it the run's current ones."""
+        version = self.learners.weight_version
+        if version is not None:
+            directory = os.path.join(self.output_dir, "weight-sync")  # where disk sync writes too
+            self.learners.call("export_hf", directory)
+            run_sync(lambda c: c.update_weights_from_disk(directory, weight_version=version), [url])
+            run_sync(lambda c: c.flush_cache(), [url])
+            served = run_sync(lambda c: c.get_weight_version(), [url])
+            if served != [version]:
+                raise EngineFailedError(f"engine {url} restarted but serves weight version {served}, not {version!r}")
+        if self.weight_sync == "distributed":
+            # The old group had the dead server in it: the others leave, the next sync opens a new one.
+            self.learners.call("reset_weight_sync", [u for u in self.engines.urls if u != url])
+        print(f"arbor train: engine {url} is back, serving weight version {version or 'of model.path'}",
+              file=sys.stderr, flush=True)
