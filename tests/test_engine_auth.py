@@ -252,3 +252,31 @@ def test_engine_api_key_is_never_dumped_or_shown(tmp_path):
     assert KEY not in repr(cfg) and KEY not in repr(cfg.engine)
     (tmp_path / "c.yaml").write_text(dump_config(cfg))
     assert load_config(tmp_path / "c.yaml").engine.api_key is None  # the saved config: no secret
+
+
+def test_a_run_keys_its_engines_and_writes_the_key_nowhere(tmp_path, no_env_key):
+    """One training step: the trainer's and the learner's requests (generate, weight push,
+    flush, version) pass with the generated key; no file of the run holds it."""
+    from arbor.trainer import train
+
+    model = build_tiny_model_dir(tmp_path / "model")
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps({"id": f"p{i}", "prompt": f"q{i} " * 3, "answer": "1"}) + "\n" for i in range(4)))
+    (tmp_path / "reward.py").write_text("def length(problem, completion):\n    return len(completion) % 2\n")
+    out = tmp_path / "out"
+    cfg = load_config(None, [
+        f"model.path={model}", f"data.train_path={data}", "data.prompts_per_step=2", "rollout.width=2",
+        "rollout.branch=2", "rollout.segment_tokens=4", "rollout.max_depth=2", "engine.kind=embedded",
+        f"reward.functions=[{{fn: {tmp_path}/reward.py:length}}]", "reward.workers=1", "learner.device=cpu",
+        "learner.dtype=float32", "learner.backend=torch", "learner.zero_stage=0", "learner.weight_sync=distributed",
+        "algorithm.dynamic_sampling=false", "data.max_prompt_tokens=64", "run.steps=1", f"run.output_dir={out}",
+        "run.save_every=1",
+    ])
+    versions = []
+    train(cfg, after_step=lambda ctx, step, m: versions.append(ctx.run_async(ctx.client.get_weight_version())))
+    key = cfg.engine.api_key
+    assert versions == [["1"]] and key and len(key) >= 40  # the pushed weights arrived, under a fresh key
+    files = [p for p in out.rglob("*") if p.is_file()]
+    assert any(p.name == "config.yaml" for p in files)
+    assert any("bearer key required" in p.read_text() for p in files if p.suffix == ".log")  # a keyed server
+    assert [p for p in files if key.encode() in p.read_bytes()] == []
