@@ -29,6 +29,7 @@ from typing import Any, TypeVar
 import torch
 
 from arbor.config import Config, RayConfig
+from arbor.engines.auth import API_KEY_ENV, run_api_key
 from arbor.engines.server import free_port
 
 # Environment every actor needs: no Ray auth token files, CPU DeepSpeed where no CUDA.
@@ -370,14 +371,14 @@ class EngineGroup:
 
     Settles the run's engine key first (:func:`~arbor.engines.auth.run_api_key`) into
     ``cfg.engine.api_key``, which the engine and learner actors receive with ``cfg``, and into
-    this process's ``$ARBOR_ENGINE_API_KEY``, which the driver's clients read.
+    this process's ``$ARBOR_ENGINE_API_KEY``, which the driver's clients read (restored at
+    :meth:`shutdown`, so a later run in this process settles its own).
     """
 
     def __init__(self, cfg: Config, placement: Placement, log_dir: str) -> None:
         import ray
 
-        from arbor.engines.auth import API_KEY_ENV, run_api_key
-
+        self._env_key = os.environ.get(API_KEY_ENV)
         cfg.engine.api_key = run_api_key(cfg.engine.api_key, launch=cfg.engine.kind != "external")
         if cfg.engine.api_key:
             os.environ[API_KEY_ENV] = cfg.engine.api_key
@@ -400,6 +401,9 @@ class EngineGroup:
     def shutdown(self) -> None:
         import ray
 
+        os.environ.pop(API_KEY_ENV, None)
+        if self._env_key is not None:
+            os.environ[API_KEY_ENV] = self._env_key
         for w in self.workers:
             try:
                 ray.get(w.shutdown.remote(), timeout=60)

@@ -276,6 +276,7 @@ def test_a_run_keys_its_engines_and_writes_the_key_nowhere(tmp_path, no_env_key)
     train(cfg, after_step=lambda ctx, step, m: versions.append(ctx.run_async(ctx.client.get_weight_version())))
     key = cfg.engine.api_key
     assert versions == [["1"]] and key and len(key) >= 40  # the pushed weights arrived, under a fresh key
+    assert API_KEY_ENV not in os.environ  # the driver's copy went with the engines
     files = [p for p in out.rglob("*") if p.is_file()]
     assert any(p.name == "config.yaml" for p in files)
     assert any("bearer key required" in p.read_text() for p in files if p.suffix == ".log")  # a keyed server
