@@ -3,7 +3,6 @@ leak into command lines, logs or saved configs."""
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import json
 import os
@@ -12,8 +11,8 @@ import sys
 import time
 from pathlib import Path
 
-import aiohttp
 import pytest
+from test_server import call
 from tiny_model import build_tiny_model_dir
 
 from arbor.config import dump_config, load_config
@@ -27,22 +26,6 @@ from arbor.engines.types import GenerateRequest, SamplingParams
 KEY = "k3y-for-tests-only_0123456789abcdef"
 PROMPT = [17, 42, 99, 5, 63, 120, 7, 88]
 GREEDY = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 6, "temperature": 0}}
-
-
-def call(url: str, method: str, path: str, body=None, key: str | None = None) -> tuple[int, object]:
-    """(status, decoded body) of one HTTP call, with ``Authorization: Bearer key`` when given."""
-
-    async def main():
-        headers = {"Authorization": f"Bearer {key}"} if key is not None else {}
-        async with aiohttp.ClientSession() as session:
-            async with session.request(method, url + path, json=body, headers=headers) as resp:
-                text = await resp.text()
-                try:
-                    return resp.status, json.loads(text)
-                except json.JSONDecodeError:
-                    return resp.status, text
-
-    return asyncio.run(main())
 
 
 @pytest.fixture
