@@ -18,9 +18,9 @@ then kills, every process it started (also at interpreter exit, so no orphans).
 Keys: with ``api_key`` (default ``$ARBOR_ENGINE_API_KEY``) every server requires it as a
 bearer token for all but ``/health*``, never seen on a command line: `arbor serve` reads it
 from its environment; SGLang, which takes keys only as flags or in a ``--config`` YAML file,
-gets a 0600 file (``api-key`` and ``admin-api-key``) deleted once the server is healthy, and
-its output goes to the log with the key replaced (SGLang 0.5.23 logs its ``server_args``,
-keys included, at start-up).
+gets a 0600 file in ``$TMPDIR`` (``api-key`` and ``admin-api-key``; deleted at ``shutdown()``,
+so a restart with the same command finds it), and its output goes to the log with the key
+replaced (SGLang 0.5.23 logs its ``server_args``, keys included, at start-up).
 """
 
 from __future__ import annotations
@@ -69,7 +69,8 @@ class EngineHandle:
     urls: list[str]
     processes: list[subprocess.Popen] = field(default_factory=list)
     log_files: list[Path] = field(default_factory=list)
-    key_files: list[Path] = field(default_factory=list)  # SGLang's --config files, until healthy
+    key_files: list[Path] = field(default_factory=list)  # SGLang's --config files, until shutdown
+    redact: str | None = field(default=None, repr=False)  # blanked out of the servers' output
 
     def wait_healthy(self, timeout_s: float = 300.0, poll_s: float = 0.5) -> None:
         """Block until every URL answers ``GET /health`` with 200."""
@@ -81,7 +82,6 @@ class EngineHandle:
                 if _healthy(self.urls[index]):
                     pending.remove(index)
             if not pending:
-                self._remove_key_files()  # the servers have read them
                 return
             if time.monotonic() > deadline:
                 bad = ", ".join(self.urls[i] for i in pending)
@@ -105,9 +105,6 @@ class EngineHandle:
             # Workers may outlive a leader that exited on SIGTERM.
             _signal_group(process, signal.SIGKILL)
         self.processes = []
-        self._remove_key_files()
-
-    def _remove_key_files(self) -> None:
         for path in self.key_files:
             path.unlink(missing_ok=True)
         self.key_files = []
@@ -180,7 +177,7 @@ def launch_engines(
         log_root = Path(log_dir) if log_dir else Path(tempfile.mkdtemp(prefix="arbor-engines-"))
         log_root.mkdir(parents=True, exist_ok=True)
         api_key = api_key or os.environ.get(API_KEY_ENV) or None
-        handle = EngineHandle(kind, [])
+        handle = EngineHandle(kind, [], redact=api_key if kind == "sglang" else None)
         atexit.register(handle.shutdown)
         for index in range(num_engines):
             port = free_port(host)
@@ -202,7 +199,7 @@ def launch_engines(
                 env[API_KEY_ENV] = env[ADMIN_API_KEY_ENV] = api_key
             command = _command(kind, model_path, host, port, dtype, extra)
             log_file = log_root / f"engine-{index}.log"
-            handle.processes.append(_start(command, env, log_file, secret=api_key if kind == "sglang" else None))
+            handle.processes.append(_start(command, env, log_file, handle.redact))
             handle.log_files.append(log_file)
             handle.urls.append(f"http://{host}:{port}")
     if wait:
@@ -214,10 +211,12 @@ def launch_engines(
     return handle
 
 
-def _start(command: list[str], env: dict[str, str], log_file: Path, secret: str | None) -> subprocess.Popen:
+def _start(
+    command: list[str], env: dict[str, str], log_file: Path, secret: str | None, append: bool = False
+) -> subprocess.Popen:
     """Start a server in its own process group, its output into ``log_file`` (through a
     thread that blanks ``secret`` out of it, when given)."""
-    with open(log_file, "wb") as log:
+    with open(log_file, "ab" if append else "wb") as log:
         process = subprocess.Popen(
             command, stdout=subprocess.PIPE if secret else log, stderr=subprocess.STDOUT, env=env,
             start_new_session=True,
