@@ -113,6 +113,10 @@ class EngineConfig:
     # A dead engine is restarted (weights restored, requests resent); more restarts than this
     # without a step in between that it served whole stop the run.
     max_restarts: int = 3
+    # The bearer key the engines require (kind external: the one their servers were started
+    # with). Unset: $ARBOR_ENGINE_API_KEY, else a fresh key per run for engines arbor starts.
+    # Never written out (dump_config drops it) nor shown in a repr.
+    api_key: str | None = field(default=None, repr=False)
 
 
 @dataclass
@@ -590,8 +594,11 @@ def check_context_length(cfg: Config, context_length: int, source: str, command:
 
 
 def config_to_dict(cfg: Config) -> dict[str, Any]:
+    """The config as plain data, without ``engine.api_key`` (a secret: saved runs, printed
+    configs and logs must not hold it; a resumed run takes it from the environment again)."""
     out = dataclasses.asdict(cfg)
     out.pop("source", None)
+    out["engine"].pop("api_key")
     return out
 
 

@@ -294,7 +294,8 @@ def main(cfg: Config) -> int:
     t0 = time.perf_counter()
     with _reward_pool(cfg) as rewards, _start_engines(cfg, out_dir / "logs" / "eval") as engines:
         print(f"arbor eval: engines {', '.join(engines.urls)}", flush=True)
-        client = SGLangClient(engines.urls, timeout_s=cfg.engine.request_timeout_s, max_retries=cfg.engine.max_retries)
+        client = SGLangClient(engines.urls, timeout_s=cfg.engine.request_timeout_s, max_retries=cfg.engine.max_retries,
+                              api_key=cfg.engine.api_key)
         report = run_eval(
             client, rewards, problems, prompts, e, cfg.rollout, decode=decode, eos_token_ids=eos,
             seed=cfg.run.seed, run_async=lambda coroutine: asyncio.run(closing(client, coroutine)),
@@ -333,6 +334,7 @@ def _start_engines(cfg: Config, log_dir: Path) -> EngineHandle:
         host=cfg.engine.host, dtype=None if cfg.model.dtype == "auto" else cfg.model.dtype,
         device=None if cfg.learner.device == "auto" else cfg.learner.device, extra_args=engine_args(cfg),
         log_dir=log_dir, startup_timeout_s=cfg.engine.startup_timeout_s, gpus_per_engine=cfg.engine.tp_size,
+        api_key=cfg.engine.api_key,  # None: $ARBOR_ENGINE_API_KEY, else keyless on this machine
     )
 
 

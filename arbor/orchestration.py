@@ -30,6 +30,7 @@ import torch
 
 from arbor import checkpoint
 from arbor.config import Config, RayConfig
+from arbor.engines.auth import API_KEY_ENV, run_api_key
 from arbor.engines.server import free_port
 
 # Environment every actor needs: no Ray auth token files, CPU DeepSpeed where no CUDA.
@@ -240,7 +241,8 @@ class LearnerWorker:
 
             group = self.sync.group_name
             if group is not None and alive_urls:
-                run_sync(lambda client: client.destroy_weights_update_group(group), alive_urls)
+                run_sync(lambda client: client.destroy_weights_update_group(group), alive_urls,
+                         api_key=self.cfg.engine.api_key)
             self.sync.close_local()
         self.sync = None
 
@@ -250,7 +252,7 @@ class LearnerWorker:
             from arbor.weight_sync import WeightSync
 
             client = SGLangClient(urls, timeout_s=self.cfg.engine.request_timeout_s,
-                                  max_retries=self.cfg.engine.max_retries)
+                                  max_retries=self.cfg.engine.max_retries, api_key=self.cfg.engine.api_key)
             self.sync = WeightSync(client, self.cfg.learner.weight_sync, master_address=node_address(),
                                    export_dir=self.sync_dir)
         return self.sync
@@ -379,6 +381,7 @@ class EngineWorker:
             device=None if cfg.learner.device == "auto" else cfg.learner.device,
             extra_args=engine_args(cfg), log_dir=os.path.join(log_dir, f"engine-{index}"),
             startup_timeout_s=cfg.engine.startup_timeout_s, gpus_per_engine=cfg.engine.tp_size,
+            api_key=cfg.engine.api_key,
         )
         self.startup_timeout_s = cfg.engine.startup_timeout_s
 
@@ -420,11 +423,21 @@ def engine_args(cfg: Config) -> list[str]:
 
 
 class EngineGroup:
-    """The run's rollout engines: Ray actors owning servers, or ``engine.urls`` (external)."""
+    """The run's rollout engines: Ray actors owning servers, or ``engine.urls`` (external).
+
+    Settles the run's engine key first (:func:`~arbor.engines.auth.run_api_key`) into
+    ``cfg.engine.api_key``, which the engine and learner actors receive with ``cfg``, and into
+    this process's ``$ARBOR_ENGINE_API_KEY``, which the driver's clients read (restored at
+    :meth:`shutdown`, so a later run in this process settles its own).
+    """
 
     def __init__(self, cfg: Config, placement: Placement, log_dir: str) -> None:
         import ray
 
+        self._env_key = os.environ.get(API_KEY_ENV)
+        cfg.engine.api_key = run_api_key(cfg.engine.api_key, launch=cfg.engine.kind != "external")
+        if cfg.engine.api_key:
+            os.environ[API_KEY_ENV] = cfg.engine.api_key
         self.workers: list[Any] = []
         if cfg.engine.kind == "external":
             from arbor.engines.launch import launch_engines
@@ -448,6 +461,9 @@ class EngineGroup:
     def shutdown(self) -> None:
         import ray
 
+        os.environ.pop(API_KEY_ENV, None)
+        if self._env_key is not None:
+            os.environ[API_KEY_ENV] = self._env_key
         for w in self.workers:
             try:
                 ray.get(w.shutdown.remote(), timeout=60)

@@ -118,7 +118,7 @@ class RunContext:
             self.engines = EngineGroup(cfg, self.placement, str(out / "logs"))
             self._closers.append(self.engines.shutdown)
             self.client = SGLangClient(self.engines.urls, timeout_s=cfg.engine.request_timeout_s,
-                                       max_retries=cfg.engine.max_retries)
+                                       max_retries=cfg.engine.max_retries, api_key=cfg.engine.api_key)
             # A resumed run keeps the schedule's original horizon (README: run.resume).
             self.schedule_steps = cfg.run.steps if previous is None else checkpoint.schedule_horizon(previous, cfg.run.steps)
             if self.schedule_steps != cfg.run.steps and cfg.optim.schedule != "constant":

@@ -17,6 +17,7 @@ from arbor.engines.launch import (
     _gpu_for,
     launch_engines,
     sglang_available,
+    sglang_key_file,
 )
 from arbor.engines.server import free_port
 from arbor.errors import ConfigError
@@ -176,3 +177,34 @@ def test_a_killed_server_restarts_on_its_url_with_its_log_appended(tmp_path):
         log = (tmp_path / "logs" / "engine-0.log").read_text()
         assert log.count("arbor serve:") == 2 and "engine restarted (it exited with -9)" in log
         assert "engine restarted" in handle.log_tail(0)
+
+
+# What `python -m sglang.launch_server ARGS` does first: SGLang's own prepare_server_args,
+# which merges a --config YAML file into the arguments.
+PREPARE = """
+import json, sys
+from sglang.srt.server_args import prepare_server_args
+args = prepare_server_args(json.loads(sys.argv[1]))
+print(json.dumps({"api_key": args.api_key, "admin_api_key": args.admin_api_key, "port": args.port}))
+"""
+
+
+def test_sglang_reads_the_engine_key_from_a_private_file_not_the_command_line():
+    probe = subprocess.run([sys.executable, "-c", "import sglang.srt.server_args"], capture_output=True, text=True)
+    if probe.returncode != 0:
+        pytest.skip("sglang is not importable here: " + probe.stderr.strip().splitlines()[-1])
+    key = "k3y-" + "x" * 40
+    path = sglang_key_file(key)
+    try:
+        assert path.stat().st_mode & 0o777 == 0o600  # only this user reads it
+        flags = engine_args(load_config(None, ["engine.kind=sglang"]))
+        command = _command("sglang", "/models/m", "127.0.0.1", 31000, None, ["--config", str(path), *flags])
+        assert key not in " ".join(command)
+        done = subprocess.run([sys.executable, "-c", PREPARE, json.dumps(command[3:])],
+                              capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-2000:]
+        parsed = json.loads(done.stdout.strip().splitlines()[-1])
+        assert parsed == {"api_key": key, "admin_api_key": key, "port": 31000}
+    finally:
+        path.unlink()
+

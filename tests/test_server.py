@@ -35,13 +35,15 @@ def served(tmp_path_factory):
     engine.shutdown()
 
 
-def call(url: str, method: str, path: str, body=None, raw: bytes | None = None):
-    """(status, decoded body) of one HTTP call."""
+def call(url: str, method: str, path: str, body=None, raw: bytes | None = None, key: str | None = None):
+    """(status, decoded body) of one HTTP call (with ``Authorization: Bearer key`` when given)."""
 
     async def main():
         async with aiohttp.ClientSession() as session:
             data = raw if raw is not None else (None if body is None else json.dumps(body))
             headers = {"Content-Type": "application/json"}
+            if key is not None:
+                headers["Authorization"] = f"Bearer {key}"
             async with session.request(method, url + path, data=data, headers=headers) as resp:
                 text = await resp.text()
                 try:

@@ -19,6 +19,8 @@
   once; what ``fn`` raises ends the call.
 - Control calls (weights, cache, memory, health) go to every server; weight pushes run in
   SGLang's sessions (``/begin_weight_update`` ... ``/end_weight_update``).
+- Every request carries ``Authorization: Bearer <api_key>`` (default:
+  ``$ARBOR_ENGINE_API_KEY``; none when unset), the key the run gave its engines.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import itertools
+import os
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
@@ -33,6 +36,7 @@ from typing import Any, TypeVar
 
 import aiohttp
 
+from arbor.engines.auth import API_KEY_ENV
 from arbor.engines.types import GenerateOutput, GenerateRequest, SamplingParams
 
 T = TypeVar("T")
@@ -89,6 +93,7 @@ class SGLangClient:
         max_retries: int = 3,
         backoff_s: float = 0.5,
         max_concurrency: int = 1024,
+        api_key: str | None = None,
     ) -> None:
         urls = [urls] if isinstance(urls, str) else list(urls)
         if not urls:
@@ -107,6 +112,8 @@ class SGLangClient:
         self._session: aiohttp.ClientSession | None = None
         self._semaphore: asyncio.Semaphore | None = None
         self.prefixes = CachedPrefixes()
+        api_key = api_key or os.environ.get(API_KEY_ENV)
+        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
     async def __aenter__(self) -> SGLangClient:
         return self
@@ -411,11 +418,17 @@ class SGLangClient:
             self._session = aiohttp.ClientSession(
                 timeout=aiohttp.ClientTimeout(total=self.timeout_s),
                 connector=aiohttp.TCPConnector(limit=self.max_concurrency),
+                headers=self._headers,
             )
         async with self._session.request(method, url + path, json=payload) as response:
             text = await response.text()
             if response.status >= 500:
                 raise _Retryable(f"HTTP {response.status}: {text[:500]}")
+            if response.status in (401, 403):
+                raise EngineError(
+                    f"{_error_message(text)}: the engine requires a bearer key; give the client the "
+                    f"run's key (engine.api_key or ${API_KEY_ENV})", url=url + path, status=response.status,
+                )
             if response.status >= 400:
                 raise EngineError(_error_message(text), url=url + path, status=response.status)
             if response.content_type == "application/json":

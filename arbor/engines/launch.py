@@ -16,6 +16,13 @@ within ``startup_timeout_s`` raises with the tail of its log. ``restart(i)`` sta
 server again with the same command and port (its URL stays valid; the log is appended to).
 ``shutdown()`` terminates, then kills, every process it started (also at interpreter exit,
 so no orphans).
+
+Keys: with ``api_key`` (default ``$ARBOR_ENGINE_API_KEY``) every server requires it as a
+bearer token for all but ``/health*``, never seen on a command line: `arbor serve` reads it
+from its environment; SGLang, which takes keys only as flags or in a ``--config`` YAML file,
+gets a 0600 file in ``$TMPDIR`` (``api-key`` and ``admin-api-key``; deleted at ``shutdown()``,
+so a restart with the same command finds it), and its output goes to the log with the key
+replaced (SGLang 0.5.23 logs its ``server_args``, keys included, at start-up).
 """
 
 from __future__ import annotations
@@ -27,12 +34,17 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
+import yaml
+
+from arbor.engines.auth import ADMIN_API_KEY_ENV, API_KEY_ENV
 from arbor.engines.server import free_port
 
 KINDS = ("auto", "sglang", "embedded", "external")
@@ -61,6 +73,8 @@ class EngineHandle:
     log_files: list[Path] = field(default_factory=list)
     commands: list[list[str]] = field(default_factory=list)  # per process, for restart()
     envs: list[dict[str, str]] = field(default_factory=list)
+    key_files: list[Path] = field(default_factory=list)  # SGLang's --config files, until shutdown
+    redact: str | None = field(default=None, repr=False)  # blanked out of the servers' output
 
     def wait_healthy(self, timeout_s: float = 300.0, poll_s: float = 0.5) -> None:
         """Block until every URL answers ``GET /health`` with 200."""
@@ -89,11 +103,9 @@ class EngineHandle:
         old.wait()
         with open(self.log_files[index], "ab") as log:
             log.write(f"\n--- arbor: {self.kind} engine restarted (it exited with {old.returncode}) ---\n".encode())
-            log.flush()
-            self.processes[index] = subprocess.Popen(
-                self.commands[index], stdout=log, stderr=subprocess.STDOUT, env=self.envs[index],
-                start_new_session=True,
-            )
+        # Through _start, as at launch: a keyed server's output is redacted again.
+        self.processes[index] = _start(self.commands[index], self.envs[index], self.log_files[index], self.redact,
+                                       append=True)
         self.wait_healthy(timeout_s)
 
     def log_tail(self, index: int, lines: int = 30) -> str:
@@ -114,6 +126,9 @@ class EngineHandle:
             # Workers may outlive a leader that exited on SIGTERM.
             _signal_group(process, signal.SIGKILL)
         self.processes = []
+        for path in self.key_files:
+            path.unlink(missing_ok=True)
+        self.key_files = []
 
     def __enter__(self) -> EngineHandle:
         return self
@@ -152,12 +167,15 @@ def launch_engines(
     startup_timeout_s: float = 600.0,
     wait: bool = True,
     gpus_per_engine: int = 1,
+    api_key: str | None = None,
 ) -> EngineHandle:
     """Start ``num_engines`` servers of ``kind`` (or adopt ``urls``) and wait until healthy.
 
     ``dtype`` is passed as ``--dtype`` to either server; ``device`` (``cpu``/``cuda``)
     only to the embedded one (SGLang always runs on its GPU); ``extra_args`` are appended
     to each server's command line as given (e.g. ``["--mem-fraction-static", "0.4"]``).
+    ``api_key`` (default ``$ARBOR_ENGINE_API_KEY``, none when unset): the key the servers
+    require, for normal and admin endpoints alike.
     """
     if kind not in KINDS:
         raise ValueError(f"engine kind must be one of {KINDS}, got {kind!r}")
@@ -179,23 +197,30 @@ def launch_engines(
             )
         log_root = Path(log_dir) if log_dir else Path(tempfile.mkdtemp(prefix="arbor-engines-"))
         log_root.mkdir(parents=True, exist_ok=True)
-        handle = EngineHandle(kind, [])
+        api_key = api_key or os.environ.get(API_KEY_ENV) or None
+        handle = EngineHandle(kind, [], redact=api_key if kind == "sglang" else None)
         atexit.register(handle.shutdown)
         for index in range(num_engines):
             port = free_port(host)
             extra = list(extra_args or [])
             if device and kind == "embedded":
                 extra = ["--device", device, *extra]
-            command = _command(kind, model_path, host, port, dtype, extra)
             env = dict(os.environ)
             if kind == "sglang":
                 env["CUDA_VISIBLE_DEVICES"] = _gpu_for(index, env, gpus_per_engine)
+                if api_key and "--config" in extra:
+                    raise EngineLaunchError(
+                        "engine.extra_args gives SGLang a --config file, but arbor passes the engine key "
+                        "in one (SGLang takes one): move those options into engine.extra_args"
+                    )
+                if api_key:
+                    handle.key_files.append(sglang_key_file(api_key))
+                    extra = ["--config", str(handle.key_files[-1]), *extra]
+            elif api_key:
+                env[API_KEY_ENV] = env[ADMIN_API_KEY_ENV] = api_key
+            command = _command(kind, model_path, host, port, dtype, extra)
             log_file = log_root / f"engine-{index}.log"
-            with open(log_file, "wb") as log:
-                process = subprocess.Popen(
-                    command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
-                )
-            handle.processes.append(process)
+            handle.processes.append(_start(command, env, log_file, handle.redact))
             handle.log_files.append(log_file)
             handle.commands.append(command)
             handle.envs.append(env)
@@ -207,6 +232,38 @@ def launch_engines(
             handle.shutdown()
             raise
     return handle
+
+
+def _start(
+    command: list[str], env: dict[str, str], log_file: Path, secret: str | None, append: bool = False
+) -> subprocess.Popen:
+    """Start a server in its own process group, its output into ``log_file`` (through a
+    thread that blanks ``secret`` out of it, when given)."""
+    with open(log_file, "ab" if append else "wb") as log:
+        process = subprocess.Popen(
+            command, stdout=subprocess.PIPE if secret else log, stderr=subprocess.STDOUT, env=env,
+            start_new_session=True,
+        )
+    if secret:
+        threading.Thread(target=_copy_redacted, args=(process.stdout, log_file, secret.encode()), daemon=True).start()
+    return process
+
+
+def _copy_redacted(stream: Any, log_file: Path, secret: bytes) -> None:
+    """Copy ``stream`` line by line into ``log_file`` with ``secret`` replaced, until EOF."""
+    with stream, open(log_file, "ab") as log:
+        for line in stream:
+            log.write(line.replace(secret, b"<redacted>"))
+            log.flush()  # the tail is read when a server fails
+
+
+def sglang_key_file(api_key: str) -> Path:
+    """A YAML file only this user can read, for ``sglang.launch_server --config FILE``:
+    ``--api-key`` and ``--admin-api-key`` both ``api_key``, off the command line."""
+    descriptor, path = tempfile.mkstemp(prefix="arbor-sglang-keys-", suffix=".yaml")  # mode 0600
+    with os.fdopen(descriptor, "w") as file:
+        yaml.safe_dump({"api-key": api_key, "admin-api-key": api_key}, file)
+    return Path(path)
 
 
 def _command(

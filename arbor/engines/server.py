@@ -19,6 +19,11 @@ Endpoints (request / response fields as SGLang 0.5 names them):
 - ``GET /model_info`` (= ``/get_model_info``), ``/get_weight_version``, ``/server_info`` (=
   ``/get_server_info``: ``tp_size`` 1 and engine counters), ``/health``, ``/health_generate``.
 Malformed requests get ``400 {"error": {"message": ...}}`` and the server keeps serving.
+
+Keys (:mod:`arbor.engines.auth`, SGLang's rules): with ``ARBOR_ENGINE_API_KEY`` (and/or
+``ARBOR_ENGINE_ADMIN_API_KEY``) in the server's environment, requests need ``Authorization:
+Bearer <key>`` (401 without); the weight, cache and memory endpoints are SGLang's admin ones;
+``/health*`` stays open. Without a key the server is open, and warns unless on loopback.
 """
 
 from __future__ import annotations
@@ -26,7 +31,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import socket
+import sys
 import threading
 import time
 from typing import Any
@@ -34,11 +41,25 @@ from typing import Any
 import torch
 from aiohttp import web
 
+from arbor.engines.auth import (
+    ADMIN_API_KEY_ENV,
+    API_KEY_ENV,
+    Level,
+    middleware,
+    unprotected_warning,
+)
 from arbor.engines.distributed import DEFAULT_GROUP, WeightUpdateGroup
 from arbor.engines.local import EngineReleased, LocalEngine
 from arbor.engines.types import GenerateOutput, GenerateRequest, SamplingParams
 
 DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's default
+# The endpoints SGLang 0.5.23 marks ADMIN_OPTIONAL (they change weights, cache or memory);
+# the rest are NORMAL, /health* open.
+ADMIN_PATHS = (
+    "/update_weights_from_disk", "/init_weights_update_group", "/destroy_weights_update_group",
+    "/update_weights_from_distributed", "/begin_weight_update", "/end_weight_update",
+    "/flush_cache", "/release_memory_occupation", "/resume_memory_occupation",
+)
 
 
 class BadRequest(ValueError):
@@ -155,9 +176,14 @@ class ServerState:
         return {"text": text, "output_ids": out.output_ids, "meta_info": meta}
 
 
-def build_app(engine: LocalEngine, tokenizer: Any = None) -> web.Application:
+def build_app(
+    engine: LocalEngine, tokenizer: Any = None, *, api_key: str | None = None,
+    admin_api_key: str | None = None,
+) -> web.Application:
+    """The HTTP app; requests need the keys given (SGLang's ``--api-key``/``--admin-api-key``)."""
     state = ServerState(engine, tokenizer)
-    app = web.Application(client_max_size=1 << 28)
+    levels = dict.fromkeys(ADMIN_PATHS, Level.ADMIN_OPTIONAL)
+    app = web.Application(client_max_size=1 << 28, middlewares=[middleware(api_key, admin_api_key, levels)])
     routes = web.RouteTableDef()
 
     def handler(fn):
@@ -388,9 +414,15 @@ BACKLOG = 2048
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    # From the environment, not flags: a command line is visible to every user (ps).
+    api_key, admin_api_key = os.environ.get(API_KEY_ENV) or None, os.environ.get(ADMIN_API_KEY_ENV) or None
+    warning = unprotected_warning(args.host, api_key, admin_api_key)
+    if warning:
+        print(warning, file=sys.stderr, flush=True)
     engine, tokenizer = load_engine(args)
-    app = build_app(engine, tokenizer)
-    print(f"arbor serve: {args.model} on http://{args.host}:{args.port}", flush=True)
+    app = build_app(engine, tokenizer, api_key=api_key, admin_api_key=admin_api_key)
+    keyed = " (bearer key required)" if api_key or admin_api_key else ""
+    print(f"arbor serve: {args.model} on http://{args.host}:{args.port}{keyed}", flush=True)
     web.run_app(
         app, host=args.host, port=args.port, print=None, handle_signals=True,
         shutdown_timeout=2.0, backlog=BACKLOG,
@@ -406,8 +438,12 @@ class ServerThread:
         ...
     """
 
-    def __init__(self, engine: LocalEngine, tokenizer: Any = None, host: str = "127.0.0.1"):
+    def __init__(
+        self, engine: LocalEngine, tokenizer: Any = None, host: str = "127.0.0.1", *,
+        api_key: str | None = None, admin_api_key: str | None = None,
+    ) -> None:
         self.engine, self.tokenizer, self.host = engine, tokenizer, host
+        self.keys = {"api_key": api_key, "admin_api_key": admin_api_key}
         self.port = free_port(host)
         self.url = f"http://{host}:{self.port}"
         self._loop = asyncio.new_event_loop()
@@ -416,7 +452,7 @@ class ServerThread:
 
     def _run(self) -> None:
         asyncio.set_event_loop(self._loop)
-        runner = web.AppRunner(build_app(self.engine, self.tokenizer))
+        runner = web.AppRunner(build_app(self.engine, self.tokenizer, **self.keys))
         self._loop.run_until_complete(runner.setup())
         site = web.TCPSite(runner, self.host, self.port, backlog=BACKLOG)
         self._loop.run_until_complete(site.start())
