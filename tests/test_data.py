@@ -7,7 +7,14 @@ from pathlib import Path
 import pytest
 
 from arbor.config import DataConfig
-from arbor.data import DataError, ProblemStream, format_prompt, load_problems, prompt_messages, stop_token_ids
+from arbor.data import (
+    DataError,
+    ProblemStream,
+    format_prompt,
+    load_problems,
+    prompt_messages,
+    stop_token_ids,
+)
 
 
 def write_jsonl(path, rows):
