@@ -146,6 +146,37 @@ def format_prompt(problem: dict[str, Any], data_cfg: DataConfig, tokenizer: Any,
     return [int(t) for t in ids]
 
 
+def stop_token_ids(tokenizer: Any, model_path: str | Path | None = None, trust_remote_code: bool = False) -> list[int]:
+    """Every id that ends a model turn, sorted: the tokenizer's EOS and each ``eos_token_id``
+    of the model's ``generation_config.json`` and config (one id or a list in either).
+
+    Real checkpoints disagree: Qwen2.5-Instruct ends turns on ``<|im_end|>`` (listed in its
+    generation config) while a base tokenizer's EOS is ``<|endoftext|>``; sampling must
+    stop on all of them. ``model_path`` defaults to where the tokenizer was loaded from.
+
+        stop_token_ids(AutoTokenizer.from_pretrained("models/smollm2-135m-instruct"))  # [2]
+    """
+    from transformers import AutoConfig, GenerationConfig
+
+    found = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+    path = str(model_path if model_path is not None else tokenizer.name_or_path)
+    try:
+        found |= _id_set(GenerationConfig.from_pretrained(path).eos_token_id)
+    except OSError:  # no generation_config.json: the model config's EOS is all there is
+        pass
+    try:
+        config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+        found |= _id_set(getattr(config.get_text_config(), "eos_token_id", None))
+    except (OSError, ValueError):  # a tokenizer-only directory (tests, SFT data checks)
+        pass
+    return sorted(found)
+
+
+def _id_set(ids: int | list[int] | None) -> set[int]:
+    """``eos_token_id`` as configs write it (absent, one id or a list) as a set."""
+    return set() if ids is None else {int(i) for i in (ids if isinstance(ids, list) else [ids])}
+
+
 def chat_template_ids(tokenizer: Any, messages: list[dict[str, str]], generation_prompt: bool) -> list[int]:
     """Token ids of ``messages`` rendered by the tokenizer's chat template."""
     ids = tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=True)

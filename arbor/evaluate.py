@@ -264,7 +264,7 @@ def main(cfg: Config) -> int:
     from transformers import AutoTokenizer
 
     from arbor.agents import episode_inputs, fitting_problems, rollout_agent
-    from arbor.data import load_problems
+    from arbor.data import load_problems, stop_token_ids
     from arbor.engines.client import SGLangClient
     from arbor.orchestration import closing
     from arbor.plugins import default_search_dirs
@@ -281,7 +281,7 @@ def main(cfg: Config) -> int:
                                          cfg.model.chat_template, "eval.path" if e.path else "data.eval_path")
     problems = problems[: e.max_problems or None]
     prompts, render = episode_inputs(problems, agent, tokenizer, cfg.data, cfg.model.chat_template)
-    eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    eos = stop_token_ids(tokenizer, cfg.model.path, cfg.model.trust_remote_code)
     out_dir = Path(cfg.run.output_dir)
     output = Path(e.output) if e.output else out_dir / "eval.json"
     print(f"arbor eval: {cfg.model.path} on {path}: {len(problems)} problems x {e.samples} answer(s), "

@@ -66,7 +66,7 @@ import torch
 
 from arbor import checkpoint
 from arbor.config import Config, DataConfig, SftConfig, save_config
-from arbor.data import DataError, format_prompt, read_rows
+from arbor.data import DataError, format_prompt, read_rows, stop_token_ids
 from arbor.engines.server import free_port
 from arbor.learner import Learner, resolve_device
 from arbor.loss import pack_token_logprobs
@@ -90,14 +90,16 @@ class SftExample:
 def load_examples(
     path: str | Path, tokenizer: Any, data_cfg: DataConfig, chat_template: bool, max_tokens: int
 ) -> list[SftExample]:
-    """Every line of a jsonl file as an :class:`SftExample`; the first bad line raises DataError."""
+    """Every line of a jsonl file as an :class:`SftExample`; the first bad line raises DataError.
+    An assistant turn is trained up to its last stop token (:func:`arbor.data.stop_token_ids`)."""
     path = Path(path)
     if not path.exists():
         raise DataError(f"{path}: no such file or directory (sft.train_path)")
     if path.suffix != ".jsonl":
         raise DataError(f"{path}: sft.train_path must be a .jsonl file (one JSON object a line)")
+    stop_ids = stop_token_ids(tokenizer)  # once: it reads the model's config files
     examples = [
-        encode_example(row, where, tokenizer, data_cfg, chat_template, max_tokens)
+        encode_example(row, where, tokenizer, data_cfg, chat_template, max_tokens, stop_ids)
         for where, row in read_rows(path)
     ]
     if not examples:
@@ -106,9 +108,11 @@ def load_examples(
 
 
 def encode_example(
-    row: Any, where: str, tokenizer: Any, data_cfg: DataConfig, chat_template: bool, max_tokens: int
+    row: Any, where: str, tokenizer: Any, data_cfg: DataConfig, chat_template: bool, max_tokens: int,
+    stop_ids: Sequence[int] | None = None,
 ) -> SftExample:
     """A conversation (``messages``) or a tree (``prompt`` + ``branches``) as token trees.
+    ``stop_ids`` end assistant turns (default :func:`arbor.data.stop_token_ids`).
 
         encode_example({"prompt": "2+2?", "branches": ["4", "four"]}, "f:1", tok, DataConfig(), True, 512)
     """
@@ -119,7 +123,8 @@ def encode_example(
             f"{where}: expected 'messages' (a conversation) or 'prompt' and 'branches' (a tree); keys: {sorted(row)}"
         )
     if "messages" in row:
-        tree = _conversation_tree(row["messages"], where, tokenizer, chat_template)
+        stop = stop_token_ids(tokenizer) if stop_ids is None else stop_ids
+        tree = _conversation_tree(row["messages"], where, tokenizer, chat_template, set(stop))
     else:
         tree = _branch_tree(row, where, tokenizer, data_cfg, chat_template)
     weights = _weights(row.get("weight", 1.0), len(tree.leaves()), where, per_branch="branches" in row)
@@ -153,9 +158,10 @@ def _branch_tree(row: dict, where: str, tokenizer: Any, data_cfg: DataConfig, ch
     return RolloutTree.from_sequences(prompt_ids, responses, problem={"id": where})
 
 
-def _conversation_tree(messages: Any, where: str, tokenizer: Any, chat_template: bool) -> RolloutTree:
+def _conversation_tree(messages: Any, where: str, tokenizer: Any, chat_template: bool, stop_ids: set[int]) -> RolloutTree:
     """The rendered conversation as a one-leaf tree: the prompt up to the first assistant
-    turn, then everything else with a loss mask of 1 on assistant tokens only."""
+    turn, then everything else with a loss mask of 1 on assistant tokens only (up to the
+    turn's last id in ``stop_ids``)."""
     messages = _messages(messages, where)
     turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
     if not turns:
@@ -183,9 +189,10 @@ def _conversation_tree(messages: Any, where: str, tokenizer: Any, chat_template:
     for text, assistant in pieces[1:]:
         piece = _tokens(text, tokenizer)
         trained = len(piece) if assistant else 0
-        if assistant and tokenizer.eos_token_id in piece:
-            # The turn ends at EOS; template text after it (a newline) is not generated.
-            trained = len(piece) - piece[::-1].index(tokenizer.eos_token_id)
+        ends = [i for i, t in enumerate(piece) if t in stop_ids]
+        if assistant and ends:
+            # The turn ends at its stop token; template text after it (a newline) is not generated.
+            trained = ends[-1] + 1
         ids += piece
         mask += [1] * trained + [0] * (len(piece) - trained)
     tree = RolloutTree(prompt_ids, problem={"id": where})

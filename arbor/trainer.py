@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 from arbor import checkpoint, phases
 from arbor.agents import fitting_problems, rollout_agent
 from arbor.config import Config, save_config
-from arbor.data import ProblemStream, load_problems
+from arbor.data import ProblemStream, load_problems, stop_token_ids
 from arbor.engine_recovery import EngineFailedError, EngineRecovery
 from arbor.metrics import MetricsLog
 from arbor.orchestration import LearnerFailedError, closing
@@ -98,7 +98,7 @@ class RunContext:
         try:
             search = default_search_dirs(cfg.source)  # where rewards/ and agents/ specs resolve
             self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.path, trust_remote_code=cfg.model.trust_remote_code)
-            self.eos_token_ids = [self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else []
+            self.eos_token_ids = stop_token_ids(self.tokenizer, cfg.model.path, cfg.model.trust_remote_code)
             self.agent = rollout_agent(cfg.rollout, search)  # multi-turn episodes, or None
             problems = self.fitting(load_problems(cfg.data.train_path, cfg.data), "data.train_path", "data/skipped_long_prompts")
             self.stream = ProblemStream(problems, cfg.run.seed, cfg.data.shuffle)

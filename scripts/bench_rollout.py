@@ -68,6 +68,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
 from arbor.config import RolloutConfig  # noqa: E402
+from arbor.data import stop_token_ids  # noqa: E402
 from arbor.engines.client import SGLangClient  # noqa: E402
 from arbor.engines.launch import EngineLaunchError, launch_engines  # noqa: E402
 from arbor.sampler import sample_trees  # noqa: E402
@@ -285,15 +286,11 @@ def main() -> None:
 
 
 def vocabulary_and_eos(model: str) -> tuple[int, list[int]]:
-    """How many regular (non-special) token ids ``model``'s tokenizer has, and its EOS ids."""
-    from transformers import AutoConfig, AutoTokenizer
+    """How many regular (non-special) token ids ``model``'s tokenizer has, and its stop ids."""
+    from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model)
-    eos = getattr(AutoConfig.from_pretrained(model), "eos_token_id", None)
-    eos_ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
-    if tokenizer.eos_token_id is not None:
-        eos_ids.add(tokenizer.eos_token_id)
-    return tokenizer.vocab_size, sorted(eos_ids)
+    return tokenizer.vocab_size, stop_token_ids(tokenizer, model)
 
 
 if __name__ == "__main__":

@@ -7,7 +7,14 @@ from pathlib import Path
 import pytest
 
 from arbor.config import DataConfig
-from arbor.data import DataError, ProblemStream, format_prompt, load_problems, prompt_messages
+from arbor.data import (
+    DataError,
+    ProblemStream,
+    format_prompt,
+    load_problems,
+    prompt_messages,
+    stop_token_ids,
+)
 
 
 def write_jsonl(path, rows):
@@ -186,3 +193,43 @@ def test_agents_start_from_message_prompts(tmp_path):
     start = tool.start(problem)
     assert start[0] == messages[0] and start[1]["content"].startswith("What is 2+3?\nYou may run Python")
     assert messages[1]["content"] == "What is 2+3?"  # the problem is left as it was
+
+
+def test_stop_token_ids_join_tokenizer_config_and_generation_config(tmp_path):
+    """A Qwen2.5-Instruct-like checkpoint: the tokenizer's EOS is <|endoftext|> (0), the
+    turn ends on <|im_end|> (2) that only generation_config.json lists: both stop."""
+    from tiny_model import build_tiny_model_dir
+    from transformers import AutoTokenizer
+
+    path = build_tiny_model_dir(tmp_path / "tiny")
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    assert stop_token_ids(tokenizer) == [0]  # config.json and the tokenizer agree on 0
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 0], "bos_token_id": 0}))
+    assert stop_token_ids(tokenizer) == [0, 2]
+    assert stop_token_ids(AutoTokenizer.from_pretrained(path), str(path)) == [0, 2]
+    tokenizer_only = tmp_path / "tok"
+    tokenizer.save_pretrained(tokenizer_only)
+    assert stop_token_ids(AutoTokenizer.from_pretrained(tokenizer_only)) == [0]
+
+
+def test_a_template_default_system_prompt_is_kept_or_replaced(tmp_path):
+    """SmolLM2's template adds its own system prompt when the messages have none: with
+    data.system_prompt unset the prompt carries the template's default, with it set the
+    given one replaces it (never both)."""
+    from tiny_model import build_tiny_model_dir
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(build_tiny_model_dir(tmp_path / "tiny"))
+    tokenizer.chat_template = (
+        "{% for m in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
+        "{{ '<|im_start|>system\\nYou are a helpful AI assistant<|im_end|>\\n' }}{% endif %}"
+        "<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+        "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    problem = {"id": "p", "prompt": "What is 2+3?", "answer": "5"}
+    default = tokenizer.decode(format_prompt(problem, DataConfig(), tokenizer, chat_template=True))
+    assert default == ("<|im_start|>system\nYou are a helpful AI assistant<|im_end|>\n"
+                       "<|im_start|>user\nWhat is 2+3?<|im_end|>\n<|im_start|>assistant\n")
+    own = tokenizer.decode(format_prompt(problem, DataConfig(system_prompt="Be brief."), tokenizer, chat_template=True))
+    assert own == ("<|im_start|>system\nBe brief.<|im_end|>\n"
+                   "<|im_start|>user\nWhat is 2+3?<|im_end|>\n<|im_start|>assistant\n")

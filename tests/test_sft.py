@@ -90,6 +90,27 @@ def test_conversation_stops_training_at_eos(tokenizer):
     assert leaf.loss_mask == [1] * (len(leaf.token_ids) - 1) + [0]  # the newline after EOS is not trained
 
 
+def test_conversation_stops_training_at_a_generation_config_stop_token(tokenizer, tiny):
+    """Qwen2.5-Instruct's case: the tokenizer's EOS is <|endoftext|> but generation_config.json
+    ends turns on <|im_end|> too; training stops there as sampling does."""
+    row = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}
+    stop_ids = [tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|im_end|>")]
+    example = encode_example(row, "f.jsonl:1", tokenizer, DataConfig(), True, 512, stop_ids=stop_ids)
+    (leaf,) = example.tree.leaves()
+    assert tokenizer.decode(leaf.token_ids) == "yo<|im_end|>\n"
+    assert leaf.loss_mask == [1] * (len(leaf.token_ids) - 1) + [0]
+    path = tiny.parent / "sft-stop.jsonl"
+    path.write_text(json.dumps(row) + "\n")
+    generation_config = tiny / "generation_config.json"
+    saved = generation_config.read_text()  # the module's model is shared: put it back after
+    generation_config.write_text(json.dumps({"eos_token_id": stop_ids}))
+    try:  # load_examples reads the stop ids from the model directory
+        (loaded,) = load_examples(path, tokenizer, DataConfig(), True, 512)
+    finally:
+        generation_config.write_text(saved)
+    assert loaded.tree.leaves()[0].loss_mask == leaf.loss_mask
+
+
 def test_tree_branches_share_prefixes_and_match_the_rl_prompt(tokenizer):
     from arbor.data import format_prompt
 
