@@ -227,6 +227,11 @@ def rollout_metrics(batch: Batch) -> dict[str, float]:
         "rollout/trees": float(len(batch.sampled)),
         "rollout/trees_trained": float(len(batch.trees)),
         "rollout/refill_rounds": float(batch.rounds - 1),
+        # TreePO fallback: finished paths cut and restarted from, and root restarts (no
+        # path ended well); rounds: sequential sampling rounds per tree.
+        "rollout/fallbacks": float(sum(s.fallbacks for s in batch.stats)),
+        "rollout/root_restarts": float(sum(s.root_restarts for s in batch.stats)),
+        "rollout/rounds_per_tree": sum(s.rounds for s in batch.stats) / max(len(batch.stats), 1),
         "rollout/tokens_generated": float(sum(s.tokens_generated for s in batch.stats)),
         "rollout/tokens_computed": float(computed),
         "rollout/cached_ratio": sum(s.cached_tokens for s in batch.stats) / max(prompt, 1),
