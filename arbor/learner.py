@@ -33,6 +33,7 @@ import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from arbor.config import LearnerConfig, LossConfig, ModelConfig, OptimConfig
+from arbor.lm_head import check_temperature
 from arbor.loss import LossSums, combine, pack_loss
 from arbor.packing import PackedBatch
 
@@ -105,8 +106,7 @@ class Learner:
         temperature: float = 1.0,
     ) -> None:
         self.cfg, self.loss_cfg = learner_cfg, loss_cfg
-        if not temperature > 0:
-            raise ValueError(f"the learner scores log-probs at the sampling temperature, which must be > 0, got {temperature}")
+        check_temperature(temperature)  # log-probs are scored at the sampling temperature
         self.temperature = temperature
         self.device = resolve_device(learner_cfg.device)
         self.dtype = resolve_dtype(learner_cfg.dtype, self.device)

@@ -67,7 +67,7 @@ def logprobs_and_entropy(
     >>> logprobs_and_entropy(torch.zeros(1, 4), torch.tensor([2]))  # uniform over 4
     (tensor([-1.3863]), tensor([1.3863]))
     """
-    _check_temperature(temperature)
+    check_temperature(temperature)
     logits = logits.to(score_dtype(logits.dtype))
     if temperature != 1.0:
         logits = logits / temperature
@@ -77,7 +77,8 @@ def logprobs_and_entropy(
     return logp, entropy
 
 
-def _check_temperature(temperature: float) -> None:
+def check_temperature(temperature: float) -> None:
+    """Log-probs of softmax(logits / T) exist for T > 0 only (T = 0 is greedy sampling)."""
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0 for log-probabilities, got {temperature}")
 
@@ -169,7 +170,7 @@ def head_logprobs(
 
     ``chunk_tokens`` ≤ 0 computes whole logits (the reference, through autograd).
     """
-    _check_temperature(temperature)
+    check_temperature(temperature)
     if chunk_tokens <= 0:
         return logprobs_and_entropy(head(hidden), targets, temperature)
     return _ChunkedHeadScores.apply(hidden, head.weight, head.bias, targets, temperature, chunk_tokens)
@@ -190,7 +191,7 @@ def chunked_head(
     release of the gathered weight among them), computes the chunked scores from the
     real hidden states with the weight as it is during the module's call.
     """
-    _check_temperature(temperature)
+    check_temperature(temperature)
     if chunk_tokens < 1:
         raise ValueError(f"chunk_tokens must be ≥ 1, got {chunk_tokens}")
     stash: list[torch.Tensor] = []
@@ -204,9 +205,8 @@ def chunked_head(
         hidden = stash.pop()
         if hidden.shape[0] != 1 or hidden.shape[1] != targets.shape[0]:
             raise ValueError(f"chunked head: hidden {tuple(hidden.shape)} for {targets.shape[0]} targets")
-        # Not head(...): that would re-enter these hooks.
-        logp, entropy = _ChunkedHeadScores.apply(hidden[0], head.weight, head.bias, targets, temperature,
-                                                 chunk_tokens)
+        # chunk_tokens ≥ 1: head_logprobs does not call head(...), which would re-enter these hooks.
+        logp, entropy = head_logprobs(hidden[0], head, targets, temperature=temperature, chunk_tokens=chunk_tokens)
         return torch.stack([logp, entropy], dim=-1)[None]
 
     handles = [
