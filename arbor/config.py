@@ -243,6 +243,10 @@ class RunConfig:
     save_trees_every: int = 10  # trees written for `arbor view`; 0: never
     resume: bool = False
     tensorboard: bool = True
+    # torch threads of each CPU process (the engine server, each learner rank); 0: the machine's
+    # cores (the engine all of them, each learner rank its share). Set 1 where other jobs share
+    # the cores: OpenMP threads waiting for a busy core slowed SmolLM2's decoding ~20x here.
+    cpu_threads: int = 0
 
 
 @dataclass
@@ -556,6 +560,7 @@ def validate(cfg: Config, where: Callable[[str], str] | None = None) -> None:
     need(cfg.run.steps >= 0, "run.steps", "must be ≥ 0")
     need(cfg.run.log_every >= 1, "run.log_every", f"must be ≥ 1, got {cfg.run.log_every}")
     need(cfg.run.keep_checkpoints >= 1, "run.keep_checkpoints", f"must be ≥ 1, got {cfg.run.keep_checkpoints}")
+    need(cfg.run.cpu_threads >= 0, "run.cpu_threads", f"must be ≥ 0 (0: all cores), got {cfg.run.cpu_threads}")
     for name in ("eval_every", "save_every", "save_trees_every"):
         need(getattr(cfg.run, name) >= 0, f"run.{name}", "must be ≥ 0")
     need(cfg.run.eval_every == 0 or (cfg.eval.path or cfg.data.eval_path) is not None, "run.eval_every",

@@ -186,7 +186,7 @@ class LearnerWorker:
         )
         if not uses_gpu(cfg):
             # Rollout and training take turns, so each rank may use its share of the cores.
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // cfg.learner.num_ranks))
+            torch.set_num_threads(cpu_threads(cfg, sharers=cfg.learner.num_ranks))
         torch.manual_seed(cfg.run.seed + self.rank)
         from arbor.learner import Learner
 
@@ -362,6 +362,11 @@ class LearnerGroup:
         self.workers = []
 
 
+def cpu_threads(cfg: Config, sharers: int) -> int:
+    """Torch threads for a CPU process: ``run.cpu_threads``, or the cores split ``sharers`` ways."""
+    return cfg.run.cpu_threads or max(1, (os.cpu_count() or 1) // sharers)
+
+
 # -- engines ----------------------------------------------------------------------------------
 
 
@@ -373,7 +378,7 @@ class EngineWorker:
 
         if not uses_gpu(cfg):
             # Ray gives actors one thread; the server has the cores while rollouts run.
-            os.environ["OMP_NUM_THREADS"] = str(os.cpu_count() or 1)
+            os.environ["OMP_NUM_THREADS"] = str(cpu_threads(cfg, sharers=1))
         host = node_address() if bind_node_address else cfg.engine.host
         self.handle = launch_engines(
             cfg.engine.kind, model_path=cfg.model.path, num_engines=1, host=host,

@@ -155,3 +155,15 @@ def test_validate_a_config_built_in_code_names_the_key():
     cfg.run.keep_checkpoints, cfg.reward.max_failure_fraction = 2, 1.5
     with pytest.raises(ConfigError, match=r"^<config>: reward.max_failure_fraction must be in \[0, 1\]"):
         validate(cfg)
+
+
+def test_cpu_threads_names_the_key_and_sets_each_process_share(tmp_path, monkeypatch):
+    from arbor.orchestration import cpu_threads
+
+    with pytest.raises(ConfigError, match=r"run.cpu_threads must be ≥ 0 \(0: all cores\), got -1"):
+        load_config(write(tmp_path, "run:\n  cpu_threads: -1\n"))
+    monkeypatch.setattr("os.cpu_count", lambda: 8)
+    cfg = Config()
+    assert (cpu_threads(cfg, sharers=1), cpu_threads(cfg, sharers=2), cpu_threads(cfg, sharers=16)) == (8, 4, 1)
+    cfg.run.cpu_threads = 1  # a shared machine: one thread each, however many cores
+    assert (cpu_threads(cfg, sharers=1), cpu_threads(cfg, sharers=2)) == (1, 1)
