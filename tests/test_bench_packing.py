@@ -9,15 +9,21 @@ from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench_packing.py"
+SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+SCRIPT = SCRIPTS / "bench_packing.py"
+
+
+def load_script(name: str):
+    """Import ``scripts/<name>.py`` as module ``name``."""
+    spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
 
 
 def load_bench():
-    spec = importlib.util.spec_from_file_location("bench_packing", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["bench_packing"] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+    return load_script("bench_packing")
 
 
 def loss_and_grads(bench, model, batch):

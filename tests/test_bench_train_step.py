@@ -1,20 +1,7 @@
 """scripts/bench_train_step.py's ideal step speed-up, by hand."""
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
-
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench_train_step.py"
-
-
-def load_bench():
-    spec = importlib.util.spec_from_file_location("bench_train_step", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["bench_train_step"] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+from test_bench_packing import load_script
 
 
 def record(bench, rollout, train, reward, computed, forwarded):
@@ -25,7 +12,7 @@ def record(bench, rollout, train, reward, computed, forwarded):
 
 
 def test_ideal_scales_rollout_and_training_by_their_token_ratios():
-    bench = load_bench()
+    bench = load_script("bench_train_step")
     # Linear: rollout 4 s for 3,000 tokens, train 6 s for 9,000, reward 1 s, pack 0.5 s: 11.5 s.
     # Tree: 2,000 tokens computed (ratio 1.5), 3,000 forwarded (ratio 3): ideally
     # 4/1.5 + 6/3 + 1 + 0.5 = 6.1667 s, so the ideal speed-up is 11.5 / 6.1667 = 1.865.

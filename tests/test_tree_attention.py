@@ -145,6 +145,19 @@ def test_flex_trains_on_cuda_like_dense():
         torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-4)
 
 
+def assert_blocks_match_dense_with_gradients(model, pack):
+    rows = torch.arange(pack.num_tokens)
+    grads, logits = {}, {}
+    for attention in ("dense", "blocks"):
+        model.zero_grad()
+        logits[attention] = packed_logits(model, pack, rows, attention=attention)
+        logits[attention].logsumexp(-1).sum().backward()
+        grads[attention] = [p.grad.clone() for p in model.parameters()]
+    torch.testing.assert_close(logits["blocks"], logits["dense"], rtol=1e-9, atol=1e-9)
+    for a, b in zip(grads["dense"], grads["blocks"]):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-9)
+
+
 def test_blocks_of_one_shape_batched_match_dense_with_gradients():
     # Equal branches under one prefix (bench case (a) in small) make one batched group;
     # a deeper branch makes another: outputs and gradients must equal the dense mask.
@@ -158,16 +171,7 @@ def test_blocks_of_one_shape_batched_match_dense_with_gradients():
     (pack,) = pack_trees([tree], require_logprobs=False)
     shapes = [(b.end - b.start, len(b.context)) for b in pack.blocks]
     assert len(set(shapes)) < len(shapes)  # some blocks share a shape: batched together
-    rows = torch.arange(pack.num_tokens)
-    grads, logits = {}, {}
-    for attention in ("dense", "blocks"):
-        model.zero_grad()
-        logits[attention] = packed_logits(model, pack, rows, attention=attention)
-        logits[attention].logsumexp(-1).sum().backward()
-        grads[attention] = [p.grad.clone() for p in model.parameters()]
-    torch.testing.assert_close(logits["blocks"], logits["dense"], rtol=1e-9, atol=1e-9)
-    for a, b in zip(grads["dense"], grads["blocks"]):
-        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-9)
+    assert_blocks_match_dense_with_gradients(model, pack)
 
 
 def test_adjacent_blocks_without_context_match_dense():
@@ -198,16 +202,7 @@ def test_uneven_blocks_each_their_own_group_match_dense_with_gradients():
     assert len(plan.groups) >= len(pack.blocks) - 2 > 4
     assert sum(g * n for g, n, _ in plan.groups) == pack.num_tokens
     assert torch.equal(plan.query_index[plan.restore], torch.arange(pack.num_tokens))  # restore inverts it
-    rows = torch.arange(pack.num_tokens)
-    grads, logits = {}, {}
-    for attention in ("dense", "blocks"):
-        model.zero_grad()
-        logits[attention] = packed_logits(model, pack, rows, attention=attention)
-        logits[attention].logsumexp(-1).sum().backward()
-        grads[attention] = [p.grad.clone() for p in model.parameters()]
-    torch.testing.assert_close(logits["blocks"], logits["dense"], rtol=1e-9, atol=1e-9)
-    for a, b in zip(grads["dense"], grads["blocks"]):
-        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-9)
+    assert_blocks_match_dense_with_gradients(model, pack)
 
 
 def test_plan_gathers_nothing_when_groups_are_in_packed_order():
