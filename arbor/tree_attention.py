@@ -8,9 +8,11 @@ transformers' ``AttentionInterface``.
 - ``dense``: a [1, 1, N, N] boolean mask with SDPA. O(N²) memory and work; the reference.
 - ``blocks`` (CPU default): each attention block (a chain of nodes contiguous in packed
   order) attends to its ancestors' keys plus itself causally; blocks of one shape run as
-  one batched SDPA call. Non-ancestor pairs are never computed, so the cost approaches
-  the ideal. Exact gradients: autograd sums the suffixes' key/value gradients into the
-  shared prefix through the gather. GQA goes to SDPA as ``enable_gqa``; dropout must be 0.
+  one batched SDPA call (:class:`BlockPlan`, worked out once per forward: one gather of
+  queries, keys and values per layer, whatever the number of shapes). Non-ancestor pairs
+  are never computed, so the cost approaches the ideal. Exact gradients: autograd sums the
+  suffixes' key/value gradients into the shared prefix through the gather. GQA goes to
+  SDPA as ``enable_gqa``; dropout must be 0.
 - ``flex`` (CUDA): FlexAttention with a BlockMask built from the subtree-end intervals
   (block-sparse, no N² tensor at any point). FlexAttention has no backward on CPU, so it
   is for CUDA training; on CPU it runs forward only (tests check the mask with it).
@@ -21,8 +23,9 @@ transformers' ``AttentionInterface``.
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
@@ -100,9 +103,50 @@ def _cached_bottom_right_causal(n: int, n_kv: int, device: torch.device) -> torc
     return torch.ones(n, n_kv, dtype=torch.bool, device=device).tril(n_kv - n)
 
 
-def _gather_blocks(x: torch.Tensor, idx: torch.Tensor, blocks: int, length: int) -> torch.Tensor:
-    """x [H, N, D] at ``idx`` [blocks·length] -> [blocks, H, length, D]."""
-    return x.index_select(1, idx).view(x.shape[0], blocks, length, x.shape[2]).transpose(0, 1)
+@dataclass
+class BlockPlan:
+    """How one pack's attention blocks run, worked out once per forward (not once per layer).
+
+    Blocks of one shape (queries, context + own keys) form a group that runs as one batched
+    SDPA call. All queries are gathered in group order with one ``index_select``, all keys
+    and values likewise, then split per group: the backward is one ``index_add`` per tensor
+    (``split``'s backward is a concatenation). A gather per group made every group's
+    backward allocate, fill and add an N-long gradient: O(groups × N) traffic, and with
+    uneven segment lengths nearly every block is its own group.
+    """
+
+    groups: list[tuple[int, int, int]]  # (blocks g, queries n, keys n_kv) per group, in gather order
+    query_index: torch.Tensor | None  # [N] packed index of each query in group order; None: packed order
+    key_index: torch.Tensor | None  # [Σ g·n_kv] packed index of each key in group order; None: packed order
+    restore: torch.Tensor | None  # [N] group order -> packed order; None when query_index is None
+    num_tokens: int
+
+
+def plan_blocks(blocks: Sequence[AttentionBlock], device: torch.device | str) -> BlockPlan:
+    """Group ``blocks`` by shape and build the gather indices (on ``device``)."""
+    groups: dict[tuple[int, int], list[AttentionBlock]] = {}
+    for block in blocks:
+        n = block.end - block.start
+        groups.setdefault((n, n + len(block.context)), []).append(block)
+    queries, keys = [], []
+    for members in groups.values():
+        for block in members:
+            own = torch.arange(block.start, block.end)
+            queries.append(own)
+            keys += [block.context, own]
+    num_tokens = sum(b.end - b.start for b in blocks)
+    query_index = torch.cat(queries) if queries else torch.zeros(0, dtype=torch.long)
+    in_order = bool((query_index == torch.arange(num_tokens)).all())
+    key_index = torch.cat(keys) if keys else torch.zeros(0, dtype=torch.long)
+    context_free = all(n_kv == n for n, n_kv in groups)
+    return BlockPlan(
+        groups=[(len(members), n, n_kv) for (n, n_kv), members in groups.items()],
+        query_index=None if in_order else query_index.to(device),
+        # Without context the keys are the queries: same order, same gather.
+        key_index=None if in_order and context_free else key_index.to(device),
+        restore=None if in_order else torch.argsort(query_index).to(device),
+        num_tokens=num_tokens,
+    )
 
 
 def block_tree_attention(
@@ -113,59 +157,50 @@ def block_tree_attention(
     attention_mask: torch.Tensor | None,
     dropout: float = 0.0,
     scaling: float | None = None,
-    arbor_blocks: list[AttentionBlock] | None = None,
+    arbor_blocks: BlockPlan | Sequence[AttentionBlock] | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    """Attention over ancestor blocks only. Returns ([1, N, H, D], None) like HF's SDPA path."""
+    """Attention over ancestor blocks only. Returns ([1, N, H, D], None) like HF's SDPA path.
+
+    ``arbor_blocks``: the pack's blocks, or their :class:`BlockPlan` (``packed_forward``
+    plans once per forward; a list is planned here, once per layer).
+    """
     if arbor_blocks is None:
         raise ValueError(f"{BLOCKS_IMPL} attention needs the pack's blocks (arbor_blocks=...)")
     if dropout:
         raise ValueError("tree attention is for training RL policies: attention dropout must be 0")
     if query.shape[0] != 1:
         raise ValueError(f"packed tree attention takes one packed row, got batch {query.shape[0]}")
+    plan = arbor_blocks if isinstance(arbor_blocks, BlockPlan) else plan_blocks(arbor_blocks, key.device)
+    if plan.num_tokens != query.shape[2]:
+        raise ValueError(f"arbor_blocks cover another length than the sequence ({query.shape[2]} tokens)")
     gqa = query.shape[1] != key.shape[1]
-    n_total = query.shape[2]
-    if sum(b.end - b.start for b in arbor_blocks) != n_total:
-        raise ValueError(f"arbor_blocks cover another length than the sequence ({n_total} tokens)")
-    device = key.device
-    # Blocks of one shape (queries, context + own keys) run as one batched SDPA call: the
-    # 16 branches of a shared prefix are one call, not 16. Queries and keys are gathered
-    # with one index_select per group (its backward is one index_add); slicing per block
-    # instead made every block's backward fill an N-long gradient (O(blocks × N) traffic).
-    groups: dict[tuple[int, int], list[AttentionBlock]] = {}
-    for block in arbor_blocks:
-        n = block.end - block.start
-        groups.setdefault((n, n + len(block.context)), []).append(block)
-    outputs, order = [], []
-    q_all, k_all, v_all = query[0], key[0], value[0]  # [H, N, D], [H_kv, N, D]
-    for (n, n_kv), members in groups.items():
-        own = [torch.arange(b.start, b.end) for b in members]
-        q_idx = torch.cat(own).to(device)
-        kv_idx = torch.cat([torch.cat([b.context, o]) for b, o in zip(members, own)]).to(device)
-        g = len(members)
-        adjacent = all(a.end == b.start for a, b in zip(members, members[1:]))
-        if n_kv == n and adjacent:
-            # Adjacent blocks without context (e.g. separate trees, the no-sharing case):
-            # a view of one slice, no copy.
-            s0 = members[0].start
-            q, k, v = (x[:, s0 : s0 + g * n].view(x.shape[0], g, n, x.shape[2]).transpose(0, 1)
-                       for x in (q_all, k_all, v_all))
-        else:
-            q = _gather_blocks(q_all, q_idx, g, n)
-            k, v = _gather_blocks(k_all, kv_idx, g, n_kv), _gather_blocks(v_all, kv_idx, g, n_kv)
+    # Token-major [N, H, D]: HF's projections are laid out so, which makes a gather of
+    # tokens a copy of whole rows.
+    q_all, k_all, v_all = (x[0].transpose(0, 1) for x in (query, key, value))
+    if plan.query_index is not None:
+        q_all = q_all.index_select(0, plan.query_index)
+    if plan.key_index is not None:
+        k_all, v_all = k_all.index_select(0, plan.key_index), v_all.index_select(0, plan.key_index)
+    q_parts = q_all.split([g * n for g, n, _ in plan.groups])
+    k_parts = k_all.split([g * n_kv for g, _, n_kv in plan.groups])
+    v_parts = v_all.split([g * n_kv for g, _, n_kv in plan.groups])
+    outputs = []
+    for (g, n, n_kv), q, k, v in zip(plan.groups, q_parts, k_parts, v_parts):
+        # [g·len, H, D] -> [g, H, len, D]: views, no copy.
+        q, k, v = (x.view(g, -1, *x.shape[1:]).transpose(1, 2) for x in (q, k, v))
         if n_kv == n:  # no context: plain causal attention
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling, enable_gqa=gqa)
         else:
             # Context keys all visible, the block's own keys causally: a causal mask aligned
             # to the bottom-right corner of the [n, n_kv] score matrix.
-            mask = _bottom_right_causal(n, n_kv, device)
+            mask = _bottom_right_causal(n, n_kv, key.device)
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling, enable_gqa=gqa)
-        outputs.append(out.transpose(0, 1).reshape(q_all.shape[0], g * n, q_all.shape[2]))
-        order.append(q_idx)
-    out = torch.cat(outputs, dim=1)  # [H, N, D] in group order
-    if len(groups) > 1:
-        out = out.index_select(1, torch.argsort(torch.cat(order)))  # back to packed order
-    return out.transpose(0, 1)[None].contiguous(), None
+        outputs.append(out.transpose(1, 2).reshape(g * n, out.shape[1], out.shape[3]))  # [g·n, H, D]
+    out = torch.cat(outputs) if len(outputs) > 1 else outputs[0]  # [N, H, D] in group order
+    if plan.restore is not None:
+        out = out.index_select(0, plan.restore)  # back to packed order
+    return out[None], None
 
 
 AttentionInterface.register(BLOCKS_IMPL, block_tree_attention)
@@ -226,7 +261,7 @@ def packed_forward(
         return model(attention_mask=mask, **common)
     if attention == "blocks":
         with attention_implementation(hf_model, BLOCKS_IMPL):
-            return model(arbor_blocks=pack.blocks, **common)
+            return model(arbor_blocks=plan_blocks(pack.blocks, device), **common)
     if attention == "flex":
         with attention_implementation(hf_model, "flex_attention"):
             return model(attention_mask=flex_block_mask(pack, device), **common)

@@ -1,23 +1,41 @@
 """Tree-packed vs linear training: forward + backward time and peak memory, side by side.
 
-    python scripts/bench_packing.py [--reps 5] [--threads 2] [--attention auto]
+    python scripts/bench_packing.py [--reps 5] [--threads 2] [--attention auto] [--smoke]
 
 A tiny Qwen2-style model (hidden 256, 4 layers, 8 heads, vocab 4096, random weights)
-runs ``policy_loss`` forward + backward on the same trees in ``mode="tree"`` and
-``mode="linear"`` (every leaf its own right-padded sequence), interleaved, medians:
+runs ``policy_loss`` forward + backward on the same trees three ways, interleaved, medians:
+
+- ``tree``: tree packing, every shared prefix once;
+- ``packed``: the fair linear baseline, what verl, slime and OpenRLHF do: every leaf's
+  full path its own sequence (``linearise_trees``), the sequences packed unpadded one after
+  another with causal attention inside each (``pack_trees`` on the chains) through the
+  same attention kernel as ``tree``;
+- ``padded``: ``mode="linear"``, every leaf its own right-padded row of one batch.
+
+Cases:
 
   (a) 16 leaves sharing a 512-token prefix, 64-token branches (ideal 6×)
   (b) a TreePO-shaped binary tree: depth 4, 64-token segments, 16 leaves
   (c) no sharing: 16 single-leaf trees of 64 + 256 tokens
+  (d) uneven: 4 TreePO trees with early stops (width ≤ 16, binary forks, segments of
+      16–32 tokens, up to 6 deep; a path stops after a segment with probability 1/4, so
+      leaves run 16–190 response tokens) — a chain-of-thought task's shapes
 
-``--threads`` sets ``torch.set_num_threads`` (default 2, the machine's cores). On a
-machine shared with other jobs use ``--threads 1``: with 2 threads every small op waits
-at a barrier for a thread the OS may have descheduled, so wall times swing with other
-processes' load (tree mode, with 6× smaller ops, suffers most). CPU time is printed beside
-wall time for the same reason.
+Per case: speed-up of ``tree`` over each baseline, its ideal (the token-count ratio:
+linearised / unique tokens for ``packed``, padded / unique for ``padded``) and the
+fraction of the ideal reached. ``--threads`` sets ``torch.set_num_threads`` (default 2,
+the machine's cores). On a machine shared with other jobs use ``--threads 1``: with 2
+threads every small op waits at a barrier for a thread the OS may have descheduled, so
+wall times swing with other processes' load (tree mode, with 6× smaller ops, suffers
+most). CPU time is printed beside wall time for the same reason. ``--smoke``: a tiny
+model, cases shrunk 8×, one repeat, no memory runs (checks the script, measures nothing).
 
-Ends with ``RESULT speedup=<a: linear/tree> ideal=<a: linearised/unique tokens>
-fraction=<speedup/ideal> nosharing_ratio=<c: tree/linear>``.
+Ends with ``RESULT speedup=<a: padded/tree> ideal=<a: linearised/unique tokens>
+fraction=<speedup/ideal> nosharing_ratio=<c: tree/padded>
+uneven_speedup=<d: packed/tree> uneven_ideal=<d: linearised/unique>
+uneven_fraction=<d: speedup/ideal> uneven_speedup_padded=<d: padded/tree>
+uneven_ideal_padded=<d: padded/unique> uneven_fraction_padded=<d>
+nosharing_ratio_packed=<c: tree/packed>``.
 """
 
 from __future__ import annotations
@@ -31,6 +49,8 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -38,20 +58,34 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from arbor.loss import policy_loss  # noqa: E402
+from arbor.packing import linearise_trees  # noqa: E402
 from arbor.tree import RolloutTree  # noqa: E402
 
 VOCAB = 4096
+MODES = ("tree", "packed", "padded")
+PACK_TOKENS = 1 << 15  # every case in one pack: one varlen batch, as the linear frameworks run it
 
 
-def build_model() -> torch.nn.Module:
+def build_model(smoke: bool = False) -> torch.nn.Module:
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(0)
-    cfg = Qwen2Config(
+    size = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                intermediate_size=64) if smoke else dict(
         hidden_size=256, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
-        intermediate_size=1024, vocab_size=VOCAB, attn_implementation="sdpa",
-    )
+        intermediate_size=1024)
+    cfg = Qwen2Config(vocab_size=VOCAB, attn_implementation="sdpa", **size)
     return Qwen2ForCausalLM(cfg).float().train()
+
+
+@dataclass
+class Shape:
+    """Token counts of the cases, divided by ``shrink`` (8 under ``--smoke``)."""
+
+    shrink: int = 1
+
+    def __call__(self, n: int) -> int:
+        return max(2, n // self.shrink)
 
 
 def tokens(rng: random.Random, n: int) -> list[int]:
@@ -62,46 +96,103 @@ def segment(tree: RolloutTree, parent, rng: random.Random, n: int):
     return tree.add_segment(parent, tokens(rng, n), logprobs=[-rng.random() for _ in range(n)])
 
 
-def case_shared_prefix(rng: random.Random) -> list[RolloutTree]:
+def case_shared_prefix(rng: random.Random, size: Shape) -> list[RolloutTree]:
     """(a) 16 leaves under one 512-token prefix (a 32-token prompt + a 480-token segment)."""
-    tree = RolloutTree(tokens(rng, 32), problem={"id": "a"})
-    stem = segment(tree, tree.root, rng, 480)
+    tree = RolloutTree(tokens(rng, size(32)), problem={"id": "a"})
+    stem = segment(tree, tree.root, rng, size(480))
     for _ in range(16):
-        segment(tree, stem, rng, 64)
+        segment(tree, stem, rng, size(64))
     return [tree]
 
 
-def case_binary(rng: random.Random) -> list[RolloutTree]:
+def case_binary(rng: random.Random, size: Shape) -> list[RolloutTree]:
     """(b) TreePO-shaped: binary, depth 4, 64-token segments → 2+4+8+16 nodes, 16 leaves."""
-    tree = RolloutTree(tokens(rng, 64), problem={"id": "b"})
+    tree = RolloutTree(tokens(rng, size(64)), problem={"id": "b"})
     frontier = [tree.root]
     for _ in range(4):
-        frontier = [segment(tree, p, rng, 64) for p in frontier for _ in range(2)]
+        frontier = [segment(tree, p, rng, size(64)) for p in frontier for _ in range(2)]
     return [tree]
 
 
-def case_no_sharing(rng: random.Random) -> list[RolloutTree]:
+def case_no_sharing(rng: random.Random, size: Shape) -> list[RolloutTree]:
     """(c) 16 independent trees, one leaf each: nothing to share."""
     trees = []
     for i in range(16):
-        tree = RolloutTree(tokens(rng, 64), problem={"id": f"c{i}"})
-        segment(tree, tree.root, rng, 256)
+        tree = RolloutTree(tokens(rng, size(64)), problem={"id": f"c{i}"})
+        segment(tree, tree.root, rng, size(256))
         trees.append(tree)
     return trees
 
 
-CASES = {"a": case_shared_prefix, "b": case_binary, "c": case_no_sharing}
+def case_uneven(rng: random.Random, size: Shape, width: int = 16, max_depth: int = 6) -> list[RolloutTree]:
+    """(d) 4 TreePO trees with early stops: leaves of 1 to ``max_depth`` segments of 16–32 tokens.
+
+    Grown as TreePO samples: the root forks in two; after every segment each live path
+    stops (EOS) with probability 1/4, and the survivors fork in two while the tree has
+    room for more leaves (``width`` minus stopped and live paths), else continue alone —
+    the budget of the paths that stopped goes to the survivors.
+    """
+    trees = []
+    for i in range(4):
+        tree = RolloutTree(tokens(rng, size(48)), problem={"id": f"d{i}"})
+        live = [segment(tree, tree.root, rng, size(rng.randint(16, 32))) for _ in range(2)]
+        stopped = 0
+        for _ in range(max_depth - 1):
+            survivors = [node for node in live if rng.random() >= 0.25]
+            stopped += len(live) - len(survivors)
+            room = width - stopped - len(survivors)
+            live = []
+            for node in survivors:
+                forks = 2 if room > 0 else 1
+                room -= forks - 1
+                live += [segment(tree, node, rng, size(rng.randint(16, 32))) for _ in range(forks)]
+        trees.append(tree)
+    return trees
 
 
-def step(
-    model: torch.nn.Module, trees: list[RolloutTree], advantages, mode: str, attention: str
-) -> tuple[float, float]:
+CASES: dict[str, Callable[[random.Random, Shape], list[RolloutTree]]] = {
+    "a": case_shared_prefix, "b": case_binary, "c": case_no_sharing, "d": case_uneven,
+}
+
+
+@dataclass
+class Batch:
+    """One case ready for one mode: what ``policy_loss`` gets."""
+
+    trees: list[RolloutTree]
+    advantages: list
+    policy_mode: str  # policy_loss's mode: "tree" packs the trees, "linear" pads every leaf
+
+
+def batch_for(mode: str, trees: list[RolloutTree], advantages: list) -> Batch:
+    """``tree``: the trees; ``packed``: every leaf its own chain, packed (tree mode on
+    single-path trees is unpadded linear training); ``padded``: the trees, padded per leaf."""
+    if mode == "packed":
+        return Batch(*linearise_trees(trees, advantages), "tree")
+    if mode not in ("tree", "padded"):
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    return Batch(trees, advantages, "tree" if mode == "tree" else "linear")
+
+
+def batch_loss(model: torch.nn.Module, batch: Batch, attention: str) -> torch.Tensor:
+    """The scalar loss of ``batch`` (normalize="token"): the same number in every mode."""
+    loss, _ = policy_loss(model, batch.trees, batch.advantages, mode=batch.policy_mode,  # type: ignore[arg-type]
+                          attention=attention, pack_tokens=PACK_TOKENS)  # type: ignore[arg-type]
+    return loss
+
+
+def step(model: torch.nn.Module, batch: Batch, attention: str) -> tuple[float, float]:
     """One forward + backward: (wall seconds, process CPU seconds)."""
     model.zero_grad(set_to_none=True)
     t0, c0 = time.perf_counter(), time.process_time()
-    loss, _ = policy_loss(model, trees, advantages, mode=mode, attention=attention, pack_tokens=1 << 15)
-    loss.backward()
+    batch_loss(model, batch, attention).backward()
     return time.perf_counter() - t0, time.process_time() - c0
+
+
+def padded_tokens(trees: list[RolloutTree]) -> int:
+    """Tokens the padded batch forwards: every leaf's row as long as the longest path."""
+    lengths = [len(t.prompt_ids) + leaf.end for t in trees for leaf in t.leaves()]
+    return len(lengths) * max(lengths)
 
 
 def rss_mib() -> float:
@@ -116,9 +207,8 @@ def measure_memory(case: str, mode: str, attention: str) -> None:
     it over from the parent across fork + exec.
     """
     model = build_model()
-    rng = random.Random(0)
-    trees = CASES[case](rng)
-    advantages = [[1.0] * len(t.leaves()) for t in trees]
+    trees = CASES[case](random.Random(0), Shape())
+    batch = batch_for(mode, trees, [[1.0] * len(t.leaves()) for t in trees])
     before = rss_mib()
     peak = [before]
     done = threading.Event()
@@ -130,7 +220,7 @@ def measure_memory(case: str, mode: str, attention: str) -> None:
 
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
-    step(model, trees, advantages, mode, attention)
+    step(model, batch, attention)
     done.set()
     sampler.join()
     print(f"{max(peak[0], rss_mib()) - before:.1f}")
@@ -144,52 +234,88 @@ def peak_memory(case: str, mode: str, attention: str) -> float:
     return float(out.stdout.strip().splitlines()[-1])
 
 
+@dataclass
+class CaseResult:
+    unique: int  # tokens in the tree packs
+    linearised: int  # tokens of the packed linear batch (Σ leaf path lengths)
+    padded: int  # tokens of the padded batch (leaves × longest path)
+    wall: dict[str, float]  # mode -> median wall seconds
+    cpu: dict[str, float]  # mode -> median CPU seconds
+
+    def speedup(self, baseline: str) -> float:
+        return self.wall[baseline] / self.wall["tree"]
+
+    def ideal(self, baseline: str) -> float:
+        return (self.linearised if baseline == "packed" else self.padded) / self.unique
+
+
+def run_case(model: torch.nn.Module, name: str, size: Shape, reps: int, attention: str) -> CaseResult:
+    rng = random.Random(0)
+    trees = CASES[name](rng, size)
+    advantages = [[rng.gauss(0, 1) for _ in t.leaves()] for t in trees]
+    # Linearised outside the clock: a linear framework receives its batch linear. Packing
+    # (pack_trees inside policy_loss) is timed in both packed modes.
+    batches = {mode: batch_for(mode, trees, advantages) for mode in MODES}
+    for mode in MODES:  # warm-up
+        step(model, batches[mode], attention)
+    wall: dict[str, list[float]] = {m: [] for m in MODES}
+    cpu: dict[str, list[float]] = {m: [] for m in MODES}
+    for _ in range(reps):  # interleaved, so drifts in machine load hit every mode
+        for mode in MODES:
+            w, c = step(model, batches[mode], attention)
+            wall[mode].append(w)
+            cpu[mode].append(c)
+    return CaseResult(
+        unique=sum(t.stats().unique_tokens for t in trees),
+        linearised=sum(t.stats().linearised_tokens for t in trees),
+        padded=padded_tokens(trees),
+        wall={m: statistics.median(v) for m, v in wall.items()},
+        cpu={m: statistics.median(v) for m, v in cpu.items()},
+    )
+
+
+def describe(name: str, r: CaseResult, memory: dict[str, float] | None) -> str:
+    ms = ", ".join(f"{m} {r.wall[m] * 1e3:.0f} ms (CPU {r.cpu[m] * 1e3:.0f})" for m in MODES)
+    vs = " | ".join(
+        f"vs {b}: speedup {r.speedup(b):.2f}x, ideal {r.ideal(b):.2f}x, fraction {r.speedup(b) / r.ideal(b):.2f}"
+        for b in ("packed", "padded")
+    )
+    mem = "" if memory is None else " | peak step memory " + ", ".join(f"{m} {memory[m]:.0f} MiB" for m in MODES)
+    return (f"case {name}: tokens unique {r.unique}, linearised {r.linearised}, padded {r.padded} | "
+            f"{ms} | {vs}{mem}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--attention", default="auto", choices=["auto", "blocks", "dense", "flex"])
+    parser.add_argument("--smoke", action="store_true", help="tiny model and cases, 1 repeat, no memory runs")
     parser.add_argument("--memory", nargs=2, metavar=("CASE", "MODE"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if args.memory:
         return measure_memory(*args.memory, args.attention)
-    model = build_model()
+    model = build_model(args.smoke)
+    size, reps = (Shape(8), 1) if args.smoke else (Shape(), args.reps)
     results = {}
-    for name, build in CASES.items():
-        rng = random.Random(0)
-        trees = build(rng)
-        advantages = [[rng.gauss(0, 1) for _ in t.leaves()] for t in trees]
-        unique = sum(t.stats().unique_tokens for t in trees)
-        linear = sum(t.stats().linearised_tokens for t in trees)
-        for mode in ("tree", "linear"):  # warm-up
-            step(model, trees, advantages, mode, args.attention)
-        times: dict[str, list[float]] = {"tree": [], "linear": []}
-        cpu: dict[str, list[float]] = {"tree": [], "linear": []}
-        for _ in range(args.reps):  # interleaved, so drifts in machine load hit both
-            for mode in ("tree", "linear"):
-                wall, used = step(model, trees, advantages, mode, args.attention)
-                times[mode].append(wall)
-                cpu[mode].append(used)
-        tree_t, linear_t = statistics.median(times["tree"]), statistics.median(times["linear"])
-        # CPU seconds are less sensitive to other processes on a shared machine than wall
-        # time; printed beside it, the RESULT line uses wall time.
-        tree_c, linear_c = statistics.median(cpu["tree"]), statistics.median(cpu["linear"])
-        mem = {m: peak_memory(name, m, args.attention) for m in ("tree", "linear")}
-        results[name] = (linear_t / tree_t, linear / unique)
-        print(
-            f"case {name}: unique {unique} tokens, linearised {linear} (ideal {linear / unique:.2f}x) | "
-            f"tree {tree_t * 1e3:.0f} ms, linear {linear_t * 1e3:.0f} ms, speedup {linear_t / tree_t:.2f}x "
-            f"(CPU time {tree_c * 1e3:.0f} / {linear_c * 1e3:.0f} ms: {linear_c / tree_c:.2f}x) | "
-            f"peak step memory tree {mem['tree']:.0f} MiB, linear {mem['linear']:.0f} MiB",
-            flush=True,
-        )
-    speedup, ideal = results["a"]
+    for name in CASES:
+        results[name] = run_case(model, name, size, reps, args.attention)
+        memory = None if args.smoke else {m: peak_memory(name, m, args.attention) for m in MODES}
+        print(describe(name, results[name], memory), flush=True)
+    a, c, d = results["a"], results["c"], results["d"]
     print(f"max RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MiB, "
           f"threads {args.threads}, attention {args.attention}, load average {os.getloadavg()[0]:.1f}")
+    # Case (a)'s leaves are all as long: its padded batch has no padding, so its ideal is
+    # the linearised / unique ratio the earlier RESULT keys always reported.
     print(
-        f"RESULT speedup={speedup:.2f} ideal={ideal:.2f} fraction={speedup / ideal:.2f} "
-        f"nosharing_ratio={1 / results['c'][0]:.2f}"
+        f"RESULT speedup={a.speedup('padded'):.2f} ideal={a.ideal('packed'):.2f} "
+        f"fraction={a.speedup('padded') / a.ideal('packed'):.2f} nosharing_ratio={1 / c.speedup('padded'):.2f} "
+        f"uneven_speedup={d.speedup('packed'):.2f} uneven_ideal={d.ideal('packed'):.2f} "
+        f"uneven_fraction={d.speedup('packed') / d.ideal('packed'):.2f} "
+        f"uneven_speedup_padded={d.speedup('padded'):.2f} uneven_ideal_padded={d.ideal('padded'):.2f} "
+        f"uneven_fraction_padded={d.speedup('padded') / d.ideal('padded'):.2f} "
+        f"nosharing_ratio_packed={1 / c.speedup('packed'):.2f}"
     )
 
 

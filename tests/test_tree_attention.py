@@ -8,7 +8,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from arbor.packing import pack_trees
 from arbor.tree import RolloutTree
-from arbor.tree_attention import dense_tree_mask, flex_block_mask, packed_logits
+from arbor.tree_attention import dense_tree_mask, flex_block_mask, packed_logits, plan_blocks
 
 
 def model_and_trees(attn="sdpa", dtype=torch.float64):
@@ -145,6 +145,19 @@ def test_flex_trains_on_cuda_like_dense():
         torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-4)
 
 
+def assert_blocks_match_dense_with_gradients(model, pack):
+    rows = torch.arange(pack.num_tokens)
+    grads, logits = {}, {}
+    for attention in ("dense", "blocks"):
+        model.zero_grad()
+        logits[attention] = packed_logits(model, pack, rows, attention=attention)
+        logits[attention].logsumexp(-1).sum().backward()
+        grads[attention] = [p.grad.clone() for p in model.parameters()]
+    torch.testing.assert_close(logits["blocks"], logits["dense"], rtol=1e-9, atol=1e-9)
+    for a, b in zip(grads["dense"], grads["blocks"]):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-9)
+
+
 def test_blocks_of_one_shape_batched_match_dense_with_gradients():
     # Equal branches under one prefix (bench case (a) in small) make one batched group;
     # a deeper branch makes another: outputs and gradients must equal the dense mask.
@@ -158,16 +171,7 @@ def test_blocks_of_one_shape_batched_match_dense_with_gradients():
     (pack,) = pack_trees([tree], require_logprobs=False)
     shapes = [(b.end - b.start, len(b.context)) for b in pack.blocks]
     assert len(set(shapes)) < len(shapes)  # some blocks share a shape: batched together
-    rows = torch.arange(pack.num_tokens)
-    grads, logits = {}, {}
-    for attention in ("dense", "blocks"):
-        model.zero_grad()
-        logits[attention] = packed_logits(model, pack, rows, attention=attention)
-        logits[attention].logsumexp(-1).sum().backward()
-        grads[attention] = [p.grad.clone() for p in model.parameters()]
-    torch.testing.assert_close(logits["blocks"], logits["dense"], rtol=1e-9, atol=1e-9)
-    for a, b in zip(grads["dense"], grads["blocks"]):
-        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-9)
+    assert_blocks_match_dense_with_gradients(model, pack)
 
 
 def test_adjacent_blocks_without_context_match_dense():
@@ -181,3 +185,38 @@ def test_adjacent_blocks_without_context_match_dense():
         dense = packed_logits(model, pack, rows, attention="dense")
         blocks = packed_logits(model, pack, rows, attention="blocks")
     torch.testing.assert_close(blocks, dense, rtol=1e-9, atol=1e-9)
+
+
+def test_uneven_blocks_each_their_own_group_match_dense_with_gradients():
+    # Segments of distinct lengths (a chain-of-thought tree with early stops): nearly every
+    # block is a group of its own; the plan gathers all of them at once, then splits.
+    model, _ = model_and_trees()
+    rng = random.Random(5)
+    tree = RolloutTree([1, 2, 3])
+    frontier = [tree.root]
+    for depth in range(3):
+        frontier = [tree.add_segment(node, [rng.randrange(40) for _ in range(2 + depth * 4 + k)])
+                    for node in frontier for k in range(2)]
+    (pack,) = pack_trees([tree], require_logprobs=False)
+    plan = plan_blocks(pack.blocks, "cpu")
+    assert len(plan.groups) >= len(pack.blocks) - 2 > 4
+    assert sum(g * n for g, n, _ in plan.groups) == pack.num_tokens
+    assert torch.equal(plan.query_index[plan.restore], torch.arange(pack.num_tokens))  # restore inverts it
+    assert_blocks_match_dense_with_gradients(model, pack)
+
+
+def test_plan_gathers_nothing_when_groups_are_in_packed_order():
+    # Adjacent context-free blocks of one length (separate one-leaf trees): one group,
+    # already in packed order, so neither queries nor keys are gathered.
+    trees = [RolloutTree.from_sequences([1, 2], [[3 + i, 4, 5]]) for i in range(3)]
+    (pack,) = pack_trees(trees, require_logprobs=False)
+    plan = plan_blocks(pack.blocks, "cpu")
+    assert plan.groups == [(3, 5, 5)]
+    assert plan.query_index is None and plan.key_index is None and plan.restore is None
+    # Another length in the middle: the two 5-token blocks are no longer adjacent.
+    trees.insert(1, RolloutTree.from_sequences([1, 2], [[6, 7]]))
+    (pack,) = pack_trees(trees, require_logprobs=False)
+    plan = plan_blocks(pack.blocks, "cpu")
+    assert plan.groups == [(3, 5, 5), (1, 4, 4)]
+    assert plan.query_index.tolist() == [*range(0, 5), *range(9, 19), *range(5, 9)]
+    assert torch.equal(plan.key_index, plan.query_index)  # no context: keys are the queries
