@@ -15,6 +15,11 @@ denominator (the whole batch over all ranks), so the summed gradient is exactly 
 the linearised batch. DeepSpeed averages gradients over data-parallel ranks; the loss is
 multiplied by the world size to turn that average back into the sum.
 
+Under ZeRO-3 the policy and the reference model are built partitioned over the ranks
+(:mod:`arbor.zero3`): no rank ever holds a whole copy of either. Checkpoints and
+:meth:`Learner.export_hf` still hold the whole model (gathered in ``learner.sync_bucket_mb``
+buckets).
+
 On CPU DeepSpeed talks gloo; ``backend: torch`` is a single-process learner for
 debugging with the same loss and schedule.
 """
@@ -36,6 +41,7 @@ from arbor.config import LearnerConfig, LossConfig, ModelConfig, OptimConfig
 from arbor.lm_head import check_temperature
 from arbor.loss import LossSums, combine, pack_loss
 from arbor.packing import PackedBatch
+from arbor.zero3 import build_partitioned, reference_engine
 
 
 def resolve_device(device: str) -> torch.device:
@@ -113,11 +119,23 @@ class Learner:
         self.world_size = int(os.environ.get("WORLD_SIZE", "1"))
         self.rank = int(os.environ.get("RANK", "0"))
         self.attention = learner_cfg.attention
+        ds_config = self._deepspeed_config(optim_cfg)
+        # ZeRO-3 builds the models partitioned (arbor.zero3): no rank holds a whole copy.
+        sharded = learner_cfg.backend == "deepspeed" and learner_cfg.zero_stage == 3
         if learner_cfg.backend == "deepspeed":
             init_distributed("nccl" if self.device.type == "cuda" else "gloo")
-        policy = model if model is not None else load_policy(model_cfg, self.dtype)
+        if model is not None:
+            policy = model
+        elif sharded:
+            policy = build_partitioned(model_cfg, self.dtype, ds_config, bucket_mb=learner_cfg.sync_bucket_mb)
+        else:
+            policy = load_policy(model_cfg, self.dtype)
         self.ref_model = None
-        if loss_cfg.kl_coef > 0:
+        self._ref_engine: Any = None  # under ZeRO-3 the DeepSpeed engine that shards ref_model
+        if loss_cfg.kl_coef > 0 and sharded:
+            self._ref_engine = reference_engine(model_cfg, self.dtype, ds_config, learner_cfg.sync_bucket_mb)
+            self.ref_model = self._ref_engine.module
+        elif loss_cfg.kl_coef > 0:
             self.ref_model = load_policy(model_cfg, self.dtype, model_cfg.ref_path).to(self.device).eval()
             self.ref_model.requires_grad_(False)
         optimizer = torch.optim.AdamW(
@@ -130,8 +148,7 @@ class Learner:
             import deepspeed
 
             self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
-                model=policy, optimizer=optimizer, lr_scheduler=scheduler,
-                config=self._deepspeed_config(optim_cfg),
+                model=policy, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config,
             )
             self.model = self.engine.module
         else:
@@ -308,7 +325,7 @@ class Learner:
 
         Collective under ZeRO-3 (every rank calls it); rank 0 writes.
         """
-        state = self.full_state_dict()
+        state = self._whole_parameters(keep=self.rank == 0)
         if self.rank != 0:
             return
         directory = Path(directory)
@@ -321,14 +338,19 @@ class Learner:
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Whole parameters (gathered under ZeRO-3), on CPU, on every rank."""
+        return self._whole_parameters(keep=True)
+
+    def _whole_parameters(self, keep: bool) -> dict[str, torch.Tensor]:
+        """:meth:`full_state_dict` where ``keep``, else {} (a ZeRO-3 rank still takes part
+        in every gather: ``learner.sync_bucket_mb`` buckets, one ``GatheredParameters`` each)."""
         if self.engine is None or self.cfg.zero_stage != 3:
-            return {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}
-        import deepspeed
+            return {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()} if keep else {}
+        from arbor.weight_sync import gathered_buckets
 
         out = {}
-        for name, param in self.model.named_parameters():
-            with deepspeed.zero.GatheredParameters([param]):
-                out[name] = param.detach().cpu().clone()
+        for bucket in gathered_buckets(self.model, 3, self.cfg.sync_bucket_mb, copy=keep):
+            if keep:
+                out.update((name, tensor.cpu()) for name, tensor in bucket)
         return out
 
 

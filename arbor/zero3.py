@@ -1,0 +1,162 @@
+"""ZeRO-3 construction: a policy no rank ever holds whole, and a sharded reference model.
+
+    ds_config = learner._deepspeed_config(cfg.optim)           # stage 3
+    policy = build_partitioned(cfg.model, torch.bfloat16, ds_config, bucket_mb=512)
+    ref = reference_engine(cfg.model, torch.bfloat16, ds_config, bucket_mb=512)  # frozen, sharded
+
+Without this every rank reads the whole checkpoint before DeepSpeed partitions it, so
+host memory grows with ranks × model size. Here the module is built inside
+``deepspeed.zero.Init`` (each parameter is split over the ranks as soon as its module
+exists, with weight initialisation skipped), then the checkpoint is copied in one
+size-bounded bucket at a time: every rank gathers the bucket's parameters, rank 0 reads
+just those tensors from the safetensors files, and the bucket is broadcast and split
+again on leaving :class:`deepspeed.zero.GatheredParameters`. A rank's peak is its shard
+plus one bucket (rank 0: plus the tensor being read).
+
+Why not ``HfDeepSpeedConfig`` + ``from_pretrained``: transformers 5.23 builds under
+``zero.Init`` then, but rank 0 first loads the *whole* checkpoint into one state dict
+(``modeling_utils``: ``map_location="cpu" if rank == 0 else "meta"``), so rank 0 still
+holds the full model. The construction contexts here are the ones ``from_config`` enters
+under ZeRO-3 (``no_init_weights``, ``prevent_arange_dtype_change`` so RoPE buffers keep
+their dtype, ``zero.Init``), minus its random initialisation of every module.
+
+The reference model (``loss.kl_coef`` > 0) is built the same way and wrapped in a
+DeepSpeed engine without an optimizer, which DeepSpeed 0.19 turns into
+``DeepSpeedZeRoOffload``: its forward gathers each layer's parameters and frees them
+after, as the policy's does (``learner.offload_params`` keeps the shards on the CPU).
+Its forwards are collective, so every rank scores every pack (idle passes included).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
+
+from arbor.config import ModelConfig
+from arbor.weight_sync import named_tensor_buckets
+
+SAFETENSORS = "model.safetensors"
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+
+
+def checkpoint_files(path: str | Path) -> dict[str, Path]:
+    """Tensor name -> the safetensors file holding it, for an HF model directory."""
+    path = Path(path)
+    if (path / SAFETENSORS_INDEX).exists():
+        weight_map = json.loads((path / SAFETENSORS_INDEX).read_text())["weight_map"]
+        return {name: path / file for name, file in weight_map.items()}
+    if (path / SAFETENSORS).exists():
+        from safetensors import safe_open
+
+        with safe_open(str(path / SAFETENSORS), framework="pt") as f:
+            return dict.fromkeys(f.keys(), path / SAFETENSORS)
+    raise FileNotFoundError(
+        f"model.path {path}: no {SAFETENSORS} or {SAFETENSORS_INDEX}; sharded loading under "
+        "learner.zero_stage 3 reads safetensors (re-save the model with save_pretrained)"
+    )
+
+
+def build_partitioned(
+    model_cfg: ModelConfig, dtype: torch.dtype, ds_config: dict[str, Any], path: str | None = None,
+    bucket_mb: float = 512,
+) -> PreTrainedModel:
+    """The model at ``path`` (default ``model.path``), partitioned over the ranks as it is built.
+
+    Collective: every rank of the default process group calls it. Parameters come out
+    as ZeRO-3 placeholders (``param.ds_numel`` elements, ``param.ds_tensor`` this rank's
+    share); buffers are whole on every rank.
+    """
+    import deepspeed
+    from transformers.initialization import no_init_weights
+    from transformers.integrations.deepspeed import prevent_arange_dtype_change
+
+    path = path or model_cfg.path
+    config = AutoConfig.from_pretrained(path, trust_remote_code=model_cfg.trust_remote_code)
+    # prevent_arange_dtype_change must be entered before zero.Init (transformers' rule).
+    with no_init_weights(), prevent_arange_dtype_change(), deepspeed.zero.Init(config_dict_or_path=ds_config):
+        model = AutoModelForCausalLM.from_config(
+            config, dtype=dtype, trust_remote_code=model_cfg.trust_remote_code, attn_implementation="sdpa",
+        )
+    model.tie_weights()  # skipped with the weight init; ties the partitioned parameters
+    load_partitioned_weights(model, path, bucket_mb)
+    if model_cfg.gradient_checkpointing:
+        model.gradient_checkpointing_enable()
+    return model
+
+
+def load_partitioned_weights(model: PreTrainedModel, path: str | Path, bucket_mb: float) -> None:
+    """Copy the checkpoint at ``path`` into the partitioned ``model``, ``bucket_mb`` at a time.
+
+    Every parameter must be in the checkpoint (an error names the first missing one);
+    checkpoint tensors the model has no parameter for (a tied head's copy) are skipped,
+    as ``from_pretrained`` does. Values are cast to the parameter's dtype as there.
+    """
+    import deepspeed
+
+    files = checkpoint_files(path)
+    missing = [name for name, _ in model.named_parameters() if name not in files]
+    if missing:
+        raise KeyError(f"model.path {path}: the checkpoint has no tensor {missing[0]!r} "
+                       f"({len(missing)} parameters missing) for {type(model).__name__}")
+    rank = torch.distributed.get_rank()
+    for bucket in named_tensor_buckets(model.named_parameters(), bucket_mb):
+        params = dict(bucket)
+        # Entering gathers the bucket on every rank; leaving broadcasts rank 0's values and
+        # splits them again.
+        with deepspeed.zero.GatheredParameters(list(params.values()), modifier_rank=0):
+            if rank == 0:
+                with torch.no_grad():
+                    for name, tensor in read_tensors(files, list(params)):
+                        params[name].data.copy_(tensor)
+    # Buffers are not partitioned: each rank reads the persistent ones it has (small).
+    buffers = [name for name, _ in model.named_buffers() if name in files]
+    if buffers:
+        owners = dict(model.named_buffers())
+        with torch.no_grad():
+            for name, tensor in read_tensors(files, buffers):
+                owners[name].copy_(tensor)
+
+
+def read_tensors(files: dict[str, Path], names: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(name, tensor)`` for ``names``, one tensor in memory at a time (files opened per call,
+    so no mapping of a whole file outlives the bucket)."""
+    from safetensors import safe_open
+
+    by_file: dict[Path, list[str]] = {}
+    for name in names:
+        by_file.setdefault(files[name], []).append(name)
+    for file, wanted in by_file.items():
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            for name in wanted:
+                yield name, f.get_tensor(name)
+
+
+def reference_engine(
+    model_cfg: ModelConfig, dtype: torch.dtype, ds_config: dict[str, Any], bucket_mb: float = 512,
+) -> Any:
+    """The frozen reference model (``model.ref_path``, else ``model.path``), ZeRO-3 sharded.
+
+    Returns the DeepSpeed engine; call its ``module`` as a plain model: the ZeRO-3 hooks
+    gather each layer for the forward (collective: every rank calls it equally often).
+    """
+    import deepspeed
+
+    ref_config = {
+        key: ds_config[key] for key in ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "bf16")
+    }
+    zero = {"stage": 3}
+    if "offload_param" in ds_config["zero_optimization"]:
+        zero["offload_param"] = ds_config["zero_optimization"]["offload_param"]
+    ref_config.update(zero_optimization=zero, steps_per_print=1 << 30, wall_clock_breakdown=False)
+    path = model_cfg.ref_path or model_cfg.path
+    model = build_partitioned(model_cfg, dtype, ref_config, path, bucket_mb)
+    model.requires_grad_(False)
+    model.gradient_checkpointing_disable()  # no backward through the reference
+    engine, *_ = deepspeed.initialize(model=model, config=ref_config)  # no optimizer: ZeRO-3 inference
+    engine.module.eval()
+    return engine
