@@ -7,16 +7,15 @@
 Without this every rank reads the whole checkpoint before DeepSpeed partitions it, so
 host memory grows with ranks × model size. Here the module is built inside
 ``deepspeed.zero.Init`` (each parameter is split over the ranks as soon as its module
-exists, with weight initialisation skipped), then the checkpoint is copied in one
-size-bounded bucket at a time: every rank gathers the bucket's parameters, rank 0 reads
-just those tensors from the safetensors files, and the bucket is broadcast and split
-again on leaving :class:`deepspeed.zero.GatheredParameters`. A rank's peak is its shard
-plus one bucket (rank 0: plus the tensor being read).
+exists, with weight initialisation skipped), then each rank reads from the safetensors
+files only the rows that hold its own shard of each tensor, ``bucket_mb`` at a time, and
+writes them into the shard: no collective, no whole tensor anywhere. A rank's peak is its
+shard plus one read.
 
 Why not ``HfDeepSpeedConfig`` + ``from_pretrained``: transformers 5.23 builds under
 ``zero.Init`` then, but rank 0 first loads the *whole* checkpoint into one state dict
 (``modeling_utils``: ``map_location="cpu" if rank == 0 else "meta"``), so rank 0 still
-holds the full model. The construction contexts here are the ones ``from_config`` enters
+holds the full model, and then gathers and broadcasts every module. The construction contexts here are the ones ``from_config`` enters
 under ZeRO-3 (``no_init_weights``, ``prevent_arange_dtype_change`` so RoPE buffers keep
 their dtype, ``zero.Init``), minus its random initialisation of every module.
 
@@ -30,7 +29,7 @@ Its forwards are collective, so every rank scores every pack (idle passes includ
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+import math
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +37,6 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
 from arbor.config import ModelConfig
-from arbor.weight_sync import named_tensor_buckets
 
 SAFETENSORS = "model.safetensors"
 SAFETENSORS_INDEX = "model.safetensors.index.json"
@@ -90,50 +88,62 @@ def build_partitioned(
 
 
 def load_partitioned_weights(model: PreTrainedModel, path: str | Path, bucket_mb: float) -> None:
-    """Copy the checkpoint at ``path`` into the partitioned ``model``, ``bucket_mb`` at a time.
+    """Copy the checkpoint at ``path`` into this rank's shards of the partitioned ``model``.
 
-    Every parameter must be in the checkpoint (an error names the first missing one);
-    checkpoint tensors the model has no parameter for (a tied head's copy) are skipped,
-    as ``from_pretrained`` does. Values are cast to the parameter's dtype as there.
+    No collective and no whole tensor: a ZeRO-3 parameter of n elements is split into
+    ``ds_tensor`` shards of ceil(n / world) elements, rank r holding elements
+    [r·size, (r+1)·size) of the flattened tensor (DeepSpeed 0.19's ``_partition_param``;
+    the last shard's padding is never read). Each rank reads just the rows of each
+    checkpoint tensor that cover its range, at most ``bucket_mb`` at a time, cast to the
+    parameter's dtype as ``from_pretrained`` casts. Every parameter must be in the
+    checkpoint (an error names the first missing one); checkpoint tensors the model has no
+    parameter for (a tied head's copy) are skipped, as ``from_pretrained`` skips them.
     """
-    import deepspeed
+    from safetensors import safe_open
 
     files = checkpoint_files(path)
     missing = [name for name, _ in model.named_parameters() if name not in files]
     if missing:
         raise KeyError(f"model.path {path}: the checkpoint has no tensor {missing[0]!r} "
                        f"({len(missing)} parameters missing) for {type(model).__name__}")
-    rank = torch.distributed.get_rank()
-    for bucket in named_tensor_buckets(model.named_parameters(), bucket_mb):
-        params = dict(bucket)
-        # Entering gathers the bucket on every rank; leaving broadcasts rank 0's values and
-        # splits them again.
-        with deepspeed.zero.GatheredParameters(list(params.values()), modifier_rank=0):
-            if rank == 0:
-                with torch.no_grad():
-                    for name, tensor in read_tensors(files, list(params)):
-                        params[name].data.copy_(tensor)
-    # Buffers are not partitioned: each rank reads the persistent ones it has (small).
-    buffers = [name for name, _ in model.named_buffers() if name in files]
-    if buffers:
-        owners = dict(model.named_buffers())
-        with torch.no_grad():
-            for name, tensor in read_tensors(files, buffers):
-                owners[name].copy_(tensor)
-
-
-def read_tensors(files: dict[str, Path], names: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
-    """``(name, tensor)`` for ``names``, one tensor in memory at a time (files opened per call,
-    so no mapping of a whole file outlives the bucket)."""
-    from safetensors import safe_open
-
+    params = dict(model.named_parameters())
+    buffers = {name: buf for name, buf in model.named_buffers() if name in files}  # whole on every rank
     by_file: dict[Path, list[str]] = {}
-    for name in names:
+    for name in [*params, *buffers]:
         by_file.setdefault(files[name], []).append(name)
-    for file, wanted in by_file.items():
-        with safe_open(str(file), framework="pt", device="cpu") as f:
-            for name in wanted:
-                yield name, f.get_tensor(name)
+    limit = max(1, int(bucket_mb * 2**20))
+    with torch.no_grad():
+        for file, names in by_file.items():
+            with safe_open(str(file), framework="pt", device="cpu") as f:
+                for name in names:
+                    if name in buffers:
+                        buffers[name].copy_(f.get_tensor(name))
+                        continue
+                    param = params[name]
+                    shard = param.ds_tensor  # [ceil(n / world)] this rank's flat share
+                    first = torch.distributed.get_rank(group=param.ds_process_group) * shard.numel()
+                    last = min(first + shard.numel(), param.ds_numel)
+                    copy_flat_range(f.get_slice(name), first, last, shard, limit)
+
+
+def copy_flat_range(source: Any, first: int, last: int, out: torch.Tensor, limit_bytes: int) -> None:
+    """``out[: last - first] = flatten(source)[first:last]``, reading whole rows of the
+    safetensors slice ``source``, at most ~``limit_bytes`` of them at a time."""
+    shape = source.get_shape()
+    if not shape:  # a scalar
+        out[:1].copy_(source[...].reshape(1))
+        return
+    row = math.prod(shape[1:])  # elements per leading-dimension row
+    rows_per_read = max(1, limit_bytes // max(1, row * out.element_size()))
+    done = first
+    while done < last:
+        top = done // row
+        bottom = min(top + rows_per_read, -(-last // row))
+        chunk = source[top:bottom].reshape(-1)  # flat elements [top·row, bottom·row)
+        take = min(last, bottom * row) - done
+        offset = done - top * row
+        out[done - first : done - first + take].copy_(chunk[offset : offset + take])
+        done += take
 
 
 def reference_engine(

@@ -147,3 +147,20 @@ def test_checkpoint_files_names_what_is_missing(tmp_path):
     assert "lm_head.weight" in checkpoint_files(path)
     cfg = load_config(None, [f"model.path={path}"])
     assert cfg.learner.sync_bucket_mb == 512
+
+
+@pytest.mark.parametrize("first, last, limit", [(0, 15, 1000), (4, 11, 1), (7, 15, 13), (14, 15, 4)])
+def test_copy_flat_range_reads_a_shard_across_partial_rows(tmp_path, first, last, limit):
+    """A 5 x 3 tensor: shards that start and end inside rows, read one row (or more) at a time."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from arbor.zero3 import copy_flat_range
+
+    tensor = torch.arange(15, dtype=torch.float32).reshape(5, 3)
+    save_file({"w": tensor}, str(tmp_path / "w.safetensors"))
+    out = torch.full((last - first + 2,), -1.0, dtype=torch.bfloat16)  # 2 padding elements, untouched
+    with safe_open(str(tmp_path / "w.safetensors"), framework="pt") as f:
+        copy_flat_range(f.get_slice("w"), first, last, out, limit)
+    assert out[: last - first].tolist() == list(range(first, last))
+    assert out[last - first :].tolist() == [-1.0, -1.0]
