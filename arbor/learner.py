@@ -98,6 +98,31 @@ def init_distributed(backend: str) -> None:
     deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False)
 
 
+def deepspeed_config(learner_cfg: LearnerConfig, optim_cfg: OptimConfig, dtype: torch.dtype) -> dict[str, Any]:
+    """The DeepSpeed config of a learner rank (the policy's engine and its ZeRO-3 construction)."""
+    # overlap_comm is not supported with unmanaged accumulation under ZeRO-3.
+    zero: dict[str, Any] = {"stage": learner_cfg.zero_stage, "overlap_comm": False}
+    if learner_cfg.zero_stage == 3:
+        zero["stage3_gather_16bit_weights_on_model_save"] = True
+    if learner_cfg.offload_optimizer:
+        zero["offload_optimizer"] = {"device": "cpu"}
+    if learner_cfg.offload_params:
+        zero["offload_param"] = {"device": "cpu"}
+    return {
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": 1,
+        # Any number of packs per update: every step() is the accumulation boundary.
+        "managed_gradient_accumulation": False,
+        "gradient_clipping": optim_cfg.max_grad_norm,
+        "zero_optimization": zero,
+        "bf16": {"enabled": dtype == torch.bfloat16},
+        "zero_allow_untested_optimizer": True,
+        "zero_force_ds_cpu_optimizer": False,  # DeepSpeedCPUAdam compiles for minutes on CPU
+        "steps_per_print": 1 << 30,
+        "wall_clock_breakdown": False,
+    }
+
+
 class Learner:
     """One data-parallel rank of the policy (plus an optional frozen reference model)."""
 
@@ -119,7 +144,7 @@ class Learner:
         self.world_size = int(os.environ.get("WORLD_SIZE", "1"))
         self.rank = int(os.environ.get("RANK", "0"))
         self.attention = learner_cfg.attention
-        ds_config = self._deepspeed_config(optim_cfg)
+        ds_config = deepspeed_config(learner_cfg, optim_cfg, self.dtype)
         # ZeRO-3 builds the models partitioned (arbor.zero3): no rank holds a whole copy.
         sharded = learner_cfg.backend == "deepspeed" and learner_cfg.zero_stage == 3
         if learner_cfg.backend == "deepspeed":
@@ -157,29 +182,6 @@ class Learner:
             self.optimizer, self.scheduler = optimizer, scheduler
         self.model.train()
         self.steps = 0
-
-    def _deepspeed_config(self, optim_cfg: OptimConfig) -> dict[str, Any]:
-        # overlap_comm is not supported with unmanaged accumulation under ZeRO-3.
-        zero: dict[str, Any] = {"stage": self.cfg.zero_stage, "overlap_comm": False}
-        if self.cfg.zero_stage == 3:
-            zero["stage3_gather_16bit_weights_on_model_save"] = True
-        if self.cfg.offload_optimizer:
-            zero["offload_optimizer"] = {"device": "cpu"}
-        if self.cfg.offload_params:
-            zero["offload_param"] = {"device": "cpu"}
-        return {
-            "train_micro_batch_size_per_gpu": 1,
-            "gradient_accumulation_steps": 1,
-            # Any number of packs per update: every step() is the accumulation boundary.
-            "managed_gradient_accumulation": False,
-            "gradient_clipping": optim_cfg.max_grad_norm,
-            "zero_optimization": zero,
-            "bf16": {"enabled": self.dtype == torch.bfloat16},
-            "zero_allow_untested_optimizer": True,
-            "zero_force_ds_cpu_optimizer": False,  # DeepSpeedCPUAdam compiles for minutes on CPU
-            "steps_per_print": 1 << 30,
-            "wall_clock_breakdown": False,
-        }
 
     # -- training --------------------------------------------------------------------------
 

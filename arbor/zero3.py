@@ -1,8 +1,8 @@
 """ZeRO-3 construction: a policy no rank ever holds whole, and a sharded reference model.
 
-    ds_config = learner._deepspeed_config(cfg.optim)           # stage 3
+    ds_config = deepspeed_config(cfg.learner, cfg.optim, torch.bfloat16)   # zero_stage 3
     policy = build_partitioned(cfg.model, torch.bfloat16, ds_config, bucket_mb=512)
-    ref = reference_engine(cfg.model, torch.bfloat16, ds_config, bucket_mb=512)  # frozen, sharded
+    ref = reference_engine(cfg.model, torch.bfloat16, ds_config, bucket_mb=512).module  # frozen
 
 Without this every rank reads the whole checkpoint before DeepSpeed partitions it, so
 host memory grows with ranks × model size. Here the module is built inside
