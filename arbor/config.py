@@ -186,7 +186,7 @@ class LearnerConfig:
     attention: Literal["auto", "blocks", "dense", "flex"] = "auto"
     offload_optimizer: bool = False
     offload_params: bool = False
-    # ZeRO-3 gather bucket (MiB): weight sync and sharded loading gather this much at a time
+    # Weight sync (and HF export) gather and send ZeRO-3 parameters this many MiB at a time
     sync_bucket_mb: float = 512
     # distributed: broadcast over a gloo/NCCL group (/update_weights_from_distributed);
     # disk: write an HF directory the engines load (/update_weights_from_disk).

@@ -152,13 +152,13 @@ class Learner:
         if model is not None:
             policy = model
         elif sharded:
-            policy = build_partitioned(model_cfg, self.dtype, ds_config, bucket_mb=learner_cfg.sync_bucket_mb)
+            policy = build_partitioned(model_cfg, self.dtype, ds_config)
         else:
             policy = load_policy(model_cfg, self.dtype)
         self.ref_model = None
         self._ref_engine: Any = None  # under ZeRO-3 the DeepSpeed engine that shards ref_model
         if loss_cfg.kl_coef > 0 and sharded:
-            self._ref_engine = reference_engine(model_cfg, self.dtype, ds_config, learner_cfg.sync_bucket_mb)
+            self._ref_engine = reference_engine(model_cfg, self.dtype, ds_config)
             self.ref_model = self._ref_engine.module
         elif loss_cfg.kl_coef > 0:
             self.ref_model = load_policy(model_cfg, self.dtype, model_cfg.ref_path).to(self.device).eval()

@@ -8,9 +8,12 @@ then two pairs of learner ranks (``DS_ACCELERATOR=cpu``, gloo, ``OMP_NUM_THREADS
 
 - **load**: the peak resident memory of each rank (``VmHWM``, reset through
   ``/proc/self/clear_refs`` just before, minus the resident memory then) while the policy
-  is loaded: ``full`` loads the whole model on every rank (``load_policy``, what the
-  learner did before #23, partitioned only later by ``deepspeed.initialize``); ``sharded``
-  builds it partitioned (``arbor.zero3.build_partitioned``). The larger rank counts.
+  is loaded and partitioned: ``full`` loads the whole model on every rank
+  (``load_policy``, what the learner did before #23), then partitions it as
+  ``deepspeed.initialize`` does (``zero.Init(module=model)``; transformers maps the
+  safetensors file, so the whole model becomes resident only as it is read there);
+  ``sharded`` builds it partitioned (``arbor.zero3.build_partitioned``). The larger rank
+  counts; the optimizer (the same on both paths) is not included.
 - **sync** (the sharded pair, after ``deepspeed.initialize``): seconds from the first
   gather to the engine's confirmed version, rank 0 pushing to an ``arbor serve`` engine
   over a gloo weight-update group: ``per_param`` gathers one parameter at a time (one
@@ -77,6 +80,7 @@ def load_peak(load) -> tuple[object, float]:
 
 def rank_main(mode: str, model_dir: str, url: str, bucket_mb: float, repeats: int, dtype: str, out: str) -> None:
     """One learner rank: load (``mode`` full or sharded); the sharded pair also times syncs."""
+    import deepspeed
     import torch
 
     from arbor.config import load_config
@@ -91,10 +95,16 @@ def rank_main(mode: str, model_dir: str, url: str, bucket_mb: float, repeats: in
     init_distributed("gloo")
     ds_config = deepspeed_config(cfg.learner, cfg.optim, getattr(torch, dtype))  # the learner's own
     if mode == "full":
-        _, peak = load_peak(lambda: load_policy(cfg.model, getattr(torch, dtype)))
+        def load_then_partition():
+            # What deepspeed.initialize does first with a whole model under ZeRO-3
+            # (DeepSpeedZeRoOffload._convert_to_zero_parameters), without the optimizer.
+            model = load_policy(cfg.model, getattr(torch, dtype))
+            deepspeed.zero.Init(module=model, config_dict_or_path=ds_config)
+            return model
+
+        _, peak = load_peak(load_then_partition)
     else:
-        _, peak = load_peak(lambda: build_partitioned(cfg.model, getattr(torch, dtype), ds_config,
-                                                      bucket_mb=bucket_mb))
+        _, peak = load_peak(lambda: build_partitioned(cfg.model, getattr(torch, dtype), ds_config))
     result = {"load_peak_mib": peak}
     if mode == "sharded":
         learner = Learner(cfg.model, cfg.learner, cfg.optim, cfg.loss, total_steps=1)

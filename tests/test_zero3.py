@@ -18,7 +18,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from arbor.config import load_config
 from arbor.engines.server import free_port
-from arbor.zero3 import checkpoint_files
+from arbor.zero3 import SafetensorsReader, checkpoint_files, copy_flat_range
 
 RANK_SCRIPT = """
 import os, sys, torch
@@ -151,16 +151,16 @@ def test_checkpoint_files_names_what_is_missing(tmp_path):
 
 @pytest.mark.parametrize("first, last, limit", [(0, 15, 1000), (4, 11, 1), (7, 15, 13), (14, 15, 4)])
 def test_copy_flat_range_reads_a_shard_across_partial_rows(tmp_path, first, last, limit):
-    """A 5 x 3 tensor: shards that start and end inside rows, read one row (or more) at a time."""
-    from safetensors import safe_open
+    """A 5 x 3 tensor written by safetensors itself: shards that start and end inside rows,
+    read one row (or more) at a time, cast to the shard's dtype."""
     from safetensors.torch import save_file
 
-    from arbor.zero3 import copy_flat_range
-
     tensor = torch.arange(15, dtype=torch.float32).reshape(5, 3)
-    save_file({"w": tensor}, str(tmp_path / "w.safetensors"))
+    save_file({"b": torch.ones(7, dtype=torch.bfloat16), "w": tensor}, str(tmp_path / "w.safetensors"))
+    reader = SafetensorsReader(tmp_path / "w.safetensors")
+    assert reader.shape("w") == [5, 3] and reader.dtype("b") == torch.bfloat16
     out = torch.full((last - first + 2,), -1.0, dtype=torch.bfloat16)  # 2 padding elements, untouched
-    with safe_open(str(tmp_path / "w.safetensors"), framework="pt") as f:
-        copy_flat_range(f.get_slice("w"), first, last, out, limit)
+    copy_flat_range(reader, "w", first, last, out, limit)
     assert out[: last - first].tolist() == list(range(first, last))
     assert out[last - first :].tolist() == [-1.0, -1.0]
+    assert torch.equal(reader.read_rows("b", 0, 7), torch.ones(7, dtype=torch.bfloat16))
