@@ -81,10 +81,12 @@ def gathered_buckets(
         return
     import deepspeed
 
+    # The caller's GPU (the first bucket is taken in the caller's thread): the current GPU
+    # is per thread, and WeightSync.push takes the later buckets in a worker thread.
+    device = torch.cuda.current_device() if torch.cuda.is_available() else None
     for bucket in named_tensor_buckets(named, bucket_mb):
-        shard = bucket[0][1].ds_tensor
-        if shard.is_cuda:  # the current GPU is per thread, and a push gathers in a worker thread
-            torch.cuda.set_device(shard.device)
+        if device is not None:
+            torch.cuda.set_device(device)
         with deepspeed.zero.GatheredParameters([param for _, param in bucket]):
             out = [(name, param.detach().clone() if copy else param.detach()) for name, param in bucket]
         yield out

@@ -43,14 +43,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-QWEN25_05B = dict(
-    hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
-    intermediate_size=4864, vocab_size=151936, tie_word_embeddings=True, max_position_embeddings=32768,
-)
-TINY = dict(
-    hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-    intermediate_size=128, vocab_size=512, tie_word_embeddings=True, max_position_embeddings=512,
-)
+from scripts.bench_weight_sync import QWEN25_05B, TINY  # noqa: E402  (the same model shapes)
 
 
 def save_model(config_kwargs: dict, path: Path, dtype: str) -> None:

@@ -5,19 +5,15 @@ and packs: the whole model loaded on every rank, then partitioned (``Learner(mod
 what the learner did before #23), an unsharded reference copy, one gather per parameter.
 """
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
-from test_learner import tiny_model_dir
+from test_learner import run_two_ranks, tiny_model_dir
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from arbor.config import load_config
-from arbor.engines.server import free_port
 from arbor.zero3 import SafetensorsReader, checkpoint_files, copy_flat_range
 
 RANK_SCRIPT = """
@@ -89,15 +85,7 @@ def two_ranks(tmp_path_factory):
     script = tmp / "rank.py"
     out = str(tmp / "result")
     script.write_text(RANK_SCRIPT.format(tests=str(Path(__file__).parent), path=str(path), ref=str(ref), out=out))
-    port = str(free_port())
-    procs = []
-    for rank in range(2):
-        env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
-                   MASTER_PORT=port, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu")
-        procs.append(subprocess.Popen([sys.executable, str(script)], env=env, stdout=subprocess.PIPE,
-                                      stderr=subprocess.STDOUT, text=True))
-    logs = [p.communicate(timeout=400)[0] for p in procs]
-    assert all(p.returncode == 0 for p in procs), "\n".join(log[-3000:] for log in logs)
+    run_two_ranks(script, timeout_s=400)
     return path, [torch.load(out + str(rank)) for rank in range(2)]
 
 
