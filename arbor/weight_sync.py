@@ -138,8 +138,9 @@ class WeightSync:
 
         The bucket after next is taken from ``buckets`` (e.g. gathered over the learner
         ranks by :func:`gathered_buckets`) in a thread while a bucket is broadcast; the one
-        after is already held, so each send knows whether it is the last. Up to three
-        buckets (plus the flat buffer) are alive at once.
+        after is already held, so each send knows whether it is the last. Memory: the bucket
+        being sent, the next one, the one being gathered (twice while it is copied out of
+        ZeRO-3's gather) and the flat buffer: about five ``bucket_mb``.
         """
         if self.method == "disk":
             raise ValueError("disk sync writes a directory: use push_directory")
