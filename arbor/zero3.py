@@ -32,6 +32,8 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -124,7 +126,8 @@ def build_partitioned(
     path = path or model_cfg.path
     config = AutoConfig.from_pretrained(path, trust_remote_code=model_cfg.trust_remote_code)
     # prevent_arange_dtype_change must be entered before zero.Init (transformers' rule).
-    with no_init_weights(), prevent_arange_dtype_change(), deepspeed.zero.Init(config_dict_or_path=ds_config):
+    with (no_init_weights(), prevent_arange_dtype_change(), partition_without_broadcast(),
+          deepspeed.zero.Init(config_dict_or_path=ds_config)):
         model = AutoModelForCausalLM.from_config(
             config, dtype=dtype, trust_remote_code=model_cfg.trust_remote_code, attn_implementation="sdpa",
         )
@@ -133,6 +136,30 @@ def build_partitioned(
     if model_cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable()
     return model
+
+
+@contextmanager
+def partition_without_broadcast() -> Iterator[None]:
+    """``zero.Init`` partitions each new parameter without first broadcasting it from rank 0.
+
+    DeepSpeed 0.19.8 (``partition_parameters.Init._zero_init_param``) broadcasts every
+    parameter before splitting it, so that ranks agree on a random initialisation. Here
+    every parameter is then read from the checkpoint (``load_partitioned_weights`` refuses
+    a missing one), so the broadcast only costs time and, on the receiving ranks, memory.
+    """
+    from deepspeed.runtime.zero.partition_parameters import Init
+
+    original = Init._zero_init_param
+
+    def partition_only(self: Init, param: torch.nn.Parameter) -> None:
+        self._convert_to_deepspeed_param(param)
+        param.partition()
+
+    Init._zero_init_param = partition_only
+    try:
+        yield
+    finally:
+        Init._zero_init_param = original
 
 
 def load_partitioned_weights(model: PreTrainedModel, path: str | Path, read_mb: float = READ_MB) -> None:
