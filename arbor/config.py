@@ -186,7 +186,8 @@ class LearnerConfig:
     attention: Literal["auto", "blocks", "dense", "flex"] = "auto"
     offload_optimizer: bool = False
     offload_params: bool = False
-    sync_bucket_mb: int = 512  # weight-sync gather bucket
+    # Weight sync (and HF export) gather and send ZeRO-3 parameters this many MiB at a time
+    sync_bucket_mb: float = 512
     # distributed: broadcast over a gloo/NCCL group (/update_weights_from_distributed);
     # disk: write an HF directory the engines load (/update_weights_from_disk).
     weight_sync: Literal["distributed", "disk"] = "distributed"
@@ -521,6 +522,7 @@ def validate(cfg: Config, where: Callable[[str], str] | None = None) -> None:
         "needs learner.backend: deepspeed",
     )
     need(not le.offload_params or le.zero_stage == 3, "learner.offload_params", "needs learner.zero_stage: 3")
+    need(le.sync_bucket_mb > 0, "learner.sync_bucket_mb", f"must be > 0, got {le.sync_bucket_mb}")
     need(le.logit_chunk_tokens >= 0, "learner.logit_chunk_tokens", f"must be ≥ 0 (0: off), got {le.logit_chunk_tokens}")
     need(
         le.pack_tokens >= cfg.data.max_prompt_tokens + r.segment_tokens,

@@ -15,6 +15,11 @@ denominator (the whole batch over all ranks), so the summed gradient is exactly 
 the linearised batch. DeepSpeed averages gradients over data-parallel ranks; the loss is
 multiplied by the world size to turn that average back into the sum.
 
+Under ZeRO-3 the policy and the reference model are built partitioned over the ranks
+(:mod:`arbor.zero3`): no rank ever holds a whole copy of either. Checkpoints and
+:meth:`Learner.export_hf` still hold the whole model (gathered in ``learner.sync_bucket_mb``
+buckets).
+
 On CPU DeepSpeed talks gloo; ``backend: torch`` is a single-process learner for
 debugging with the same loss and schedule.
 """
@@ -36,6 +41,7 @@ from arbor.config import LearnerConfig, LossConfig, ModelConfig, OptimConfig
 from arbor.lm_head import check_temperature
 from arbor.loss import LossSums, combine, pack_loss
 from arbor.packing import PackedBatch
+from arbor.zero3 import build_partitioned, reference_engine
 
 
 def resolve_device(device: str) -> torch.device:
@@ -92,6 +98,31 @@ def init_distributed(backend: str) -> None:
     deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False)
 
 
+def deepspeed_config(learner_cfg: LearnerConfig, optim_cfg: OptimConfig, dtype: torch.dtype) -> dict[str, Any]:
+    """The DeepSpeed config of a learner rank (the policy's engine and its ZeRO-3 construction)."""
+    # overlap_comm is not supported with unmanaged accumulation under ZeRO-3.
+    zero: dict[str, Any] = {"stage": learner_cfg.zero_stage, "overlap_comm": False}
+    if learner_cfg.zero_stage == 3:
+        zero["stage3_gather_16bit_weights_on_model_save"] = True
+    if learner_cfg.offload_optimizer:
+        zero["offload_optimizer"] = {"device": "cpu"}
+    if learner_cfg.offload_params:
+        zero["offload_param"] = {"device": "cpu"}
+    return {
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": 1,
+        # Any number of packs per update: every step() is the accumulation boundary.
+        "managed_gradient_accumulation": False,
+        "gradient_clipping": optim_cfg.max_grad_norm,
+        "zero_optimization": zero,
+        "bf16": {"enabled": dtype == torch.bfloat16},
+        "zero_allow_untested_optimizer": True,
+        "zero_force_ds_cpu_optimizer": False,  # DeepSpeedCPUAdam compiles for minutes on CPU
+        "steps_per_print": 1 << 30,
+        "wall_clock_breakdown": False,
+    }
+
+
 class Learner:
     """One data-parallel rank of the policy (plus an optional frozen reference model)."""
 
@@ -113,11 +144,23 @@ class Learner:
         self.world_size = int(os.environ.get("WORLD_SIZE", "1"))
         self.rank = int(os.environ.get("RANK", "0"))
         self.attention = learner_cfg.attention
+        ds_config = deepspeed_config(learner_cfg, optim_cfg, self.dtype)
+        # ZeRO-3 builds the models partitioned (arbor.zero3): no rank holds a whole copy.
+        sharded = learner_cfg.backend == "deepspeed" and learner_cfg.zero_stage == 3
         if learner_cfg.backend == "deepspeed":
             init_distributed("nccl" if self.device.type == "cuda" else "gloo")
-        policy = model if model is not None else load_policy(model_cfg, self.dtype)
+        if model is not None:
+            policy = model
+        elif sharded:
+            policy = build_partitioned(model_cfg, self.dtype, ds_config)
+        else:
+            policy = load_policy(model_cfg, self.dtype)
         self.ref_model = None
-        if loss_cfg.kl_coef > 0:
+        self._ref_engine: Any = None  # under ZeRO-3 the DeepSpeed engine that shards ref_model
+        if loss_cfg.kl_coef > 0 and sharded:
+            self._ref_engine = reference_engine(model_cfg, self.dtype, ds_config)
+            self.ref_model = self._ref_engine.module
+        elif loss_cfg.kl_coef > 0:
             self.ref_model = load_policy(model_cfg, self.dtype, model_cfg.ref_path).to(self.device).eval()
             self.ref_model.requires_grad_(False)
         optimizer = torch.optim.AdamW(
@@ -130,8 +173,7 @@ class Learner:
             import deepspeed
 
             self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
-                model=policy, optimizer=optimizer, lr_scheduler=scheduler,
-                config=self._deepspeed_config(optim_cfg),
+                model=policy, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config,
             )
             self.model = self.engine.module
         else:
@@ -140,29 +182,6 @@ class Learner:
             self.optimizer, self.scheduler = optimizer, scheduler
         self.model.train()
         self.steps = 0
-
-    def _deepspeed_config(self, optim_cfg: OptimConfig) -> dict[str, Any]:
-        # overlap_comm is not supported with unmanaged accumulation under ZeRO-3.
-        zero: dict[str, Any] = {"stage": self.cfg.zero_stage, "overlap_comm": False}
-        if self.cfg.zero_stage == 3:
-            zero["stage3_gather_16bit_weights_on_model_save"] = True
-        if self.cfg.offload_optimizer:
-            zero["offload_optimizer"] = {"device": "cpu"}
-        if self.cfg.offload_params:
-            zero["offload_param"] = {"device": "cpu"}
-        return {
-            "train_micro_batch_size_per_gpu": 1,
-            "gradient_accumulation_steps": 1,
-            # Any number of packs per update: every step() is the accumulation boundary.
-            "managed_gradient_accumulation": False,
-            "gradient_clipping": optim_cfg.max_grad_norm,
-            "zero_optimization": zero,
-            "bf16": {"enabled": self.dtype == torch.bfloat16},
-            "zero_allow_untested_optimizer": True,
-            "zero_force_ds_cpu_optimizer": False,  # DeepSpeedCPUAdam compiles for minutes on CPU
-            "steps_per_print": 1 << 30,
-            "wall_clock_breakdown": False,
-        }
 
     # -- training --------------------------------------------------------------------------
 
@@ -308,7 +327,7 @@ class Learner:
 
         Collective under ZeRO-3 (every rank calls it); rank 0 writes.
         """
-        state = self.full_state_dict()
+        state = self._whole_parameters(keep=self.rank == 0)
         if self.rank != 0:
             return
         directory = Path(directory)
@@ -321,14 +340,19 @@ class Learner:
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Whole parameters (gathered under ZeRO-3), on CPU, on every rank."""
+        return self._whole_parameters(keep=True)
+
+    def _whole_parameters(self, keep: bool) -> dict[str, torch.Tensor]:
+        """:meth:`full_state_dict` where ``keep``, else {} (a ZeRO-3 rank still takes part
+        in every gather: ``learner.sync_bucket_mb`` buckets, one ``GatheredParameters`` each)."""
         if self.engine is None or self.cfg.zero_stage != 3:
-            return {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}
-        import deepspeed
+            return {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()} if keep else {}
+        from arbor.weight_sync import gathered_buckets
 
         out = {}
-        for name, param in self.model.named_parameters():
-            with deepspeed.zero.GatheredParameters([param]):
-                out[name] = param.detach().cpu().clone()
+        for bucket in gathered_buckets(self.model, 3, self.cfg.sync_bucket_mb, copy=keep):
+            if keep:
+                out.update((name, tensor.cpu()) for name, tensor in bucket)
         return out
 
 

@@ -199,11 +199,11 @@ class LearnerWorker:
     def push_weights(self, urls: list[str], version: str) -> None:
         """Gather the parameters (collective) and, on rank 0, send them to every engine.
 
-        ``learner.weight_sync: distributed`` broadcasts size-bounded buckets over a
-        gloo/NCCL group; ``disk`` writes an HF directory (``<run.output_dir>/weight-sync``)
+        ``learner.weight_sync: distributed`` gathers and broadcasts ``learner.sync_bucket_mb``
+        buckets over a gloo/NCCL group, gathering the next while one is sent; ``disk`` writes an HF directory (``<run.output_dir>/weight-sync``)
         that the engines load (for engines the learner cannot reach over torch.distributed).
         """
-        from arbor.weight_sync import gathered_parameters, named_tensor_buckets
+        from arbor.weight_sync import gathered_buckets
 
         cfg = self.cfg
         if cfg.learner.weight_sync == "disk":
@@ -212,12 +212,12 @@ class LearnerWorker:
                 sync = self._weight_sync(urls)
                 asyncio.run(closing(sync.client, sync.push_directory(self.sync_dir, version)))
             return
-        named = gathered_parameters(self.learner.model, self._zero_stage())
+        buckets = gathered_buckets(self.learner.model, self._zero_stage(), cfg.learner.sync_bucket_mb,
+                                   copy=self.rank == 0)
         if self.rank != 0:
-            for _ in named:  # take part in each gather
+            for _ in buckets:  # take part in each gather
                 pass
             return
-        buckets = named_tensor_buckets(named, cfg.learner.sync_bucket_mb)
         sync = self._weight_sync(urls)
         asyncio.run(closing(sync.client, sync.push(buckets, version)))
 

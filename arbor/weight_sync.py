@@ -1,7 +1,7 @@
 """Learner → engine weights: bucketed transfer, cache flush, version check, logprob-gap probe.
 
-    sync = WeightSync(client, method="distributed", bucket_mb=512)
-    await sync.push(named_tensor_buckets(learner), version="12")  # every engine now serves "12"
+    sync = WeightSync(client, method="distributed")
+    await sync.push(gathered_buckets(model, zero_stage=3, bucket_mb=512), version="12")  # engines serve "12"
     gap = await probe_logprob_gap(client, learner.model, prompts)   # ~0 after a correct sync
 
 Two transports, both SGLang's own endpoints so the same code drives SGLang and
@@ -13,6 +13,10 @@ a weight-update session (``/begin_weight_update`` ... ``/end_weight_update``, wh
 flat broadcast (``load_format: "flattened_bucket"``) where every server supports it
 (SGLang >= 0.5.6, ``arbor serve``), else one broadcast per tensor. The radix cache is
 flushed with the last bucket: KV computed by old weights must never serve new rollouts.
+
+Under ZeRO-3 the buckets are gathered one :class:`deepspeed.zero.GatheredParameters` each
+(one coalesced all-gather over the learner ranks, not one per tensor), and a push gathers
+the next bucket while the previous one is broadcast to the engines.
 """
 
 from __future__ import annotations
@@ -45,7 +49,7 @@ def named_tensor_buckets(
     bucket: list[tuple[str, torch.Tensor]] = []
     size = 0
     for name, tensor in named:
-        nbytes = tensor.numel() * tensor.element_size()
+        nbytes = whole_nbytes(tensor)
         if bucket and size + nbytes > limit:
             yield bucket
             bucket, size = [], 0
@@ -55,8 +59,42 @@ def named_tensor_buckets(
         yield bucket
 
 
+def whole_nbytes(tensor: torch.Tensor) -> int:
+    """Bytes of the whole tensor: a ZeRO-3 placeholder holds 0 elements, ``ds_numel`` in all."""
+    return getattr(tensor, "ds_numel", tensor.numel()) * tensor.element_size()
+
+
+def gathered_buckets(
+    model: torch.nn.Module, zero_stage: int, bucket_mb: float, copy: bool = True
+) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Whole parameters in buckets of at most ``bucket_mb`` (a bigger tensor alone), in
+    ``named_parameters`` order.
+
+    Under ZeRO-3 each bucket is one ``GatheredParameters`` (collective: every rank iterates
+    to the end) whose tensors are copied out before it is released, so a bucket stays
+    valid while the next one is gathered. ``copy=False``: gather and release only (the
+    ranks that take part but send nothing); the bucket then holds the empty placeholders.
+    """
+    named = model.named_parameters()
+    if zero_stage != 3:
+        yield from named_tensor_buckets(((name, param.detach()) for name, param in named), bucket_mb)
+        return
+    import deepspeed
+
+    # The caller's GPU (the first bucket is taken in the caller's thread): the current GPU
+    # is per thread, and WeightSync.push takes the later buckets in a worker thread.
+    device = torch.cuda.current_device() if torch.cuda.is_available() else None
+    for bucket in named_tensor_buckets(named, bucket_mb):
+        if device is not None:
+            torch.cuda.set_device(device)
+        with deepspeed.zero.GatheredParameters([param for _, param in bucket]):
+            out = [(name, param.detach().clone() if copy else param.detach()) for name, param in bucket]
+        yield out
+
+
 def gathered_parameters(model: torch.nn.Module, zero_stage: int) -> Iterator[tuple[str, torch.Tensor]]:
-    """Whole parameters one at a time (ZeRO-3 gathers each, then frees it again)."""
+    """Whole parameters one at a time (ZeRO-3 gathers each, then frees it again): one
+    all-gather per tensor; :func:`gathered_buckets` is the bucketed gather."""
     if zero_stage != 3:
         for name, param in model.named_parameters():
             yield name, param.detach()
@@ -96,26 +134,36 @@ class WeightSync:
         self._buffer = FlatBuffer()  # the flat bucket being sent, reused push after push
 
     async def push(self, buckets: Iterator[list[tuple[str, torch.Tensor]]], version: str) -> None:
-        """Send every bucket; the last one flushes the cache and sets ``version``."""
+        """Send every bucket; the last one flushes the cache and sets ``version``.
+
+        The bucket after next is taken from ``buckets`` (e.g. gathered over the learner
+        ranks by :func:`gathered_buckets`) in a thread while a bucket is broadcast; the one
+        after is already held, so each send knows whether it is the last. Memory: the bucket
+        being sent, the next one, the one being gathered (twice while it is copied out of
+        ZeRO-3's gather) and the flat buffer: about five ``bucket_mb``.
+        """
         if self.method == "disk":
             raise ValueError("disk sync writes a directory: use push_directory")
         buckets = iter(buckets)
         pending = next(buckets, None)
         if pending is None:
             raise ValueError("weight sync got no tensors to push")
+        following = next(buckets, None)
         if self._group is None:
             await self._connect(on_gpu=pending[0][1].is_cuda)
         sessions = await self.client.begin_weight_update()
         try:
             while pending is not None:
-                following = next(buckets, None)
                 last = following is None
-                await send_weights(
+                send = send_weights(
                     self.client, self._group, pending, group_name=self._group_name,
                     load_format=self._load_format if self.flatten else None,
                     flush_cache=last, weight_version=version if last else None, buffer=self._buffer,
                 )
-                pending = following
+                # The gather (learner group) and the broadcast (weight-update group) share no
+                # rank but the learner's rank 0, so running both at once cannot deadlock.
+                _, after = await asyncio.gather(send, asyncio.to_thread(next, buckets, None))
+                pending, following = following, after
         finally:
             await self.client.end_weight_update(sessions)
         await self.check_version(version)

@@ -114,6 +114,19 @@ torch.save({{k: before[k] - after[k] for k in before}}, {out!r} + os.environ["RA
 """
 
 
+def run_two_ranks(script: Path, timeout_s: float = 300) -> None:
+    """Run ``script`` as ranks 0 and 1 of a gloo group (CPU DeepSpeed, one thread each); both must succeed."""
+    port = str(free_port())
+    procs = []
+    for rank in range(2):
+        env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                   MASTER_PORT=port, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu")
+        procs.append(subprocess.Popen([sys.executable, str(script)], env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, text=True))
+    logs = [p.communicate(timeout=timeout_s)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), "\n".join(log[-3000:] for log in logs)
+
+
 @pytest.mark.parametrize("limit, chunk, tied", [(None, 0, False), (None, 3, False), (1, 3, True)])
 def test_zero3_two_ranks_match_single_process(tmp_path, limit, chunk, tied):
     """limit=1: rank 1 trains one pack, rank 0 three, so rank 1 runs idle passes.
@@ -126,15 +139,7 @@ def test_zero3_two_ranks_match_single_process(tmp_path, limit, chunk, tied):
     out = str(tmp_path / "result")
     script.write_text(RANK_SCRIPT.format(tests=str(Path(__file__).parent), path=str(path), out=out, limit=limit,
                                          chunk=chunk))
-    port = str(free_port())
-    procs = []
-    for rank in range(2):
-        env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
-                   MASTER_PORT=port, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu")
-        procs.append(subprocess.Popen([sys.executable, str(script)], env=env, stdout=subprocess.PIPE,
-                                      stderr=subprocess.STDOUT, text=True))
-    logs = [p.communicate(timeout=300)[0] for p in procs]
-    assert all(p.returncode == 0 for p in procs), "\n".join(log[-3000:] for log in logs)
+    run_two_ranks(script)
 
     trees, advantages = batch()
     packs = pack_trees(trees, advantages, pack_tokens=20)
