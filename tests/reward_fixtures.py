@@ -65,3 +65,18 @@ def in_worker(problem: dict, completion: str) -> float:
 
 
 not_callable = 42
+
+
+def boolean(problem: dict, completion: str) -> float:
+    return True  # type: ignore[return-value]  # a bool is not a score
+
+
+def waits_for_file(problem: dict, completion: str) -> float:
+    """Waits until the file problem['go'] exists (the test says when), then raises on the
+    completion "bad" and scores 1 otherwise."""
+    deadline = time.monotonic() + 30
+    while not os.path.exists(problem["go"]) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    if completion == "bad":
+        raise ValueError("cannot score this")
+    return 1.0

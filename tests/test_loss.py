@@ -124,3 +124,122 @@ def test_old_logprobs_from_the_engine_match_the_learner_at_temperature(engine_an
     if temperature != 1.0:
         _, untempered = policy_loss(model, trees, advantages, temperature=1.0)
         assert untempered["logprob_gap"] > 1e-3
+
+
+# -- behaviours pinned by mutation testing (scripts/mutation.py loss) ------------------------
+# A model whose weights are all 0 predicts the uniform distribution: log p = −log V for
+# every token, entropy log V. Behaviour log-probs chosen relative to that give any ratio.
+
+V = 32  # vocabulary of the uniform model
+
+
+@pytest.fixture(scope="module")
+def uniform_model():
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                         intermediate_size=32, vocab_size=V, attn_implementation="sdpa")
+    model = Qwen2ForCausalLM(config).double()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+    return model
+
+
+@pytest.fixture(scope="module")
+def random_model():
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen2Config(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                         intermediate_size=32, vocab_size=V, attn_implementation="sdpa")
+    return Qwen2ForCausalLM(config).double()
+
+
+def forked_tree(ratio: float, masks=(None, None, None)):
+    """prompt [1, 2]; a [3, 4] → b [5], c [6, 7]; d [8] under the root. Behaviour
+    log-probs −log V − log ratio, so the uniform model's ratio is ``ratio`` everywhere."""
+    from arbor.tree import RolloutTree
+
+    old = -math.log(V) - math.log(ratio)
+    tree = RolloutTree([1, 2], problem={"id": "fork"})
+    a = tree.add_segment(tree.root, [3, 4], logprobs=[old] * 2)
+    tree.add_segment(a, [5], logprobs=[old], loss_mask=masks[0])
+    tree.add_segment(a, [6, 7], logprobs=[old] * 2, loss_mask=masks[1])
+    tree.add_segment(tree.root, [8], logprobs=[old], loss_mask=masks[2])
+    return tree
+
+
+def both_modes(model, trees, advantages, **kw):
+    from arbor.loss import policy_loss
+
+    tree_loss, tree_m = policy_loss(model, trees, advantages, mode="tree", **kw)
+    lin_loss, lin_m = policy_loss(model, trees, advantages, mode="linear", **kw)
+    assert tree_loss.item() == pytest.approx(lin_loss.item(), rel=1e-9, abs=1e-12)
+    # "tokens" counts unique tokens: fewer in a tree than in the linear batch.
+    assert tree_m["tokens"] <= lin_m["tokens"]
+    tree_m.pop("tokens"), lin_m.pop("tokens")
+    assert tree_m == pytest.approx(lin_m, rel=1e-9, abs=1e-12)
+    return tree_loss.item(), tree_m
+
+
+def test_sequence_denominator_skips_a_leaf_without_trainable_tokens(uniform_model):
+    # Ratio 1: o_t = A per (token, leaf). Leaf d's only token is masked (T_d = 0): weight 0
+    # and not in the denominator. Leaves b (T 3, A 1) and c (T 4, A −0.5):
+    # loss = −(1/2) · ((1/3)·3·1 + (1/4)·4·(−0.5)) = −(1 − 0.5) / 2 = −0.25
+    # (counting d in the denominator would give −0.5 / 3).
+    tree = forked_tree(1.0, masks=(None, None, [0]))
+    loss, metrics = both_modes(uniform_model, [tree], [[1.0, -0.5, 5.0]], normalize="sequence")
+    assert loss == pytest.approx(-0.25)
+    assert metrics["linearised_tokens"] == 7
+    # Token normalisation: −(3·1 + 4·(−0.5)) / 7.
+    loss, _ = both_modes(uniform_model, [tree], [[1.0, -0.5, 5.0]], normalize="token")
+    assert loss == pytest.approx(-1 / 7)
+
+
+@pytest.mark.parametrize("ratio, clipped", [(1.5, 3), (0.5, 1)])
+def test_clip_count_ignores_zero_advantage_leaves_outside_the_range(uniform_model, ratio, clipped):
+    # Every token has ratio 1.5 (above 1 + 0.28) or 0.5 (below 1 − 0.2). Leaves: b (A +1, path
+    # 3 tokens), c (A 0, 4 tokens), d (A −1, 1 token): 8 linearised tokens.
+    # Ratio 1.5 clips b's 3 (A > 0); 0.5 clips d's 1 (A < 0); c's zero advantage is never
+    # clipped, though its tokens (shared a included) are out of range.
+    # Objective at 1.5: b 3·1.28 + d (−1)·1.5 = 2.34; at 0.5: b 3·0.5 + d (−1)·0.8 = 0.7.
+    tree = forked_tree(ratio)
+    loss, metrics = both_modes(uniform_model, [tree], [[1.0, 0.0, -1.0]])
+    assert metrics["clip_fraction"] == pytest.approx(clipped / 8)
+    assert loss == pytest.approx(-(2.34 if ratio > 1 else 0.7) / 8)
+    # Metrics by hand: |log r| and ½ log² r on all 8 linearised tokens; uniform entropy.
+    assert metrics["logprob_gap"] == pytest.approx(abs(math.log(ratio)))
+    assert metrics["approx_kl"] == pytest.approx(0.5 * math.log(ratio) ** 2)
+    assert metrics["entropy"] == pytest.approx(math.log(V))
+
+
+def test_kl_with_a_reference_but_zero_coefficient(uniform_model, random_model):
+    # A reference is given but kl_coef is 0: no extra forward pass, KL reported as 0 in
+    # both modes. With kl_coef > 0 the reference runs and both modes report the same KL.
+    calls = []
+    hook = random_model.register_forward_pre_hook(lambda *_: calls.append(1))
+    try:
+        tree = forked_tree(1.0)
+        loss, metrics = both_modes(uniform_model, [tree], [[1.0, -0.5, 0.5]], ref_model=random_model)
+        assert calls == [] and metrics["kl"] == 0.0
+        with_kl, kl_metrics = both_modes(uniform_model, [tree], [[1.0, -0.5, 0.5]], ref_model=random_model,
+                                         kl_coef=0.5, kl_estimator="k1")
+        assert len(calls) == 2 and kl_metrics["kl"] != 0.0  # one forward per mode
+        # k1 per token = log π − log π_ref, averaged over the 8 linearised tokens; the
+        # loss adds kl_coef · the same average (token normalisation).
+        assert with_kl == pytest.approx(loss + 0.5 * kl_metrics["kl"])
+    finally:
+        hook.remove()
+
+
+def test_logprob_gap_counts_differences_of_both_signs():
+    # Token 0: learner above the engine by 0.2; token 1: below by 0.2. Gap = mean |Δ| = 0.2,
+    # not 0 (signed differences cancel); approx_kl = ½ · 0.04 either way.
+    sums = token_sums(
+        t(-1.0, -2.0), t(0.0, 0.0), t(-1.2, -1.8), None, weight=t(1.0, 1.0), adv_pos=t(0.0, 0.0),
+        adv_neg=t(0.0, 0.0), leaf_count=t(1.0, 1.0), n_pos=t(0.0, 0.0), n_neg=t(0.0, 0.0),
+        clip_low=0.2, clip_high=0.28, kl_estimator="k3",
+    )
+    assert sums.metrics()["logprob_gap"] == pytest.approx(0.2)
+    assert sums.metrics()["approx_kl"] == pytest.approx(0.02)

@@ -5,6 +5,7 @@ import torch
 
 from arbor.packing import PackedBatch, assign_to_ranks, loss_denominator, pack_trees
 from arbor.tree import RolloutTree
+from arbor.tree_attention import dense_tree_mask
 
 
 def fork_tree() -> RolloutTree:
@@ -105,8 +106,6 @@ def test_assign_to_ranks_balances_cost():
 
 
 def test_dense_mask_matches_rule():
-    from arbor.tree_attention import dense_tree_mask
-
     (pack,) = pack_trees([fork_tree()], [[0.0, 0.0]])
     mask = dense_tree_mask(pack)[0, 0]
     # Token 5 (leaf c's first) sees prompt + a and itself, not leaf b's token 4.

@@ -3,6 +3,7 @@
 The reward functions live in tests/reward_fixtures.py and run in spawned workers.
 """
 
+import logging
 import multiprocessing
 import os
 import signal
@@ -231,3 +232,120 @@ def test_in_reward_worker_is_true_only_in_workers():
     result = score_batch(f"{FIX}:in_worker", [(problem(0), "c")], timeout_s=5, workers=1,
                          search_dirs=[HERE])
     assert result.scores == [1.0] and not in_reward_worker()
+
+
+# -- behaviours pinned by mutation testing (scripts/mutation.py rewards) ----------------------
+
+
+def test_a_bool_is_neither_a_score_nor_a_weight():
+    with pytest.raises(ConfigError, match=r"reward.functions\[0\].weight: must be a finite number, got True"):
+        RewardPool([RewardTerm(f"{FIX}:one", True)], workers=1, timeout_s=1, search_dirs=[HERE])
+    with pytest.raises(RewardError, match="problem id 'p0'.*returned 'True', not a finite number"):
+        score_batch(f"{FIX}:boolean", [(problem(0), "c")], timeout_s=10, workers=1, search_dirs=[HERE])
+    # An int weight and an int score are numbers.
+    assert score_batch([RewardTerm(f"{FIX}:length", 2)], [(problem(0), "abc")], timeout_s=10,
+                       workers=1, search_dirs=[HERE]).scores == [6.0]
+
+
+@pytest.mark.parametrize("timeout_s", [0, -1.0])
+def test_a_timeout_that_is_not_positive_is_refused(timeout_s):
+    with pytest.raises(ValueError, match=f"timeout_s must be > 0, got {timeout_s}"):
+        RewardPool(f"{FIX}:one", workers=1, timeout_s=timeout_s, search_dirs=[HERE])
+    with pytest.raises(ValueError, match="workers must be ≥ 1, got 0"):
+        RewardPool(f"{FIX}:one", workers=0, timeout_s=1, search_dirs=[HERE])
+
+
+def test_a_check_timeout_counts_from_when_the_check_was_sent():
+    # One worker, three 0.8 s checks, 1.5 s each: 2.4 s in all. Counted from the worker's
+    # start or from the first check, the later ones would be killed; none is.
+    items = [(problem(i, sleep=0.8), "c") for i in range(3)]
+    with RewardPool(f"{FIX}:sleepy", workers=1, timeout_s=1.5, search_dirs=[HERE]) as pool:
+        time.sleep(1.6)  # the idle worker's age is not charged to its next check either
+        result = pool.score(items)
+    assert result.scores == [1.0] * 3 and result.timeouts == 0
+    assert all(0.8 <= s < 1.5 for s in result.check_seconds)
+
+
+def test_a_check_is_killed_soon_after_its_timeout_not_at_a_1s_poll():
+    # Killed ~0.3 s after sending; a loop that looked only once a second would take ≥ 1 s.
+    with RewardPool(f"{FIX}:sleepy", workers=1, timeout_s=0.3, search_dirs=[HERE]) as pool:
+        pool.score([(problem(0), "warm")])  # the worker is up: no start-up in the timing
+        result = pool.score([(problem(1, sleep=60), "c")])
+    assert result.timed_out == [0]
+    assert 0.3 <= result.check_seconds[0] < 0.85
+
+
+def test_results_that_arrive_while_an_error_is_handled_are_kept(tmp_path):
+    # Both checks wait for a file the test creates only once both are running, and the
+    # progress callback holds the loop until both answers are in their pipes: the first
+    # worker's error is read first, and the second worker's score, already sent, is kept.
+    go = tmp_path / "go"
+    items = [(problem(0, go=str(go)), "bad"), (problem(1, go=str(go)), "ok")]
+    with RewardPool(f"{FIX}:waits_for_file", workers=2, timeout_s=30, search_dirs=[HERE]) as pool:
+        go.touch()
+        pool.score(items[1:] * 2)  # both workers up
+        go.unlink()
+
+        def hold(done, total):
+            if all(w.task is not None for w in pool._workers):
+                go.touch()
+                assert all(w.conn.poll(20) for w in pool._workers)
+
+        with pytest.raises(RewardError) as err:
+            pool.score(items, on_progress=hold)
+        assert err.value.problem_id == "p0" and err.value.partial_scores == {1: 1.0}
+        assert pool.score(items[1:]).scores == [1.0]  # no stale answer leaks into the next batch
+
+
+def test_log_lines_are_clipped_past_the_limit_only():
+    from arbor.rewards import _LOG_LINE, _ClippedFormatter
+
+    formatter = _ClippedFormatter("%(message)s")
+
+    def line(n: int) -> str:
+        return formatter.format(logging.LogRecord("math_verify", logging.WARNING, "f.py", 1, "x" * n, None, None))
+
+    assert line(_LOG_LINE) == "x" * _LOG_LINE
+    assert line(_LOG_LINE + 1) == "x" * _LOG_LINE + f"… [{_LOG_LINE + 1} chars]"
+    assert clip_text("a" * 200) == repr("a" * 200)
+    assert clip_text("a" * 100 + "b" * 101) == f"{'a' * 100!r}…[1 chars]…{'b' * 100!r}"
+
+
+def test_a_check_in_process_returns_values_or_an_error_naming_the_term():
+    from arbor.rewards import _check
+
+    terms = [RewardTerm(f"{FIX}:length", 2.0), RewardTerm(f"{FIX}:raises_on_bad")]
+    fns = load_reward_terms(terms, search_dirs=[HERE])
+    kind, index, values, seconds = _check(3, problem(3), "abcd", terms, fns)
+    assert (kind, index, values) == ("ok", 3, [4.0, 1.0]) and 0 <= seconds < 5  # raw, unweighted
+    kind, index, message = _check(4, problem(4), "bad!", terms, fns)
+    assert (kind, index) == ("error", 4)
+    assert message.startswith("reward_fixtures.py:raises_on_bad raised ValueError: 'cannot score this: bad!'\n")
+    assert "reward_fixtures.py" in message.split("\n", 1)[1]  # the innermost frames say where
+    bool_terms = [RewardTerm(f"{FIX}:boolean")]
+    assert _check(0, problem(0), "c", bool_terms, load_reward_terms(bool_terms, search_dirs=[HERE]))[0] == "error"
+
+
+def test_the_worker_protocol_in_process(monkeypatch):
+    # The worker's loop, run here in the main thread on a pipe filled beforehand:
+    # ready, one answer per item, stop on None; a spec that does not load says why.
+    from multiprocessing import Pipe
+
+    import arbor.rewards as rewards
+
+    monkeypatch.setattr(rewards, "_IN_WORKER", False)
+    monkeypatch.setattr(signal, "signal", lambda *_: None)  # leave the test process's Ctrl-C alone
+    monkeypatch.setattr(logging, "basicConfig", lambda **_: None)  # and its log handlers
+    parent, child = Pipe()
+    parent.send((0, problem(0), "abc"))
+    parent.send((1, problem(1), "x"))
+    parent.send(None)
+    rewards._worker_main(child, [RewardTerm(f"{FIX}:length")], [HERE])
+    assert rewards.in_reward_worker()
+    assert parent.recv() == ("ready",)
+    assert [parent.recv()[:3] for _ in range(2)] == [("ok", 0, [3.0]), ("ok", 1, [1.0])]
+    assert not parent.poll(0)
+    parent, child = Pipe()
+    rewards._worker_main(child, [RewardTerm(f"{FIX}:missing")], [HERE])
+    kind, message = parent.recv()
+    assert kind == "load_error" and "reward.functions[0].fn: module 'reward_fixtures.py' has no attribute 'missing'" in message
