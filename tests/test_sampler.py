@@ -445,3 +445,114 @@ def test_same_seed_same_trees_many_prompts() -> None:
 def test_rejects_mismatched_inputs() -> None:
     with pytest.raises(ValueError, match="2 problems but 1 prompts"):
         asyncio.run(sample_trees(ScriptedEngine(4), [{}, {}], [PROMPT], cfg_of()))
+
+
+# -- multi-turn episodes at the token level (pinned by scripts/mutation.py sampler) ------------
+
+TOOL = 900  # tool-turn ids are TOOL, TOOL + 1, ...
+
+
+class TokenAgent:
+    """Tool turns of ``tool_len`` ids after the first ``turns`` model turns; records histories.
+    ``hold``: an event the first step waits on (to run past the agent timeout)."""
+
+    def __init__(self, turns: int, tool_len: int, error: bool = False, hold=None) -> None:
+        self.turns, self.tool_len, self.error, self.hold = turns, tool_len, error, hold
+        self.histories: list[list[dict]] = []
+
+    def start(self, problem):
+        return [{"role": "user", "content": "q"}]
+
+    def step(self, problem, history):
+        if self.hold is not None:
+            self.hold.wait(10)
+        self.histories.append(history)
+        if sum(m["role"] == "tool" for m in history) >= self.turns:
+            return None
+        return [{"role": "tool", "content": f"out{len(self.histories)}", "error": self.error}]
+
+    def render(self, messages):
+        return [TOOL + k for k in range(self.tool_len)]
+
+
+def run_episode(agent: TokenAgent, turns: list[tuple[list[int], str]], **cfg):
+    """One path (width 1): model turn k is ``turns[k]``; a "length" turn fills max_new_tokens."""
+    script = iter(turns)
+
+    def model(request, j, depth):
+        ids, reason = next(script)
+        return (fresh(request, j) if reason == "length" else ids), reason
+
+    engine = ScriptedEngine(4, model)
+    trees, stats = run(engine, cfg_of(width=1, branch=1, **cfg), eos_token_ids=[EOS], agent=agent,
+                       render=agent.render, decode=lambda ids: " ".join(map(str, ids)))
+    return trees[0], stats[0], [r.sampling.max_new_tokens for r in engine.calls]
+
+
+def test_a_tool_turn_leaving_less_than_a_segment_caps_the_next_one() -> None:
+    # Budget 4 · 3 = 12. Turn 1: [11, 12, EOS] (3 ids); the tool adds 6 → 9, room 3 < 4:
+    # the next segment asks for 3 tokens, not 4, and the episode ends at exactly 12.
+    agent = TokenAgent(turns=1, tool_len=6)
+    tree, stats, asked = run_episode(agent, [([11, 12, EOS], "stop"), ([], "length")], max_depth=3)
+    (leaf,) = tree.leaves()
+    assert asked == [4, 3]
+    assert leaf.end == 12 and leaf.finish_reason == "max_length"
+    model, tool, last = tree.path(leaf)
+    assert tool.token_ids == [TOOL + k for k in range(6)] and tool.loss_mask == [0] * 6
+    assert tool.logprobs == [0.0] * 6 and tool.finish_reason is None
+    assert stats.tool_turns == 1 and stats.tool_errors == 0 and stats.finish_reasons == {"max_length": 1}
+
+
+def test_a_tool_turn_is_cut_at_the_budget_and_none_is_added_without_room() -> None:
+    # Turn 1 ends at 4 of 12; a 10-id tool turn is cut to the 8 left: the episode ends there.
+    agent = TokenAgent(turns=1, tool_len=10, error=True)
+    tree, stats, asked = run_episode(agent, [([11, 12, 13, EOS], "stop")], max_depth=3)
+    (leaf,) = tree.leaves()
+    assert leaf.end == 12 and leaf.finish_reason == "max_length" and leaf.loss_mask == [0] * 8
+    assert leaf.token_ids == [TOOL + k for k in range(8)]
+    assert stats.tool_turns == 1 and stats.tool_errors == 1 and asked == [4]
+    # A model turn that ends exactly at the budget leaves no room: the episode ends on it.
+    agent = TokenAgent(turns=1, tool_len=2)
+    tree, stats, _ = run_episode(agent, [([11, 12, 13, EOS], "stop")], max_depth=1)
+    (leaf,) = tree.leaves()
+    assert leaf.end == 4 and leaf.finish_reason == "stop" and stats.tool_turns == 0
+    assert len(agent.histories) == 1
+
+
+def test_the_agent_sees_decoded_turns_without_their_stop_token() -> None:
+    agent = TokenAgent(turns=2, tool_len=1)
+    turns = [([11, 12, EOS], "stop"), ([21, EOS], "stop"), ([31, 32, EOS], "stop")]
+    tree, stats, _ = run_episode(agent, turns, max_depth=8)
+    assert agent.histories[-1] == [
+        {"role": "user", "content": "q"},
+        {"role": "assistant", "content": "11 12"},
+        {"role": "tool", "content": "out1", "error": False},
+        {"role": "assistant", "content": "21"},
+        {"role": "tool", "content": "out2", "error": False},
+        {"role": "assistant", "content": "31 32"},
+    ]
+    (leaf,) = tree.leaves()
+    assert leaf.finish_reason == "stop" and leaf.end == 3 + 1 + 2 + 1 + 3
+    assert stats.tool_turns == 2 and tree.response_loss_mask(leaf) == [1, 1, 1, 0, 1, 1, 0, 1, 1, 1]
+
+
+def test_an_agent_step_past_its_timeout_ends_the_episode() -> None:
+    import threading
+
+    hold = threading.Event()
+    agent = TokenAgent(turns=1, tool_len=2, hold=hold)
+    try:
+        tree, stats, _ = run_episode(agent, [([11, EOS], "stop")], agent_timeout_s=0.2)
+    finally:
+        hold.set()
+    (leaf,) = tree.leaves()
+    assert leaf.finish_reason == "agent_timeout" and stats.agent_timeouts == 1
+    assert stats.tool_turns == 0 and stats.finish_reasons == {"agent_timeout": 1}
+
+
+def test_an_agent_needs_render_and_decode() -> None:
+    agent = TokenAgent(turns=1, tool_len=1)
+    with pytest.raises(ValueError, match="needs render"):
+        run(ScriptedEngine(4), cfg_of(), agent=agent, render=agent.render)
+    with pytest.raises(ValueError, match="needs render"):
+        run(ScriptedEngine(4), cfg_of(), agent=agent, decode=str)
