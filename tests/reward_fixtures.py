@@ -80,3 +80,13 @@ def waits_for_file(problem: dict, completion: str) -> float:
     if completion == "bad":
         raise ValueError("cannot score this")
     return 1.0
+
+
+def logs(problem: dict, completion: str) -> float:
+    """Logs the completion as a warning (as math-verify logs its input on a timeout) and
+    a line at info level, which the worker does not show."""
+    import logging
+
+    logging.getLogger("math_verify").warning("%s", completion)
+    logging.getLogger("math_verify").info("not shown")
+    return 1.0

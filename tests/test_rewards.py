@@ -349,3 +349,41 @@ def test_the_worker_protocol_in_process(monkeypatch):
     rewards._worker_main(child, [RewardTerm(f"{FIX}:missing")], [HERE])
     kind, message = parent.recv()
     assert kind == "load_error" and "reward.functions[0].fn: module 'reward_fixtures.py' has no attribute 'missing'" in message
+
+
+def test_worker_log_records_are_prefixed_clipped_and_warnings_only(capfd):
+    # The worker inherits the parent's stderr; a megabyte log line arrives clipped.
+    score_batch(f"{FIX}:logs", [(problem(0), "y" * 100_000)], timeout_s=10, workers=1, search_dirs=[HERE])
+    err = capfd.readouterr().err
+    (line,) = [x for x in err.splitlines() if "math_verify" in x]
+    prefix = "[reward worker] WARNING math_verify: "
+    assert line == prefix + "y" * (500 - len(prefix)) + f"… [{len(prefix) + 100_000} chars]"
+    assert "not shown" not in err
+
+
+def test_workers_leave_ctrl_c_to_the_parent():
+    with RewardPool(f"{FIX}:one", workers=1, timeout_s=5, search_dirs=[HERE]) as pool:
+        progress = []
+        pool.score([(problem(0), "c")], on_progress=lambda done, total: progress.append((done, total)))
+        assert progress[-1] == (1, 1) and all(total == 1 for _, total in progress)
+        (worker,) = pool._workers
+        os.kill(worker.process.pid, signal.SIGINT)  # a terminal's Ctrl-C reaches the whole group
+        assert pool.score([(problem(1), "c")]).scores == [1.0]
+        assert pool._workers[0].process.pid == worker.process.pid  # the same worker, alive
+
+
+def test_a_worker_that_does_not_start_in_time_is_an_error(monkeypatch):
+    monkeypatch.setenv("ARBOR_TEST_SLOW_IMPORT", "5")
+    with RewardPool(f"{FIX}:one", workers=1, timeout_s=5, search_dirs=[HERE], start_timeout_s=0.5) as pool:
+        with pytest.raises(RuntimeError, match="a reward worker did not start within 0.5 s"):
+            pool.score([(problem(0), "c")])
+
+
+def test_failure_message_quotes_five_examples_and_counts_the_rest():
+    examples = [f"problem id 'p{i}': reward check timed out after 1.0 s, scored 0" for i in range(7)]
+    with pytest.raises(RewardFailureError) as err:
+        check_failure_fraction(7, 8, 0.5, examples)
+    message = str(err.value)
+    assert "7 of 8 reward checks this step timed out or crashed (88% > reward.max_failure_fraction=0.5)" in message
+    assert "p4'" in message and "p5'" not in message and message.endswith("\n  … and 2 more")
+    check_failure_fraction(4, 8, 0.5, examples)  # 50 %: at the limit, goes on
