@@ -47,6 +47,15 @@ EQUIVALENT: dict[str, str] = {
         "V(node) − V(parent) (0 without siblings), so every result is still 0",
     "arbor.advantage.x_reinforce_pp_advantages__mutmut_6":
         "std_normalize=None for False: both are falsy, Dr.GRPO either way",
+    "arbor.sampler_budget.x_is_repetitive__mutmut_4":
+        "the short-cut at len < window + count − 2: at exactly window + count − 2 items there are "
+        "count − 1 windows, too few to repeat count times, so the full count says False too",
+    "arbor.sampler_budget.x_is_repetitive__mutmut_13":
+        "one more window, cut short at the end: a shorter tuple equals no full window and occurs "
+        "once, so it reaches count only when count is 1, when a full window already does",
+    "arbor.sampler_budget.x_largest_remainder__mutmut_3":
+        "floor(q − 1e-9): an exact integer quota floors one lower with remainder 1.0, the largest "
+        "possible, so it gets its unit back first: the same integers",
     "arbor.advantage.x_treepo_advantages__mutmut_34":
         "weight 2.0 for 1.0 in the 'mean' aggregate: num and den both double, exactly",
 }

@@ -556,3 +556,26 @@ def test_an_agent_needs_render_and_decode() -> None:
         run(ScriptedEngine(4), cfg_of(), agent=agent, render=agent.render)
     with pytest.raises(ValueError, match="needs render"):
         run(ScriptedEngine(4), cfg_of(), agent=agent, decode=str)
+
+
+# -- budget helpers: edges pinned by scripts/mutation.py sampler_budget -----------------------
+
+
+def test_budget_helper_edges() -> None:
+    # Remainders, not quota sizes, pick who rounds up: floors [2, 0, 0], fractions (0.2, 0.6, 0.2).
+    assert largest_remainder([2.2, 0.6, 0.2], 3) == [2, 1, 0]
+    # Log-probs far from 0 (a long path's sum): the max is subtracted before exp, no overflow.
+    # favor="low": softmax([1000, 1001]) = [0.269, 0.731]; 2 extra → [0.54, 1.46] → [1, 1].
+    assert assign_branches(4, [-1000.0, -1001.0], mode="logprob", temperature=1.0, favor="low") == [2, 2]
+    with pytest.raises(ValueError, match="branch_favor must be 'high' or 'low', got 'mid'"):
+        assign_branches(4, [0.0, 0.0], mode="logprob", favor="mid")
+    # Shorter than one window: never repetitive (and no empty count to take a max of).
+    assert not is_repetitive([1, 2], window=3, count=1)
+    assert is_repetitive([1, 2, 3], window=3, count=1)
+
+
+def test_request_seeds_are_stable_across_versions() -> None:
+    # A run resumed with a newer arbor must draw the same seeds: blake2b (8-byte digest,
+    # little-endian) of "seed/tree/node/fork" modulo 2**31 − 64.
+    assert request_seed(0, 0, 0, 0) == 1874085680
+    assert request_seed(7, 3, 12, 1) == 1063933157
