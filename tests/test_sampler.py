@@ -579,3 +579,53 @@ def test_request_seeds_are_stable_across_versions() -> None:
     # little-endian) of "seed/tree/node/fork" modulo 2**31 − 64.
     assert request_seed(0, 0, 0, 0) == 1874085680
     assert request_seed(7, 3, 12, 1) == 1063933157
+
+
+# -- requests, progress and the synchronous entry point (scripts/mutation.py sampler) --------
+
+
+def test_requests_carry_the_sampling_settings_and_the_problem_reaches_the_tree() -> None:
+    from arbor.sampler import sample_trees_sync
+
+    engine = ScriptedEngine(4)
+    seen = []
+    cfg = cfg_of(width=2, max_depth=1, temperature=0.7, top_p=0.9, top_k=20)
+    trees, stats = sample_trees_sync(engine, [{"id": "a"}, {"id": "b"}], [PROMPT, [4, 5]], cfg,
+                                     eos_token_ids=[EOS, 7], seed=5,
+                                     on_progress=lambda i, tree, s: seen.append((i, tree, s)))
+    assert [t.problem for t in trees] == [{"id": "a"}, {"id": "b"}]
+    assert sorted(i for i, _, _ in seen) == [0, 1]
+    assert all(trees[i] is tree and stats[i] is s for i, tree, s in seen)
+    for request in engine.calls:
+        p = request.sampling
+        assert (p.temperature, p.top_p, p.top_k, p.stop_token_ids) == (0.7, 0.9, 20, [EOS, 7])
+        assert p.n == 2 and p.max_new_tokens == 4
+
+
+def test_a_node_forked_again_gets_the_next_fork_seed() -> None:
+    # Every path fails in round 1, so the root is sent again: fork 0, then fork 1, 2, ...
+    def fail_at_once(request, j, depth):
+        return [9, 9, 9, 9], "length"
+
+    engine = ScriptedEngine(4, fail_at_once)
+    run(engine, cfg_of(width=4, max_depth=3, repetition_window=1, repetition_count=4), seed=2)
+    assert [r.sampling.seed for r in engine.calls] == [request_seed(2, 0, 0, k) for k in range(2)]
+
+
+def test_an_engine_that_returns_too_few_outputs_is_an_error() -> None:
+    class Short(ScriptedEngine):
+        async def generate(self, request):
+            return (await super().generate(request))[:1]
+
+    with pytest.raises(RuntimeError, match="engine returned 1 outputs for a request of n=2"):
+        run(Short(4), cfg_of(width=2))
+
+
+def test_finish_reasons_listed_for_a_shortfall() -> None:
+    from arbor.sampler import _reasons
+
+    tree = RolloutTree([1])
+    for reason in ("stop", "length", "stop", None):
+        tree.add_segment(tree.root, [2]).finish_reason = reason
+    assert _reasons(tree) == "?: 1, length: 1, stop: 2"
+    assert _reasons(RolloutTree([1])) == "no leaves"
