@@ -108,15 +108,19 @@ def main() -> int:
     parser.add_argument("module", nargs="?", choices=sorted(TESTS))
     parser.add_argument("--show", action="store_true", help="print the diff of every survivor")
     parser.add_argument("--list", action="store_true", help="list the modules and their tests")
+    parser.add_argument("--report", action="store_true",
+                        help="only report the last (or running) run's verdicts, run nothing")
     args = parser.parse_args()
     if args.list or args.module is None:
         for module, tests in TESTS.items():
             print(f"{module:15} {' '.join(tests)}")
         return 0
-    again = (ROOT / ".mutation" / args.module / "mutants").exists()
-    work = _prepare(args.module)
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # import the mutants' copy
     env.setdefault("OMP_NUM_THREADS", "1")
+    if args.report:
+        return _report(args.module, ROOT / ".mutation" / args.module, env, args.show)
+    again = (ROOT / ".mutation" / args.module / "mutants").exists()
+    work = _prepare(args.module)
     log = work / "mutmut-run.log"  # mutmut redraws a progress line many times a second
     prefix = f"arbor.{args.module}."
     with log.open("w") as out:
@@ -132,23 +136,32 @@ def main() -> int:
                                check=False)
     progress = re.findall(r"(\d+/\d+ +🎉.*?🧙 \d+)", log.read_text())
     print(progress[-1] if progress else f"mutmut printed no progress: see {log}")
+    return _report(args.module, work, env, args.show)
+
+
+def _report(module: str, work: Path, env: dict[str, str], show: bool) -> int:
+    """Print the equivalent mutants, the survivors and the RESULT line of ``module``."""
+    prefix = f"arbor.{module}."
     statuses = _results(work, env)
     mine = {name: s for name, s in statuses.items() if name.startswith(prefix)}
     # A listed mutant that a test now kills was not equivalent after all: it counts as killed.
     equivalent = sorted(name for name, s in mine.items() if name in EQUIVALENT and s != "killed")
     scored = {name: s for name, s in mine.items() if name not in equivalent}
     killed = sum(s == "killed" or s == "timeout" for s in scored.values())
-    survivors = sorted(name for name, s in scored.items() if s not in ("killed", "timeout"))
+    # "not checked": the run was stopped before it got there (it resumes where it stopped).
+    unchecked = sorted(name for name, s in scored.items() if s == "not checked")
+    survivors = sorted(name for name, s in scored.items()
+                       if s not in ("killed", "timeout", "not checked"))
     for name in equivalent:
         print(f"equivalent {name}: {EQUIVALENT[name]}")
     for name in survivors:
         print(f"{scored[name]:10} {name}")
-        if args.show:
+        if show:
             subprocess.run([sys.executable, "-m", "mutmut", "show", name], cwd=work, env=env)
-    total = len(scored)
+    total = len(scored) - len(unchecked)
     score = killed / total if total else 1.0
-    print(f"RESULT module={args.module} killed={killed} total={total} score={score:.3f} "
-          f"equivalent={len(equivalent)} survived={len(survivors)}")
+    print(f"RESULT module={module} killed={killed} total={total} score={score:.3f} "
+          f"equivalent={len(equivalent)} survived={len(survivors)} not_checked={len(unchecked)}")
     return 0
 
 

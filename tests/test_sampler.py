@@ -459,13 +459,16 @@ class TokenAgent:
     def __init__(self, turns: int, tool_len: int, error: bool = False, hold=None) -> None:
         self.turns, self.tool_len, self.error, self.hold = turns, tool_len, error, hold
         self.histories: list[list[dict]] = []
+        self.problems: list = []  # what start and step were given
 
     def start(self, problem):
+        self.problems.append(problem)
         return [{"role": "user", "content": "q"}]
 
     def step(self, problem, history):
         if self.hold is not None:
             self.hold.wait(10)
+        self.problems.append(problem)
         self.histories.append(history)
         if sum(m["role"] == "tool" for m in history) >= self.turns:
             return None
@@ -531,23 +534,29 @@ def test_the_agent_sees_decoded_turns_without_their_stop_token() -> None:
         {"role": "tool", "content": "out2", "error": False},
         {"role": "assistant", "content": "31 32"},
     ]
+    assert agent.problems == [{"id": 0}] * 6  # start and step, once per model turn each
     (leaf,) = tree.leaves()
     assert leaf.finish_reason == "stop" and leaf.end == 3 + 1 + 2 + 1 + 3
     assert stats.tool_turns == 2 and tree.response_loss_mask(leaf) == [1, 1, 1, 0, 1, 1, 0, 1, 1, 1]
 
 
-def test_an_agent_step_past_its_timeout_ends_the_episode() -> None:
+def test_an_agent_step_past_its_timeout_ends_the_episode(caplog) -> None:
     import threading
 
     hold = threading.Event()
     agent = TokenAgent(turns=1, tool_len=2, hold=hold)
+    engine = ScriptedEngine(4, lambda request, j, depth: ([11, EOS], "stop"))
     try:
-        tree, stats, _ = run_episode(agent, [([11, EOS], "stop")], agent_timeout_s=0.2)
+        trees, stats = run(engine, cfg_of(mode="independent", width=2, agent_timeout_s=0.2),
+                           prompts=[PROMPT], eos_token_ids=[EOS], agent=agent, render=agent.render,
+                           decode=str)
     finally:
         hold.set()
-    (leaf,) = tree.leaves()
-    assert leaf.finish_reason == "agent_timeout" and stats.agent_timeouts == 1
-    assert stats.tool_turns == 0 and stats.finish_reasons == {"agent_timeout": 1}
+    assert [leaf.finish_reason for leaf in trees[0].leaves()] == ["agent_timeout"] * 2
+    assert stats[0].agent_timeouts == 2 and stats[0].tool_turns == 0
+    assert stats[0].finish_reasons == {"agent_timeout": 2}
+    assert "problem 0: agent.step ran past rollout.agent_timeout_s=0.2s; its episode ends there " \
+           "(agent_timeout)" in caplog.text
 
 
 def test_an_agent_needs_render_and_decode() -> None:
@@ -629,3 +638,109 @@ def test_finish_reasons_listed_for_a_shortfall() -> None:
         tree.add_segment(tree.root, [2]).finish_reason = reason
     assert _reasons(tree) == "?: 1, length: 1, stop: 2"
     assert _reasons(RolloutTree([1])) == "no leaves"
+
+
+def test_branch_temperature_and_favor_reach_the_assignment() -> None:
+    # Round 1: two root copies with last-segment means −1 and −9. Round 2 splits 4 paths:
+    # T = 2: softmax([−0.5, −4.5]) = [0.982, 0.018] → 2 extra → [3, 1]; favor low → [1, 3];
+    # T = 100: softmax([−0.01, −0.09]) ≈ [0.52, 0.48] → quotas [1.04, 0.96] → [2, 2].
+    def logprob(request, j, depth):
+        return (-1.0 if j == 0 else -9.0) if depth == 1 else -0.5
+
+    for kw, split in ((dict(), [3, 1]), (dict(branch_favor="low"), [1, 3]),
+                      (dict(branch_temperature=100.0), [2, 2])):
+        engine = ScriptedEngine(4, logprob=logprob)
+        run(engine, cfg_of(width=8, max_depth=3, branch_assignment="logprob", **kw))
+        assert [r.sampling.n for r in engine.rounds[1]] == split, kw
+
+
+def test_root_fork_range_is_drawn_from_the_seed() -> None:
+    # random.Random("SEED/0/init").randint(2, 8) for seeds 0, 1, 2.
+    for seed, copies in ((0, 5), (1, 3), (2, 8)):
+        engine = ScriptedEngine(4)
+        run(engine, cfg_of(root_fork=[2, 8], max_depth=4), seed=seed)
+        assert engine.calls[0].sampling.n == copies
+
+
+def test_abort_and_empty_segments_end_their_paths() -> None:
+    def script(request, j, depth):
+        return ([5], "abort") if j == 0 else ([], "length")
+
+    engine = ScriptedEngine(4, script)
+    trees, stats = run(engine, cfg_of(width=2, max_depth=4, fallback=False))
+    assert [leaf.finish_reason for leaf in trees[0].leaves()] == ["abort", "max_length"]
+    # Token accounting: one request of 3 prompt tokens, n = 2; the second output was cached.
+    assert (stats[0].prompt_tokens, stats[0].cached_tokens, stats[0].tokens_generated) == (6, 3, 1)
+    assert stats[0].tokens_computed == 4
+
+
+def test_episodes_ended_by_the_agent_count_toward_the_width() -> None:
+    # Tree mode, w = 4, b = 2, an agent that never calls a tool: round 1's 2 turns end their
+    # episodes (2 of 4); the fallback restarts b = 2 copies from the root, then 4 of 4.
+    agent = TokenAgent(turns=0, tool_len=1)
+    engine = ScriptedEngine(4, lambda request, j, depth: ([11, EOS], "stop"))
+    trees, stats = run(engine, cfg_of(width=4, max_depth=2), eos_token_ids=[EOS], agent=agent,
+                       render=agent.render, decode=str)
+    assert paths_per_round(engine) == [2, 2] and len(trees[0].leaves()) == 4
+    assert len(agent.histories) == 4 and stats[0].tool_turns == 0
+
+
+def test_independent_episodes_go_on_one_request_each() -> None:
+    agent = TokenAgent(turns=1, tool_len=1)
+    turns = iter([([11, EOS], "stop"), ([12, EOS], "stop")] * 2)
+    engine = ScriptedEngine(4, lambda request, j, depth: next(turns))
+    trees, stats = run(engine, cfg_of(mode="independent", width=2, max_depth=4), eos_token_ids=[EOS],
+                       agent=agent, render=agent.render, decode=str)
+    assert [r.sampling.n for r in engine.calls] == [2, 1, 1]
+    assert len(trees[0].leaves()) == 2 and stats[0].tool_turns == 2
+
+
+def test_a_model_turn_over_two_segments_is_one_assistant_message() -> None:
+    agent = TokenAgent(turns=1, tool_len=1)
+    tree, _, _ = run_episode(agent, [([], "length"), ([21, EOS], "stop"), ([], "stop")], max_depth=8)
+    first, second = tree.path(tree.leaves()[0])[:2]
+    assert agent.histories[0][-1] == {"role": "assistant", "content": " ".join(map(str, first.token_ids + [21]))}
+    # An empty model turn ending on a stop token is an empty message.
+    assert agent.histories[1][-1] == {"role": "assistant", "content": ""}
+
+
+def test_an_agent_step_that_raises_stops_sampling() -> None:
+    class Broken(TokenAgent):
+        def step(self, problem, history):
+            raise RuntimeError("the tool server is down")
+
+    agent = Broken(turns=1, tool_len=1)
+    with pytest.raises(RuntimeError, match="the tool server is down"):
+        run_episode(agent, [([11, EOS], "stop")])
+
+
+def test_an_engine_without_a_batch_call_gets_one_call_per_request() -> None:
+    class OneByOne:
+        def __init__(self) -> None:
+            self.inner = ScriptedEngine(4)
+
+        async def generate(self, request):
+            return await self.inner.generate(request)
+
+    single, batched = OneByOne(), ScriptedEngine(4)
+    trees_single, _ = run(single, cfg_of(width=4, max_depth=3))
+    trees_batched, _ = run(batched, cfg_of(width=4, max_depth=3))
+    assert [leaf.token_ids for leaf in trees_single[0].leaves()] == [
+        leaf.token_ids for leaf in trees_batched[0].leaves()]
+    assert len(single.inner.calls) == len(batched.calls) and single.inner.rounds == []
+
+
+def test_path_scores_of_a_fallback_cut_skip_tool_turns() -> None:
+    from arbor.sampler import _TreeSampler
+
+    sampler = _TreeSampler(ScriptedEngine(4), cfg_of(), 0, [EOS], 0, None, None)
+    tree = RolloutTree(PROMPT)
+    a = tree.add_segment(tree.root, [11, 12], [-1.0, -3.0])
+    tool = tree.add_segment(a, [TOOL], [0.0], [0])
+    sampler.tool_messages[tool.id] = [{"role": "tool", "content": "x"}]
+    b = tree.add_segment(tool, [13], [-0.5])
+    root_path, a_path, tool_path, b_path = (sampler._path_at(tree, n) for n in (tree.root, a, tool, b))
+    assert (root_path.logprob, root_path.last_logprob) == (0.0, 0.0)
+    assert (a_path.logprob, a_path.last_logprob) == (-4.0, -2.0)
+    assert (tool_path.node, tool_path.logprob, tool_path.last_logprob) == (tool, -4.0, -2.0)  # a's mean
+    assert (b_path.logprob, b_path.last_logprob) == (-4.5, -0.5)
