@@ -33,7 +33,12 @@ ROOT = Path(__file__).resolve().parent.parent
 # module -> the test files that are its own tests (what a developer changing it runs).
 TESTS: dict[str, list[str]] = {
     "advantage": ["tests/test_advantage.py"],
-    "packing": ["tests/test_packing.py"],
+    "packing": ["tests/test_packing.py",
+                # linearise_trees' own hand-worked tests (the rest of the file trains models)
+                "tests/test_linearise.py::test_each_leaf_becomes_a_chain_by_hand",
+                "tests/test_linearise.py::test_per_token_advantages_follow_their_leaf",
+                "tests/test_linearise.py::test_wrong_advantage_count_names_the_problem",
+                "tests/test_linearise.py::test_unique_tokens_of_chains_are_the_linearised_tokens"],
     "loss": ["tests/test_loss.py"],
     "sampler": ["tests/test_sampler.py"],
     "sampler_budget": ["tests/test_sampler.py"],
@@ -41,7 +46,20 @@ TESTS: dict[str, list[str]] = {
 }
 
 # Mutant name -> why it cannot be told apart from the original by any test.
+_NO_LEAVES = ("unreachable: every node of a tree has a leaf below it, so _node_weights never takes its 'no leaves' branch")
 EQUIVALENT: dict[str, str] = {
+    "arbor.packing.x__node_weights__mutmut_44": _NO_LEAVES,
+    "arbor.packing.x__node_weights__mutmut_46": _NO_LEAVES,
+    "arbor.packing.x__node_weights__mutmut_49": _NO_LEAVES,
+    "arbor.packing.x__node_weights__mutmut_50": _NO_LEAVES,
+    "arbor.packing.x__node_weights__mutmut_51": _NO_LEAVES,
+    "arbor.packing.x__node_weights__mutmut_52": _NO_LEAVES,
+    "arbor.packing.x__node_weights__mutmut_53": _NO_LEAVES,
+    "arbor.packing.x__node_weights__mutmut_54": _NO_LEAVES,
+    "arbor.packing.x__node_weights__mutmut_55": _NO_LEAVES,
+    "arbor.packing.x__node_weights__mutmut_56": _NO_LEAVES,
+    "arbor.packing.x_assign_to_ranks__mutmut_18":
+        "every rank's load starts at 1.0 for 0.0: the same offset on every rank, the same choices",
     "arbor.advantage.x__std__mutmut_3":
         "_std of < 2 values returns 1.0 for 0.0: it only divides R − mean (0 for one leaf) and "
         "V(node) − V(parent) (0 without siblings), so every result is still 0",
