@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import random
 import re
 import shutil
 import subprocess
@@ -138,6 +139,9 @@ def main() -> int:
     parser.add_argument("module", nargs="?", choices=sorted(TESTS))
     parser.add_argument("--show", action="store_true", help="print the diff of every survivor")
     parser.add_argument("--list", action="store_true", help="list the modules and their tests")
+    parser.add_argument("--sample", type=int, default=0, metavar="N",
+                        help="test only N mutants drawn at random (seed 0) and score those: an "
+                             "estimate for a busy machine; without it every mutant is tested")
     parser.add_argument("--report", action="store_true",
                         help="only report the last (or running) run's verdicts, run nothing")
     args = parser.parse_args()
@@ -148,32 +152,49 @@ def main() -> int:
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # import the mutants' copy
     env.setdefault("OMP_NUM_THREADS", "1")
     if args.report:
-        return _report(args.module, ROOT / ".mutation" / args.module, env, args.show)
+        return _report(args.module, ROOT / ".mutation" / args.module, env, args.show, args.sample)
     again = (ROOT / ".mutation" / args.module / "mutants").exists()
     work = _prepare(args.module)
     log = work / "mutmut-run.log"  # mutmut redraws a progress line many times a second
     prefix = f"arbor.{args.module}."
+    run = [sys.executable, "-m", "mutmut", "run", "--max-children", "2"]
     with log.open("w") as out:
-        run = [sys.executable, "-m", "mutmut", "run", "--max-children", "2"]
-        subprocess.run(run, cwd=work, env=env, stdout=out, stderr=subprocess.STDOUT, check=False)
-        if again:
-            # mutmut keeps a survivor's verdict until its function changes: tests added
-            # since the last run are tried on the survivors only when they are named.
-            left = [n for n, s in _results(work, env).items()
-                    if n.startswith(prefix) and s not in ("killed", "timeout")]
+        if args.sample:
+            # Generate the mutants and map the tests, testing none (the pattern matches none) ...
+            subprocess.run(run + [f"{prefix}zzz_no_such_mutant*"], cwd=work, env=env, stdout=out,
+                           stderr=subprocess.STDOUT, check=False)
+            names = sorted(n for n in _results(work, env) if n.startswith(prefix) and n not in EQUIVALENT)
+            sample = random.Random(0).sample(names, min(args.sample, len(names)))
+            (work / "sample.txt").write_text("\n".join(sample) + "\n")
+            # ... then test the drawn ones that an earlier run has not already seen killed.
+            left = [n for n in sample if _results(work, env).get(n) not in ("killed", "timeout")]
             if left:
                 subprocess.run(run + left, cwd=work, env=env, stdout=out, stderr=subprocess.STDOUT,
                                check=False)
+        else:
+            subprocess.run(run, cwd=work, env=env, stdout=out, stderr=subprocess.STDOUT, check=False)
+            if again:
+                # mutmut keeps a survivor's verdict until its function changes: tests added
+                # since the last run are tried on the survivors only when they are named.
+                left = [n for n, s in _results(work, env).items()
+                        if n.startswith(prefix) and s not in ("killed", "timeout")]
+                if left:
+                    subprocess.run(run + left, cwd=work, env=env, stdout=out,
+                                   stderr=subprocess.STDOUT, check=False)
     progress = re.findall(r"(\d+/\d+ +🎉.*?🧙 \d+)", log.read_text())
     print(progress[-1] if progress else f"mutmut printed no progress: see {log}")
-    return _report(args.module, work, env, args.show)
+    return _report(args.module, work, env, args.show, args.sample)
 
 
-def _report(module: str, work: Path, env: dict[str, str], show: bool) -> int:
-    """Print the equivalent mutants, the survivors and the RESULT line of ``module``."""
+def _report(module: str, work: Path, env: dict[str, str], show: bool, sample: int = 0) -> int:
+    """Print the equivalent mutants, the survivors and the RESULT line of ``module``
+    (``sample``: of the mutants the last ``--sample`` run drew)."""
     prefix = f"arbor.{module}."
     statuses = _results(work, env)
     mine = {name: s for name, s in statuses.items() if name.startswith(prefix)}
+    if sample:
+        drawn = set((work / "sample.txt").read_text().split())
+        mine = {name: s for name, s in mine.items() if name in drawn or name in EQUIVALENT}
     # A listed mutant that a test now kills was not equivalent after all: it counts as killed.
     equivalent = sorted(name for name, s in mine.items() if name in EQUIVALENT and s != "killed")
     scored = {name: s for name, s in mine.items() if name not in equivalent}
@@ -191,7 +212,8 @@ def _report(module: str, work: Path, env: dict[str, str], show: bool) -> int:
     total = len(scored) - len(unchecked)
     score = killed / total if total else 1.0
     print(f"RESULT module={module} killed={killed} total={total} score={score:.3f} "
-          f"equivalent={len(equivalent)} survived={len(survivors)} not_checked={len(unchecked)}")
+          f"equivalent={len(equivalent)} survived={len(survivors)} not_checked={len(unchecked)}"
+          + (f" sample={sample}" if sample else ""))
     return 0
 
 
