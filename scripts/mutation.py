@@ -47,6 +47,11 @@ TESTS: dict[str, list[str]] = {
 }
 
 # Mutant name -> why it cannot be told apart from the original by any test.
+_THREAD_NAME = "the agent-step thread's name: shown only in thread dumps"
+_ROOT_OFFSET = ("the root path's log-prob 1.0 for 0.0: every path compared in a round descends from it, and a common offset leaves the softmax split unchanged (independent mode does not split)")
+_NO_REASON = "the '?' key of a leaf without a finish reason: every sampled leaf gets one (_add, tool turns, timeouts)"
+_SHORTFALL = ("unreachable: sampling stops short of width only through the fallback, which "
+              "sets its own shortfall reason (_reasons itself is tested directly)")
 _CHUNKS = "the LM head in chunks or whole: the same log-probs (chunking saves memory; tests/test_lm_head.py pins that no [tokens, vocab] logits appear)"
 _NO_LEAVES = ("unreachable: every node of a tree has a leaf below it, so _node_weights never takes its 'no leaves' branch")
 EQUIVALENT: dict[str, str] = {
@@ -73,6 +78,20 @@ EQUIVALENT: dict[str, str] = {
         "targets .to(None) for .to(the model's device): a no-op where model and pack are on the CPU",
     "arbor.loss.x_pack_token_logprobs__mutmut_29":
         "packed_logits' own default attention is 'auto', the value passed",
+    "arbor.sampler.x__in_daemon_thread__mutmut_16": _THREAD_NAME,
+    "arbor.sampler.x__in_daemon_thread__mutmut_19": _THREAD_NAME,
+    "arbor.sampler.x__in_daemon_thread__mutmut_21": _THREAD_NAME,
+    "arbor.sampler.xǁ_TreeSamplerǁrun__mutmut_10": _ROOT_OFFSET,
+    "arbor.sampler.xǁ_TreeSamplerǁrun__mutmut_42": _ROOT_OFFSET,
+    "arbor.sampler.xǁ_TreeSamplerǁ_fallback__mutmut_24": _ROOT_OFFSET,
+    "arbor.sampler.x__response_upto__mutmut_2":
+        "tree.response_ids(root) is [] anyway: the guard only saves a call",
+    "arbor.sampler.xǁ_TreeSamplerǁ_path_at__mutmut_3":
+        "tree.path(root) is [] anyway: the guard only saves a call",
+    "arbor.sampler.xǁ_TreeSamplerǁ_done__mutmut_6": _NO_REASON,
+    "arbor.sampler.xǁ_TreeSamplerǁ_done__mutmut_13": _NO_REASON,
+    "arbor.sampler.xǁ_TreeSamplerǁ_done__mutmut_20": _SHORTFALL,
+    "arbor.sampler.xǁ_TreeSamplerǁ_done__mutmut_21": _SHORTFALL,
     "arbor.advantage.x__std__mutmut_3":
         "_std of < 2 values returns 1.0 for 0.0: it only divides R − mean (0 for one leaf) and "
         "V(node) − V(parent) (0 without siblings), so every result is still 0",

@@ -475,7 +475,7 @@ class TokenAgent:
         return [{"role": "tool", "content": f"out{len(self.histories)}", "error": self.error}]
 
     def render(self, messages):
-        return [TOOL + k for k in range(self.tool_len)]
+        return [TOOL + k for k in range(self.tool_len)] * len(messages)
 
 
 def run_episode(agent: TokenAgent, turns: list[tuple[list[int], str]], **cfg):
@@ -561,8 +561,10 @@ def test_an_agent_step_past_its_timeout_ends_the_episode(caplog) -> None:
 
 def test_an_agent_needs_render_and_decode() -> None:
     agent = TokenAgent(turns=1, tool_len=1)
-    with pytest.raises(ValueError, match="needs render"):
+    with pytest.raises(ValueError, match=r"^sampling with an agent needs render \(messages -> ids\) and decode$"):
         run(ScriptedEngine(4), cfg_of(), agent=agent, render=agent.render)
+    with pytest.raises(ValueError, match="^rollout.mode must be 'tree' or 'independent', got 'beam'$"):
+        run(ScriptedEngine(4), cfg_of(mode="beam"))
     with pytest.raises(ValueError, match="needs render"):
         run(ScriptedEngine(4), cfg_of(), agent=agent, decode=str)
 
@@ -634,9 +636,9 @@ def test_finish_reasons_listed_for_a_shortfall() -> None:
     from arbor.sampler import _reasons
 
     tree = RolloutTree([1])
-    for reason in ("stop", "length", "stop", None):
+    for reason in ("stop", "length", "stop", None, None):
         tree.add_segment(tree.root, [2]).finish_reason = reason
-    assert _reasons(tree) == "?: 1, length: 1, stop: 2"
+    assert _reasons(tree) == "?: 2, length: 1, stop: 2"
     assert _reasons(RolloutTree([1])) == "no leaves"
 
 
@@ -667,11 +669,82 @@ def test_abort_and_empty_segments_end_their_paths() -> None:
         return ([5], "abort") if j == 0 else ([], "length")
 
     engine = ScriptedEngine(4, script)
-    trees, stats = run(engine, cfg_of(width=2, max_depth=4, fallback=False))
-    assert [leaf.finish_reason for leaf in trees[0].leaves()] == ["abort", "max_length"]
-    # Token accounting: one request of 3 prompt tokens, n = 2; the second output was cached.
-    assert (stats[0].prompt_tokens, stats[0].cached_tokens, stats[0].tokens_generated) == (6, 3, 1)
+    trees, stats = run(engine, cfg_of(width=3, root_fork=3, max_depth=4, fallback=False))
+    assert [leaf.finish_reason for leaf in trees[0].leaves()] == ["abort", "max_length", "max_length"]
+    # Token accounting: one request of 3 prompt tokens, n = 3; outputs 2 and 3 were cached.
+    assert (stats[0].prompt_tokens, stats[0].cached_tokens, stats[0].tokens_generated) == (9, 6, 1)
     assert stats[0].tokens_computed == 4
+    # An abort is an abort even where the depth limit would also end the path.
+    trees, _ = run(ScriptedEngine(4, lambda request, j, depth: ([5], "abort")),
+                   cfg_of(width=2, max_depth=1, fallback=False))
+    assert [leaf.finish_reason for leaf in trees[0].leaves()] == ["abort", "abort"]
+
+
+def test_repetition_is_judged_on_the_decoded_text_not_the_ids() -> None:
+    # Distinct ids that decode to "aaaa": repetitive as text (window 2, 3 times), not as ids.
+    def script(request, j, depth):
+        return [10 + j * 4 + k for k in range(4)], "length"
+
+    cfg = cfg_of(width=2, max_depth=3, repetition_window=2, repetition_count=3, fallback=False)
+    trees, _ = run(ScriptedEngine(4, script), cfg, decode=lambda ids: "a" * len(ids))
+    assert [leaf.finish_reason for leaf in trees[0].leaves()] == ["repetition", "repetition"]
+
+
+def test_tool_errors_add_up_and_one_token_of_room_still_takes_a_tool_turn() -> None:
+    agent = TokenAgent(turns=2, tool_len=1, error=True)
+    _, stats, _ = run_episode(agent, [([11, EOS], "stop")] * 3, max_depth=8)
+    assert stats.tool_errors == 2 and stats.tool_turns == 2
+    # The model turn ends 1 short of the budget (4 · 1): the tool turn gets that 1 token.
+    agent = TokenAgent(turns=1, tool_len=3)
+    tree, stats, _ = run_episode(agent, [([11, 12, EOS], "stop")], max_depth=1)
+    (leaf,) = tree.leaves()
+    assert leaf.token_ids == [TOOL] and leaf.end == 4 and leaf.finish_reason == "max_length"
+
+
+def test_paths_after_tool_turns_keep_their_model_turn_scores() -> None:
+    # Tree mode, logprob assignment: two root copies end their first turns with mean
+    # log-probs −1 and −9 and get a tool turn each; the tool turns are not sampled, so the
+    # next split uses −1 and −9: softmax([−0.5, −4.5]) → [3, 1] of 4 paths.
+    agent = TokenAgent(turns=1, tool_len=1)
+
+    def script(request, j, depth):
+        return ([11, EOS], "stop") if TOOL not in request.input_ids else (fresh(request, j), "length")
+
+    def logprob(request, j, depth):
+        return (-1.0 if j == 0 else -9.0) if TOOL not in request.input_ids else -0.5
+
+    engine = ScriptedEngine(4, script, logprob)
+    run(engine, cfg_of(width=8, max_depth=3, branch_assignment="logprob"), eos_token_ids=[EOS],
+        agent=agent, render=agent.render, decode=str)
+    assert [r.sampling.n for r in engine.rounds[1]] == [3, 1]
+
+
+def test_fallback_cuts_at_inner_boundaries_too() -> None:
+    # Every path answers at depth 2 (w = 8: 4 answers, 4 missing): each fallback source is
+    # cut at the root or at its depth-1 node, at random. Over a few seeds both happen.
+    def script(request, j, depth):
+        return ((fresh(request, j), "length") if len(request.input_ids) == len(PROMPT)
+                else ([11, EOS], "stop"))
+
+    cut_lengths = set()
+    for seed in range(4):
+        engine = ScriptedEngine(4, script)
+        run(engine, cfg_of(width=8, max_depth=3), eos_token_ids=[EOS], seed=seed)
+        cut_lengths |= {len(r.input_ids) for r in engine.rounds[2]}
+    assert cut_lengths == {len(PROMPT), len(PROMPT) + 4}
+
+
+def test_fallback_choices_follow_the_seed() -> None:
+    def script(request, j, depth):
+        return ((fresh(request, j), "length") if len(request.input_ids) == len(PROMPT)
+                else ([11, EOS], "stop"))
+
+    def cuts(seed):
+        engine = ScriptedEngine(4, script)
+        run(engine, cfg_of(width=16, max_depth=3), eos_token_ids=[EOS], seed=seed)
+        return [r.input_ids for batch in engine.rounds[2:] for r in batch]
+
+    assert cuts(1) == cuts(1)
 
 
 def test_episodes_ended_by_the_agent_count_toward_the_width() -> None:
