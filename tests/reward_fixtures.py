@@ -103,3 +103,10 @@ def logs(problem: dict, completion: str) -> float:
     logging.getLogger("math_verify").warning("%s", completion)
     logging.getLogger("math_verify").info("not shown")
     return 1.0
+
+
+# Defined in the parent only: the parent's check passes, the worker's own load fails.
+if multiprocessing.current_process().name != "arbor-reward-worker":
+
+    def parent_only(problem: dict, completion: str) -> float:
+        return 1.0

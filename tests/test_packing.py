@@ -196,3 +196,34 @@ def test_packed_origin_and_blocks_must_line_up():
         PackedBatch(**{**fields, "origin": fields["origin"][:-1]})
     with pytest.raises(ValueError, match="attention blocks cover 5 of 7 tokens"):
         PackedBatch(**{**fields, "blocks": fields["blocks"][:1]})
+
+
+def test_partitioning_counts_the_context_of_every_level():
+    # prompt 3, a 3 → b 3 → c1 3, c2 3; budget 12. a + subtree (15) and b + its subtree with
+    # context (6 + 9) do not fit: a and b train alone, c1 and c2 follow with context [a, b]
+    # (9 + 3 = 12, exactly the budget). No pack may exceed 12 tokens.
+    tree = RolloutTree([1, 2, 3], problem={"id": "deep"})
+    a = tree.add_segment(tree.root, [4] * 3, logprobs=[-1.0] * 3)
+    b = tree.add_segment(a, [5] * 3, logprobs=[-1.0] * 3)
+    for k in range(2):
+        tree.add_segment(b, [6 + k] * 3, logprobs=[-1.0] * 3)
+    packs = pack_trees([tree], [[1.0, 1.0]], pack_tokens=12)
+    assert all(p.num_tokens <= 12 for p in packs)
+    assert sum(int(p.trained.sum()) for p in packs) == 12
+    with pytest.raises(ValueError, match=r"problem 'deep': the prompt alone \(3 tokens\) fills pack_tokens=3"):
+        pack_trees([tree], [[1.0, 1.0]], pack_tokens=3)
+
+
+def test_an_empty_later_sibling_attaches_its_child_to_the_parent():
+    # a [3, 4] → b [5], then an empty e → f [6]: f follows a's last token (index 3), not b's.
+    tree = RolloutTree([1, 2])
+    a = tree.add_segment(tree.root, [3, 4], logprobs=[-1.0, -1.0])
+    tree.add_segment(a, [5], logprobs=[-1.0])
+    empty = tree.add_segment(a, [], logprobs=[])
+    tree.add_segment(empty, [6], logprobs=[-1.0])
+    (pack,) = pack_trees([tree], [[1.0, 1.0]])
+    assert pack.input_ids.tolist() == [1, 2, 3, 4, 5, 6]
+    assert pack.parent.tolist() == [-1, 0, 1, 2, 3, 3]
+    # Prompt tokens come from node 0 (the root); block contexts are index tensors.
+    assert pack.origin[:2] == [(0, 0, 0), (0, 0, 1)]
+    assert all(b.context.dtype == torch.long for b in pack.blocks)

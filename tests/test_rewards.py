@@ -58,7 +58,9 @@ def test_timeout_kills_replaces_and_counts():
     items = [(problem(i, sleep=60 if i in (1, 3) else 0), "c") for i in range(6)]
     with RewardPool(f"{FIX}:sleepy", workers=2, timeout_s=1.0, search_dirs=[HERE]) as pool:
         first_pids = {w.process.pid for w in pool._workers}
-        result = pool.score(items)
+        progress = []
+        result = pool.score(items, on_progress=lambda done, total: progress.append((done, total)))
+        assert progress[-1] == (6, 6)  # timed-out checks are done too
         assert result.scores == [1.0, 0.0, 1.0, 0.0, 1.0, 1.0]
         assert result.timeouts == 2 and result.timed_out == [1, 3]
         assert result.check_seconds[1] >= 1.0 and result.check_seconds[3] >= 1.0
@@ -203,6 +205,7 @@ def test_load_reward_terms_resolves_in_process_with_key_prefix():
 def test_closed_pool_refuses_work():
     pool = RewardPool(f"{FIX}:one", workers=1, timeout_s=1, search_dirs=[HERE])
     pool.close()
+    pool.close()  # a second close is harmless
     with pytest.raises(RuntimeError, match="closed"):
         pool.score([(problem(0), "c")])
 
@@ -439,3 +442,9 @@ def test_failure_message_quotes_five_examples_and_counts_the_rest():
     result = score_batch(f"{FIX}:sleepy", [({"sleep": 60}, "c")], timeout_s=0.3, workers=1, search_dirs=[HERE])
     (line,) = failed_checks(result, [({"sleep": 60}, "c")])
     assert line.startswith("problem id '<item 0>': reward check timed out after 0.")
+
+
+def test_a_spec_that_loads_in_the_parent_but_not_in_a_worker_is_a_config_error():
+    with RewardPool(f"{FIX}:parent_only", workers=1, timeout_s=5, search_dirs=[HERE]) as pool:
+        with pytest.raises(ConfigError, match="reward.functions\\[0\\].fn: module 'reward_fixtures.py' has no attribute 'parent_only'"):
+            pool.score([(problem(0), "c")])
