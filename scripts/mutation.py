@@ -21,6 +21,7 @@ module takes 5–20 minutes; run it under ``nice``.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import os
 import random
 import re
@@ -148,6 +149,15 @@ def _prepare(module: str) -> Path:
                         ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
     pyproject = (ROOT / "pyproject.toml").read_text()
     (work / "pyproject.toml").write_text(pyproject + "\n" + _config(module))
+    # mutmut maps each function to the tests that reach it once, and re-maps only tests with
+    # new names: after an edit to a test, its old map would skip it. Start the map afresh.
+    digest = hashlib.sha256(b"".join((work / "tests" / name).read_bytes()
+                                     for name in sorted(os.listdir(work / "tests"))
+                                     if name.endswith(".py"))).hexdigest()
+    seen = work / "tests.sha256"
+    if not seen.exists() or seen.read_text() != digest:
+        (work / "mutants" / "mutmut-stats.json").unlink(missing_ok=True)
+        seen.write_text(digest)
     return work
 
 
