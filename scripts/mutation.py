@@ -206,7 +206,8 @@ def main() -> int:
             sample = random.Random(0).sample(names, min(args.sample, len(names)))
             (work / "sample.txt").write_text("\n".join(sample) + "\n")
             # ... then test the drawn ones that an earlier run has not already seen killed.
-            left = [n for n in sample if _results(work, env).get(n) not in ("killed", "timeout")]
+            known = _results(work, env)
+            left = [n for n in sample if known.get(n) not in ("killed", "timeout")]
             if left:
                 subprocess.run(run + left, cwd=work, env=env, stdout=out, stderr=subprocess.STDOUT,
                                check=False)
