@@ -42,7 +42,7 @@ TESTS: dict[str, list[str]] = {
                 "tests/test_linearise.py::test_wrong_advantage_count_names_the_problem",
                 "tests/test_linearise.py::test_unique_tokens_of_chains_are_the_linearised_tokens"],
     "loss": ["tests/test_loss.py"],
-    "sampler": ["tests/test_sampler.py"],
+    "sampler": ["tests/test_sampler.py", "tests/test_sampler_agents.py"],
     "sampler_budget": ["tests/test_sampler.py"],
     "rewards": ["tests/test_rewards.py"],
 }
