@@ -85,6 +85,14 @@ EQUIVALENT: dict[str, str] = {
     "arbor.loss.x_pack_token_logprobs__mutmut_9": _CHUNKS,
     "arbor.loss.x_pack_token_logprobs__mutmut_10": _CHUNKS,
     "arbor.loss.x_pack_token_logprobs__mutmut_14": _CHUNKS,
+    "arbor.loss.x_policy_loss__mutmut_15": _CHUNKS,
+    "arbor.loss.x_linear_token_logprobs__mutmut_47":
+        "no attention mask on right-padded sequences: causal attention never lets a real token "
+        "see the padding after it, so its logits are the same",
+    "arbor.loss.x_pack_loss__mutmut_28":
+        "the attention implementation not passed on: 'auto' instead, the same log-probs",
+    "arbor.loss.x_policy_loss__mutmut_107":
+        "'or' for 'and' in the no-trees assert: total and all_sums are None together or not at all",
     "arbor.loss.x_pack_token_logprobs__mutmut_7":
         "targets .to(None) for .to(the model's device): a no-op where model and pack are on the CPU",
     "arbor.loss.x_pack_token_logprobs__mutmut_29":

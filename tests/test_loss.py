@@ -329,3 +329,13 @@ def test_pack_token_logprobs_defaults(random_model):
     assert not torch.allclose(logp, hotter)
     chunked = pack_token_logprobs(random_model, pack, select, chunk_tokens=2)
     assert torch.allclose(logp, chunked[0], rtol=1e-10) and torch.allclose(entropy, chunked[1], rtol=1e-10)
+
+
+def test_linear_token_logprobs_index_each_leafs_tokens(random_model):
+    # forked_tree's leaves b (path a b: 3 tokens), c (a c: 4), d (1): flat positions 0-2, 3-6, 7.
+    from arbor.loss import linear_token_logprobs
+
+    logp, entropy, index = linear_token_logprobs(random_model, [forked_tree(1.0)])
+    assert index == [(0, 0, [0, 1, 2]), (0, 1, [3, 4, 5, 6]), (0, 2, [7])]
+    assert logp.shape == entropy.shape == (8,)
+    assert torch.allclose(logp[[0, 1]], logp[[3, 4]])  # the shared segment a, scored twice
