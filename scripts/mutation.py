@@ -69,6 +69,7 @@ EQUIVALENT: dict[str, str] = {
     "arbor.packing.x__node_weights__mutmut_55": _NO_LEAVES,
     "arbor.packing.x__node_weights__mutmut_56": _NO_LEAVES,
     "arbor.packing.x__node_weights__mutmut_63": _NO_LEAVES,
+    "arbor.packing.x__node_weights__mutmut_64": _NO_LEAVES,
     "arbor.packing.x__serialise__mutmut_20": _ZEROS,
     "arbor.packing.x__serialise__mutmut_22": _ZEROS,
     "arbor.packing.x_pack_trees__mutmut_1":

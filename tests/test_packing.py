@@ -210,6 +210,14 @@ def test_partitioning_counts_the_context_of_every_level():
     packs = pack_trees([tree], [[1.0, 1.0]], pack_tokens=12)
     assert all(p.num_tokens <= 12 for p in packs)
     assert sum(int(p.trained.sum()) for p in packs) == 12
+    # Units that share context merge into a pack by their new tokens only: a [2] then four
+    # 4-token children, budget 12: a (5), + c1 (4) = 9; c2 needs 4 more → a new pack.
+    wide = RolloutTree([1, 2, 3])
+    a = wide.add_segment(wide.root, [4] * 2, logprobs=[-1.0] * 2)
+    for k in range(4):
+        wide.add_segment(a, [6 + k] * 4, logprobs=[-1.0] * 4)
+    packs = pack_trees([wide], [[1.0] * 4], pack_tokens=12)
+    assert [p.num_tokens for p in packs] == [9, 9, 9, 9]
     with pytest.raises(ValueError, match=r"problem 'deep': the prompt alone \(3 tokens\) fills pack_tokens=3"):
         pack_trees([tree], [[1.0, 1.0]], pack_tokens=3)
 
