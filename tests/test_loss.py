@@ -309,7 +309,7 @@ def test_policy_loss_errors(uniform_model):
     from arbor.loss import policy_loss
 
     tree = forked_tree(1.0)
-    with pytest.raises(ValueError, match="kl_coef > 0 needs a ref_model"):
+    with pytest.raises(ValueError, match="^kl_coef > 0 needs a ref_model$"):
         policy_loss(uniform_model, [tree], [[1.0, 0.0, 0.0]], kl_coef=0.1)
     with pytest.raises(ValueError, match="mode must be 'tree' or 'linear', got 'flat'"):
         policy_loss(uniform_model, [tree], [[1.0, 0.0, 0.0]], mode="flat")

@@ -272,7 +272,7 @@ def test_a_check_timeout_counts_from_when_the_check_was_sent():
     with RewardPool(f"{FIX}:sleepy", workers=1, timeout_s=1.5, search_dirs=[HERE]) as pool:
         result = pool.score(items)
     assert result.scores == [1.0] * 3 and result.timeouts == 0
-    assert all(0.8 <= s < 1.5 for s in result.check_seconds)
+    assert all(0.8 <= s < 1.5 for s in result.check_seconds) and result.seconds >= 2.4
 
 
 def test_a_check_is_killed_soon_after_its_timeout_not_at_a_1s_poll():
@@ -448,3 +448,9 @@ def test_a_spec_that_loads_in_the_parent_but_not_in_a_worker_is_a_config_error()
     with RewardPool(f"{FIX}:parent_only", workers=1, timeout_s=5, search_dirs=[HERE]) as pool:
         with pytest.raises(ConfigError, match="reward.functions\\[0\\].fn: module 'reward_fixtures.py' has no attribute 'parent_only'"):
             pool.score([(problem(0), "c")])
+
+
+def test_an_error_on_a_row_without_an_id_names_its_place():
+    with pytest.raises(RewardError, match="problem id '<item 0>'") as err:
+        score_batch(f"{FIX}:raises_on_bad", [({}, "bad")], timeout_s=10, workers=1, search_dirs=[HERE])
+    assert err.value.problem_id == "<item 0>"
