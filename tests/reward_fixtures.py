@@ -65,3 +65,48 @@ def in_worker(problem: dict, completion: str) -> float:
 
 
 not_callable = 42
+
+
+def boolean(problem: dict, completion: str) -> float:
+    return True  # type: ignore[return-value]  # a bool is not a score
+
+
+def waits_for_file(problem: dict, completion: str) -> float:
+    """Waits until the file problem['go'] exists (the test says when), then raises on the
+    completion "bad" and scores 1 otherwise."""
+    deadline = time.monotonic() + 30
+    while not os.path.exists(problem["go"]) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    if completion == "bad":
+        raise ValueError("cannot score this")
+    if completion == "die":
+        os._exit(3)
+    return 1.0
+
+
+def raises_deep(problem: dict, completion: str) -> float:
+    """Raises five calls deep (the error shows the innermost three frames)."""
+
+    def level(k: int) -> float:
+        if k == 0:
+            raise KeyError("deep")
+        return level(k - 1)
+
+    return level(4)
+
+
+def logs(problem: dict, completion: str) -> float:
+    """Logs the completion as a warning (as math-verify logs its input on a timeout) and
+    a line at info level, which the worker does not show."""
+    import logging
+
+    logging.getLogger("math_verify").warning("%s", completion)
+    logging.getLogger("math_verify").info("not shown")
+    return 1.0
+
+
+# Defined in the parent only: the parent's check passes, the worker's own load fails.
+if multiprocessing.current_process().name != "arbor-reward-worker":
+
+    def parent_only(problem: dict, completion: str) -> float:
+        return 1.0

@@ -456,3 +456,42 @@ def test_estimators_match_their_definitions(tree):
             bonus = (value(node) - value(node.parent)) / (std + 1e-6) if gate else 0.0
             expected += [a + bonus] + [a] * (len(node.token_ids) - 1)
         assert tokens == approx(expected) and len(tokens) == leaf.end
+
+
+# -- behaviours pinned by mutation testing (scripts/mutation.py advantage) ------------------
+
+
+def test_reinforce_pp_over_groups_with_different_spreads():
+    # Group A [1, 0]: mean 0.5, R − mean = ±0.5.  Group B [4, 0, 2]: mean 2, R − mean = 2, −2, 0.
+    # No per-group std: whiten (0.5, −0.5, 2, −2, 0) over 5 one-token leaves: mean 0,
+    # var = (2·0.25 + 2·4) / 4 = 2.125 → std 1.457738: ±0.342997, ±1.371989, 0.
+    # (Dividing each group by its own std first would give (±0.7071, ±1, 0) and, whitened,
+    # A's leaves nearly as large as B's: one group alone cannot tell the two apart.)
+    got = reinforce_pp_advantages([flat([1, 0], "a"), flat([4, 0, 2], "b")])
+    assert got == [approx([0.342997, -0.342997]), approx([1.371989, -1.371989, 0.0])]
+
+
+def test_whiten_two_tokens_is_enough_and_equal_values_give_zero():
+    # Exactly 2 tokens (the minimum): mean 0.5, var (0.25 + 0.25) / 1 = 0.5 → ±0.5 / 0.707107.
+    assert whiten([flat([1, 0])], [[1.0, 0.0]]) == [approx([0.707107, -0.707107])]
+    # All equal: var 0, the 1e-8 is added (not subtracted) under the root: 0, not a math error.
+    assert whiten([flat([1, 1, 1])], [[2.0, 2.0, 2.0]]) == [[0.0, 0.0, 0.0]]
+
+
+def test_compute_advantages_defaults():
+    trees = [ragged_tree(), figure3_tree()]
+    # Defaults: TreePO "mean", GRPO divided by the group std.
+    assert compute_advantages(trees, "treepo", whiten_tokens=False) == treepo_advantages(trees, "mean")
+    assert compute_advantages(trees, "grpo", whiten_tokens=False) == grpo_advantages(trees)
+    assert grpo_advantages(trees) != grpo_advantages(trees, std_normalize=False)
+
+
+def test_tempo_empty_leaf_under_a_branching_parent_gets_no_values():
+    # A leaf that ended at once (no tokens) beside a one-token leaf: it has no first token
+    # to carry a TD term. Rewards 1 and 0: mean 0.5, std 0.707107; GRPO ±0.707107, and the
+    # [2] leaf's first token adds (1 − 0.5) / 0.707107.
+    tree = RolloutTree([1])
+    full = tree.add_segment(tree.root, [2])
+    empty = tree.add_segment(tree.root, [])
+    full.reward, empty.reward = 1.0, 0.0
+    assert tempo_advantages([tree])[0] == [approx([1.414214]), []]

@@ -124,3 +124,218 @@ def test_old_logprobs_from_the_engine_match_the_learner_at_temperature(engine_an
     if temperature != 1.0:
         _, untempered = policy_loss(model, trees, advantages, temperature=1.0)
         assert untempered["logprob_gap"] > 1e-3
+
+
+# -- behaviours pinned by mutation testing (scripts/mutation.py loss) ------------------------
+# A model whose weights are all 0 predicts the uniform distribution: log p = −log V for
+# every token, entropy log V. Behaviour log-probs chosen relative to that give any ratio.
+
+V = 32  # vocabulary of the uniform model
+
+
+@pytest.fixture(scope="module")
+def uniform_model():
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                         intermediate_size=32, vocab_size=V, attn_implementation="sdpa")
+    model = Qwen2ForCausalLM(config).double()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+    return model
+
+
+@pytest.fixture(scope="module")
+def random_model():
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen2Config(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                         intermediate_size=32, vocab_size=V, attn_implementation="sdpa")
+    return Qwen2ForCausalLM(config).double()
+
+
+def forked_tree(ratio: float, masks=(None, None, None), d_logprobs: bool = True):
+    """prompt [1, 2]; a [3, 4] → b [5], c [6, 7]; d [8] under the root. Behaviour
+    log-probs −log V − log ratio, so the uniform model's ratio is ``ratio`` everywhere."""
+    from arbor.tree import RolloutTree
+
+    old = -math.log(V) - math.log(ratio)
+    tree = RolloutTree([1, 2], problem={"id": "fork"})
+    a = tree.add_segment(tree.root, [3, 4], logprobs=[old] * 2)
+    tree.add_segment(a, [5], logprobs=[old], loss_mask=masks[0])
+    tree.add_segment(a, [6, 7], logprobs=[old] * 2, loss_mask=masks[1])
+    tree.add_segment(tree.root, [8], logprobs=[old] if d_logprobs else None, loss_mask=masks[2])
+    return tree
+
+
+def both_modes(model, trees, advantages, **kw):
+    from arbor.loss import policy_loss
+
+    tree_loss, tree_m = policy_loss(model, trees, advantages, mode="tree", **kw)
+    lin_loss, lin_m = policy_loss(model, trees, advantages, mode="linear", **kw)
+    assert tree_loss.item() == pytest.approx(lin_loss.item(), rel=1e-9, abs=1e-12)
+    # "tokens" counts unique tokens: fewer in a tree than in the linear batch.
+    assert tree_m["tokens"] <= lin_m["tokens"]
+    tree_m.pop("tokens"), lin_m.pop("tokens")
+    assert tree_m == pytest.approx(lin_m, rel=1e-9, abs=1e-12)
+    return tree_loss.item(), tree_m
+
+
+def test_sequence_denominator_skips_a_leaf_without_trainable_tokens(uniform_model):
+    # Ratio 1: o_t = A per (token, leaf). Leaf d's only token is masked (T_d = 0): weight 0
+    # and not in the denominator. Leaves b (T 3, A 1) and c (T 4, A −0.5):
+    # loss = −(1/2) · ((1/3)·3·1 + (1/4)·4·(−0.5)) = −(1 − 0.5) / 2 = −0.25
+    # (counting d in the denominator would give −0.5 / 3).
+    # d has no behaviour log-probs: nothing of it is trained, so none are needed.
+    tree = forked_tree(1.0, masks=(None, None, [0]), d_logprobs=False)
+    loss, metrics = both_modes(uniform_model, [tree], [[1.0, -0.5, 5.0]], normalize="sequence")
+    assert loss == pytest.approx(-0.25)
+    assert metrics["linearised_tokens"] == 7
+    # Token normalisation: −(3·1 + 4·(−0.5)) / 7.
+    loss, _ = both_modes(uniform_model, [tree], [[1.0, -0.5, 5.0]], normalize="token")
+    assert loss == pytest.approx(-1 / 7)
+
+
+@pytest.mark.parametrize("ratio, clipped", [(1.5, 3), (0.5, 1)])
+def test_clip_count_ignores_zero_advantage_leaves_outside_the_range(uniform_model, ratio, clipped):
+    # Every token has ratio 1.5 (above 1 + 0.28) or 0.5 (below 1 − 0.2). Leaves: b (A +1, path
+    # 3 tokens), c (A 0, 4 tokens), d (A −1, 1 token): 8 linearised tokens.
+    # Ratio 1.5 clips b's 3 (A > 0); 0.5 clips d's 1 (A < 0); c's zero advantage is never
+    # clipped, though its tokens (shared a included) are out of range.
+    # Objective at 1.5: b 3·1.28 + d (−1)·1.5 = 2.34; at 0.5: b 3·0.5 + d (−1)·0.8 = 0.7.
+    tree = forked_tree(ratio)
+    loss, metrics = both_modes(uniform_model, [tree], [[1.0, 0.0, -1.0]])
+    assert metrics["clip_fraction"] == pytest.approx(clipped / 8)
+    assert loss == pytest.approx(-(2.34 if ratio > 1 else 0.7) / 8)
+    # Metrics by hand: |log r| and ½ log² r on all 8 linearised tokens; uniform entropy.
+    assert metrics["logprob_gap"] == pytest.approx(abs(math.log(ratio)))
+    assert metrics["approx_kl"] == pytest.approx(0.5 * math.log(ratio) ** 2)
+    assert metrics["entropy"] == pytest.approx(math.log(V))
+
+
+def test_kl_with_a_reference_but_zero_coefficient(uniform_model, random_model):
+    # A reference is given but kl_coef is 0: no extra forward pass, KL reported as 0 in
+    # both modes. With kl_coef > 0 the reference runs and both modes report the same KL.
+    calls = []
+    hook = random_model.register_forward_pre_hook(lambda *_: calls.append(1))
+    try:
+        tree = forked_tree(1.0)
+        loss, metrics = both_modes(uniform_model, [tree], [[1.0, -0.5, 0.5]], ref_model=random_model)
+        assert calls == [] and metrics["kl"] == 0.0
+        with_kl, kl_metrics = both_modes(uniform_model, [tree], [[1.0, -0.5, 0.5]], ref_model=random_model,
+                                         kl_coef=0.5, kl_estimator="k1")
+        assert len(calls) == 2 and kl_metrics["kl"] != 0.0  # one forward per mode
+        # k1 per token = log π − log π_ref, averaged over the 8 linearised tokens; the
+        # loss adds kl_coef · the same average (token normalisation).
+        assert with_kl == pytest.approx(loss + 0.5 * kl_metrics["kl"])
+    finally:
+        hook.remove()
+
+
+def test_logprob_gap_counts_differences_of_both_signs():
+    # Token 0: learner above the engine by 0.2; token 1: below by 0.2. Gap = mean |Δ| = 0.2,
+    # not 0 (signed differences cancel); approx_kl = ½ · 0.04 either way.
+    sums = token_sums(
+        t(-1.0, -2.0), t(0.0, 0.0), t(-1.2, -1.8), None, weight=t(1.0, 1.0), adv_pos=t(0.0, 0.0),
+        adv_neg=t(0.0, 0.0), leaf_count=t(1.0, 1.0), n_pos=t(0.0, 0.0), n_neg=t(0.0, 0.0),
+        clip_low=0.2, clip_high=0.28, kl_estimator="k3",
+    )
+    assert sums.metrics()["logprob_gap"] == pytest.approx(0.2)
+    assert sums.metrics()["approx_kl"] == pytest.approx(0.02)
+
+
+def test_kl_and_entropy_sums_are_weighted_per_token():
+    # k1 = logp − ref = (0.1, −0.2); weights (2, 0.5): Σ w·kl = 0.2 − 0.1 = 0.1;
+    # leaf counts (3, 1): Σ_lin kl = 0.3 − 0.2 = 0.1 over 4 linearised tokens → 0.025.
+    # Entropy (0.5, 1.0): Σ w·H = 1.0 + 0.5 = 1.5; Σ_lin H = 1.5 + 1.0 = 2.5 → 0.625.
+    sums = token_sums(
+        t(-1.0, -2.0), t(0.5, 1.0), t(-1.0, -2.0), t(-1.1, -1.8), weight=t(2.0, 0.5), adv_pos=t(1.0, 0.0),
+        adv_neg=t(0.0, -1.0), leaf_count=t(3.0, 1.0), n_pos=t(1.0, 0.0), n_neg=t(0.0, 1.0),
+        clip_low=0.2, clip_high=0.28, kl_estimator="k1",
+    )
+    assert sums.kl.item() == pytest.approx(0.1) and sums.entropy.item() == pytest.approx(1.5)
+    m = sums.metrics()
+    assert m["kl"] == pytest.approx(0.025) and m["entropy"] == pytest.approx(0.625)
+    # Ratio 1: objective = Σ adv_pos + Σ adv_neg = 1 − 1 = 0. Loss = (0 + 0.5·0.1 − 0.2·1.5) / 4.
+    assert combine(sums, 4.0, kl_coef=0.5, entropy_coef=0.2).item() == pytest.approx((0.05 - 0.3) / 4)
+
+
+def test_metrics_of_one_token_and_of_nothing():
+    # One linearised token: divided by 1. No token at all: 0, not a division by zero.
+    sums = token_sums(
+        torch.log(t(1.5)), t(0.3), t(0.0), None, weight=t(1.0), adv_pos=t(1.0), adv_neg=t(0.0),
+        leaf_count=t(1.0), n_pos=t(1.0), n_neg=t(0.0), clip_low=0.2, clip_high=0.28, kl_estimator="k3",
+    )
+    m = sums.metrics()
+    assert (m["clip_fraction"], m["entropy"], m["tokens"], m["linearised_tokens"]) == pytest.approx((1.0, 0.3, 1, 1))
+    empty = LossSums(t(0.0)[0], t(0.0)[0], t(0.0)[0]).metrics()
+    assert empty["clip_fraction"] == 0.0 and empty["logprob_gap"] == 0.0
+    # A zero denominator (nothing trainable anywhere) gives a zero loss, not NaN.
+    assert combine(LossSums(t(0.0)[0], t(0.0)[0], t(0.0)[0]), 0.0, 0.0, 0.0).item() == 0.0
+
+
+@pytest.mark.parametrize("ratio", [1.5, 0.5])
+def test_defaults_of_the_pack_loss_and_the_policy_loss_agree(random_model, uniform_model, ratio):
+    # The learner calls pack_loss pack by pack; its defaults must be policy_loss's
+    # (clip 0.2 / 0.28, T = 1, tree mode, token normalisation, k3).
+    from arbor.loss import pack_loss, policy_loss
+    from arbor.packing import loss_denominator, pack_trees
+
+    tree = forked_tree(ratio)
+    advantages = [[1.0, 0.0, -1.0]]
+    loss, metrics = policy_loss(random_model, [tree], advantages)
+    (pack,) = pack_trees([tree], advantages)
+    by_pack, sums = pack_loss(random_model, pack, loss_denominator([tree], "token"))
+    assert by_pack.item() == pytest.approx(loss.item(), rel=1e-12)
+    assert sums.metrics() == pytest.approx(metrics)
+    explicit, _ = policy_loss(random_model, [tree], advantages, clip_low=0.2, clip_high=0.28, temperature=1.0,
+                              mode="tree", normalize="token")
+    assert explicit.item() == pytest.approx(loss.item(), rel=1e-12)
+    hotter, _ = policy_loss(random_model, [tree], advantages, temperature=2.0)
+    assert hotter.item() != pytest.approx(loss.item(), rel=1e-6)
+    # The linear mode computes the same with a model whose log-probs differ per position.
+    both_modes(random_model, [tree], advantages, normalize="sequence")
+    # k3 by default: the same loss as naming it.
+    kw = dict(ref_model=uniform_model, kl_coef=0.5)
+    k3 = policy_loss(random_model, [tree], advantages, kl_estimator="k3", **kw)[0].item()
+    k1 = policy_loss(random_model, [tree], advantages, kl_estimator="k1", **kw)[0].item()
+    assert policy_loss(random_model, [tree], advantages, **kw)[0].item() == pytest.approx(k3, rel=1e-12)
+    assert k1 != pytest.approx(k3, rel=1e-6)
+
+
+def test_policy_loss_errors(uniform_model):
+    from arbor.loss import policy_loss
+
+    tree = forked_tree(1.0)
+    with pytest.raises(ValueError, match="^kl_coef > 0 needs a ref_model$"):
+        policy_loss(uniform_model, [tree], [[1.0, 0.0, 0.0]], kl_coef=0.1)
+    with pytest.raises(ValueError, match="mode must be 'tree' or 'linear', got 'flat'"):
+        policy_loss(uniform_model, [tree], [[1.0, 0.0, 0.0]], mode="flat")
+
+
+def test_pack_token_logprobs_defaults(random_model):
+    # Defaults: T = 1, attention "auto", the whole LM head (no chunks); what pack_loss passes.
+    from arbor.loss import pack_token_logprobs
+    from arbor.packing import pack_trees
+
+    (pack,) = pack_trees([forked_tree(1.0)], [[1.0, 0.0, -1.0]])
+    select = pack.trained.nonzero()[:, 0]
+    logp, entropy = pack_token_logprobs(random_model, pack, select)
+    same = pack_token_logprobs(random_model, pack, select, "auto", temperature=1.0, chunk_tokens=0)
+    assert torch.equal(logp, same[0]) and torch.equal(entropy, same[1])
+    hotter = pack_token_logprobs(random_model, pack, select, temperature=2.0)[0]
+    assert not torch.allclose(logp, hotter)
+    chunked = pack_token_logprobs(random_model, pack, select, chunk_tokens=2)
+    assert torch.allclose(logp, chunked[0], rtol=1e-10) and torch.allclose(entropy, chunked[1], rtol=1e-10)
+
+
+def test_linear_token_logprobs_index_each_leafs_tokens(random_model):
+    # forked_tree's leaves b (path a b: 3 tokens), c (a c: 4), d (1): flat positions 0-2, 3-6, 7.
+    from arbor.loss import linear_token_logprobs
+
+    logp, entropy, index = linear_token_logprobs(random_model, [forked_tree(1.0)])
+    assert index == [(0, 0, [0, 1, 2]), (0, 1, [3, 4, 5, 6]), (0, 2, [7])]
+    assert logp.shape == entropy.shape == (8,)
+    assert torch.allclose(logp[[0, 1]], logp[[3, 4]])  # the shared segment a, scored twice

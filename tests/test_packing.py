@@ -3,8 +3,9 @@
 import pytest
 import torch
 
-from arbor.packing import PackedBatch, assign_to_ranks, loss_denominator, pack_trees
+from arbor.packing import PackedBatch, assign_to_ranks, leaf_weights, loss_denominator, pack_trees
 from arbor.tree import RolloutTree
+from arbor.tree_attention import dense_tree_mask
 
 
 def fork_tree() -> RolloutTree:
@@ -105,8 +106,6 @@ def test_assign_to_ranks_balances_cost():
 
 
 def test_dense_mask_matches_rule():
-    from arbor.tree_attention import dense_tree_mask
-
     (pack,) = pack_trees([fork_tree()], [[0.0, 0.0]])
     mask = dense_tree_mask(pack)[0, 0]
     # Token 5 (leaf c's first) sees prompt + a and itself, not leaf b's token 4.
@@ -133,3 +132,106 @@ def test_packed_columns_must_line_up():
     fields["parent"] = fields["parent"][:-1]
     with pytest.raises(ValueError, match="parent"):
         PackedBatch(**fields)
+
+
+# -- behaviours pinned by mutation testing (scripts/mutation.py packing) ---------------------
+
+
+def test_a_subtree_that_exactly_fills_the_budget_is_not_split():
+    # fork_tree: prompt 2 + a 2 + b 1 + c 2 = 7 tokens. A budget of exactly 7 holds the
+    # whole tree in one pack, every response token trained once; 6 must split it.
+    (pack,) = pack_trees([fork_tree()], [[1.0, -2.0]], pack_tokens=7)
+    assert pack.input_ids.tolist() == [1, 2, 3, 4, 5, 6, 7] and pack.owned.sum() == 5
+    split = pack_trees([fork_tree()], [[1.0, -2.0]], pack_tokens=6)
+    assert len(split) == 2 and all(p.num_tokens <= 6 for p in split)
+    # Two trees that exactly fill a budget share one pack: 7 + 3 = 10.
+    small = RolloutTree.from_sequences([9], [[8, 8]], logprobs=[[-1, -1]])
+    assert len(pack_trees([fork_tree(), small], [[1.0, -2.0], [0.5]], pack_tokens=10)) == 1
+    assert len(pack_trees([fork_tree(), small], [[1.0, -2.0], [0.5]], pack_tokens=9)) == 2
+
+
+def test_weights_are_float64_and_zero_advantages_count_on_neither_side():
+    # 0.1 stays 0.1 (not float32's 0.10000000149); a zero advantage is neither positive
+    # nor negative (the clip fraction counts it nowhere), yet it is a leaf on the path.
+    (pack,) = pack_trees([fork_tree()], [[0.1, 0.0]])
+    assert pack.adv_pos.dtype == torch.float64 and pack.adv_pos.tolist() == [0, 0, 0.1, 0.1, 0.1, 0, 0]
+    assert pack.n_pos.tolist() == [0, 0, 1, 1, 1, 0, 0] and pack.n_neg.tolist() == [0] * 7
+    assert pack.leaf_count.tolist() == [0, 0, 2, 2, 1, 1, 1]
+    (pack,) = pack_trees([fork_tree()], [[[0.1, 0.0, 0.3], [0.0, -0.1, 0.0, 0.2]]])
+    assert pack.adv_pos.tolist() == [0, 0, 0.1, 0, 0.3, 0, 0.2]
+    assert pack.adv_neg.tolist() == [0, 0, 0, -0.1, 0, 0, 0]
+    with pytest.raises(ValueError, match="problem 'fork': 1 advantages for 2 leaves"):
+        pack_trees([fork_tree()], [[1.0]])
+
+
+def test_leaf_weights_and_denominator_with_an_untrainable_leaf():
+    tree = fork_tree()
+    tree.add_segment(tree.root, [8], logprobs=[-1.0], loss_mask=[0])  # d: nothing to train
+    assert leaf_weights(tree, "token") == [1.0, 1.0, 1.0]
+    assert leaf_weights(tree, "sequence") == [1 / 3, 1 / 3, 0.0]
+    assert loss_denominator([tree], "sequence") == 2 and loss_denominator([tree], "token") == 6
+    for fn in (leaf_weights, lambda t, n: loss_denominator([t], n)):
+        with pytest.raises(ValueError, match="normalize must be 'token' or 'sequence', got 'mean'"):
+            fn(tree, "mean")
+
+
+def test_attention_cost_and_rank_assignment_by_hand():
+    # Blocks (0, 5, no context) and (5, 7, 4 context tokens): 5 · (0 + 6/2) + 2 · (4 + 3/2) = 26.
+    (pack,) = pack_trees([fork_tree()], [[0.0, 0.0]])
+    assert pack.attention_cost() == 26
+    # Chains of 1, 4, 3 and 2 tokens after a 1-token prompt: costs 64·n + n(n+1)/2 rise with n.
+    # Longest first onto the least loaded rank: 4 → r0, 3 → r1, 2 → r1, 1 → r0.
+    trees = [RolloutTree.from_sequences([1], [[2] * n], logprobs=[[-1.0] * n]) for n in (1, 4, 3, 2)]
+    packs = [pack_trees([t], [[0.0]])[0] for t in trees]
+    assert assign_to_ranks(packs, 2) == [[0, 1], [2, 3]]
+    assert assign_to_ranks(packs, 1) == [[0, 1, 2, 3]]
+    with pytest.raises(ValueError, match="world_size must be ≥ 1, got 0"):
+        assign_to_ranks(packs, 0)
+
+
+def test_packed_origin_and_blocks_must_line_up():
+    (pack,) = pack_trees([fork_tree()], [[1.0, -2.0]])
+    fields = {k: getattr(pack, k) for k in pack.__dataclass_fields__}
+    with pytest.raises(ValueError, match=r"\{'origin': 6\}"):
+        PackedBatch(**{**fields, "origin": fields["origin"][:-1]})
+    with pytest.raises(ValueError, match="attention blocks cover 5 of 7 tokens"):
+        PackedBatch(**{**fields, "blocks": fields["blocks"][:1]})
+
+
+def test_partitioning_counts_the_context_of_every_level():
+    # prompt 3, a 3 → b 3 → c1 3, c2 3; budget 12. a + subtree (15) and b + its subtree with
+    # context (6 + 9) do not fit: a and b train alone, c1 and c2 follow with context [a, b]
+    # (9 + 3 = 12, exactly the budget). No pack may exceed 12 tokens.
+    tree = RolloutTree([1, 2, 3], problem={"id": "deep"})
+    a = tree.add_segment(tree.root, [4] * 3, logprobs=[-1.0] * 3)
+    b = tree.add_segment(a, [5] * 3, logprobs=[-1.0] * 3)
+    for k in range(2):
+        tree.add_segment(b, [6 + k] * 3, logprobs=[-1.0] * 3)
+    packs = pack_trees([tree], [[1.0, 1.0]], pack_tokens=12)
+    assert all(p.num_tokens <= 12 for p in packs)
+    assert sum(int(p.trained.sum()) for p in packs) == 12
+    # Units that share context merge into a pack by their new tokens only: a [2] then four
+    # 4-token children, budget 12: a (5), + c1 (4) = 9; c2 needs 4 more → a new pack.
+    wide = RolloutTree([1, 2, 3])
+    a = wide.add_segment(wide.root, [4] * 2, logprobs=[-1.0] * 2)
+    for k in range(4):
+        wide.add_segment(a, [6 + k] * 4, logprobs=[-1.0] * 4)
+    packs = pack_trees([wide], [[1.0] * 4], pack_tokens=12)
+    assert [p.num_tokens for p in packs] == [9, 9, 9, 9]
+    with pytest.raises(ValueError, match=r"problem 'deep': the prompt alone \(3 tokens\) fills pack_tokens=3"):
+        pack_trees([tree], [[1.0, 1.0]], pack_tokens=3)
+
+
+def test_an_empty_later_sibling_attaches_its_child_to_the_parent():
+    # a [3, 4] → b [5], then an empty e → f [6]: f follows a's last token (index 3), not b's.
+    tree = RolloutTree([1, 2])
+    a = tree.add_segment(tree.root, [3, 4], logprobs=[-1.0, -1.0])
+    tree.add_segment(a, [5], logprobs=[-1.0])
+    empty = tree.add_segment(a, [], logprobs=[])
+    tree.add_segment(empty, [6], logprobs=[-1.0])
+    (pack,) = pack_trees([tree], [[1.0, 1.0]])
+    assert pack.input_ids.tolist() == [1, 2, 3, 4, 5, 6]
+    assert pack.parent.tolist() == [-1, 0, 1, 2, 3, 3]
+    # Prompt tokens come from node 0 (the root); block contexts are index tensors.
+    assert pack.origin[:2] == [(0, 0, 0), (0, 0, 1)]
+    assert all(b.context.dtype == torch.long for b in pack.blocks)

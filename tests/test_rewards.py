@@ -3,9 +3,11 @@
 The reward functions live in tests/reward_fixtures.py and run in spawned workers.
 """
 
+import logging
 import multiprocessing
 import os
 import signal
+import sys
 import threading
 import time
 from pathlib import Path
@@ -56,7 +58,9 @@ def test_timeout_kills_replaces_and_counts():
     items = [(problem(i, sleep=60 if i in (1, 3) else 0), "c") for i in range(6)]
     with RewardPool(f"{FIX}:sleepy", workers=2, timeout_s=1.0, search_dirs=[HERE]) as pool:
         first_pids = {w.process.pid for w in pool._workers}
-        result = pool.score(items)
+        progress = []
+        result = pool.score(items, on_progress=lambda done, total: progress.append((done, total)))
+        assert progress[-1] == (6, 6)  # timed-out checks are done too
         assert result.scores == [1.0, 0.0, 1.0, 0.0, 1.0, 1.0]
         assert result.timeouts == 2 and result.timed_out == [1, 3]
         assert result.check_seconds[1] >= 1.0 and result.check_seconds[3] >= 1.0
@@ -122,10 +126,16 @@ def test_worker_killed_from_outside_is_counted_and_named():
     items = [(problem(0, sleep=30), "slow"), (problem(1), "ok")]
 
     def kill_busy_worker() -> None:
-        time.sleep(1.5)  # spawn + import, then the check is sleeping
-        for child in multiprocessing.active_children():
-            if child.name == "arbor-reward-worker":
-                os.kill(child.pid, signal.SIGKILL)
+        # Once the worker holds the check (it is handed only to a started worker): a kill
+        # timed by the clock could land during start-up on a loaded machine, which is a
+        # start-up death, not a crash.
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            busy = [w for w in pool._workers if w.task is not None]
+            if busy:
+                os.kill(busy[0].process.pid, signal.SIGKILL)
+                return
+            time.sleep(0.01)
 
     killer = threading.Thread(target=kill_busy_worker)
     with RewardPool(f"{FIX}:sleepy", workers=1, timeout_s=20, search_dirs=[HERE]) as pool:
@@ -195,6 +205,7 @@ def test_load_reward_terms_resolves_in_process_with_key_prefix():
 def test_closed_pool_refuses_work():
     pool = RewardPool(f"{FIX}:one", workers=1, timeout_s=1, search_dirs=[HERE])
     pool.close()
+    pool.close()  # a second close is harmless
     with pytest.raises(RuntimeError, match="closed"):
         pool.score([(problem(0), "c")])
 
@@ -231,3 +242,215 @@ def test_in_reward_worker_is_true_only_in_workers():
     result = score_batch(f"{FIX}:in_worker", [(problem(0), "c")], timeout_s=5, workers=1,
                          search_dirs=[HERE])
     assert result.scores == [1.0] and not in_reward_worker()
+
+
+# -- behaviours pinned by mutation testing (scripts/mutation.py rewards) ----------------------
+
+
+def test_a_bool_is_neither_a_score_nor_a_weight():
+    with pytest.raises(ConfigError, match=r"reward.functions\[0\].weight: must be a finite number, got True"):
+        RewardPool([RewardTerm(f"{FIX}:one", True)], workers=1, timeout_s=1, search_dirs=[HERE])
+    with pytest.raises(RewardError, match="problem id 'p0'.*returned 'True', not a finite number"):
+        score_batch(f"{FIX}:boolean", [(problem(0), "c")], timeout_s=10, workers=1, search_dirs=[HERE])
+    # An int weight and an int score are numbers.
+    assert score_batch([RewardTerm(f"{FIX}:length", 2)], [(problem(0), "abc")], timeout_s=10,
+                       workers=1, search_dirs=[HERE]).scores == [6.0]
+
+
+@pytest.mark.parametrize("timeout_s", [0, -1.0])
+def test_a_timeout_that_is_not_positive_is_refused(timeout_s):
+    with pytest.raises(ValueError, match=f"timeout_s must be > 0, got {timeout_s}"):
+        RewardPool(f"{FIX}:one", workers=1, timeout_s=timeout_s, search_dirs=[HERE])
+    with pytest.raises(ValueError, match="workers must be ≥ 1, got 0"):
+        RewardPool(f"{FIX}:one", workers=0, timeout_s=1, search_dirs=[HERE])
+
+
+def test_a_check_timeout_counts_from_when_the_check_was_sent():
+    # One worker, three 0.8 s checks, 1.5 s each: 2.4 s in all. Counted from the worker's
+    # start or from the first check, the later ones would be killed; none is.
+    items = [(problem(i, sleep=0.8), "c") for i in range(3)]
+    with RewardPool(f"{FIX}:sleepy", workers=1, timeout_s=1.5, search_dirs=[HERE]) as pool:
+        result = pool.score(items)
+    assert result.scores == [1.0] * 3 and result.timeouts == 0
+    assert all(0.8 <= s < 1.5 for s in result.check_seconds) and result.seconds >= 2.4
+
+
+def test_a_check_is_killed_soon_after_its_timeout_not_at_a_1s_poll():
+    # Killed ~0.3 s after sending; a loop that looked only once a second would take ≥ 1 s.
+    with RewardPool(f"{FIX}:sleepy", workers=1, timeout_s=0.3, search_dirs=[HERE]) as pool:
+        pool.score([(problem(0), "warm")])  # the worker is up: no start-up in the timing
+        result = pool.score([(problem(1, sleep=60), "c")])
+    assert result.timed_out == [0]
+    assert 0.3 <= result.check_seconds[0] < 0.85
+
+
+def test_results_that_arrive_while_an_error_is_handled_are_kept(tmp_path):
+    # Checks wait for a file the test creates only once both workers are busy, and the
+    # progress callback holds the loop until both answers are in their pipes: the first
+    # worker's error is read first; what the second worker already sent is handled too.
+    go = tmp_path / "go"
+
+    def items(*completions):
+        return [(problem(i, go=str(go)), c) for i, c in enumerate(completions)]
+
+    with RewardPool(f"{FIX}:waits_for_file", workers=2, timeout_s=30, search_dirs=[HERE]) as pool:
+        go.touch()
+        while not all(w.ready for w in pool._workers):  # both started: item 0 goes to worker 0
+            pool.score(items("ok"))
+        go.unlink()
+
+        def hold(done, total):
+            if all(w.task is not None for w in pool._workers):
+                go.touch()
+                assert all(w.conn.poll(20) for w in pool._workers)
+
+        def fail(*completions):
+            with pytest.raises(RewardError) as err:
+                pool.score(items(*completions), on_progress=hold)
+            go.unlink()
+            assert err.value.problem_id == "p0"
+            return err.value.partial_scores
+
+        # A score already sent is kept.
+        assert fail("bad", "ok") == {1: 1.0}
+        # A second error is not reported (the first is), and its worker, idle again, stays.
+        pids = [w.process.pid for w in pool._workers]
+        assert fail("bad", "bad") == {}
+        assert [w.process.pid for w in pool._workers] == pids
+        # A worker that died meanwhile is replaced.
+        assert fail("bad", "die") == {}
+        assert pool._workers[1].process.pid != pids[1] and pool._workers[0].process.pid == pids[0]
+        go.touch()
+        assert pool.score(items("ok", "ok")).scores == [1.0, 1.0]  # no stale answer leaks in
+
+
+def test_log_lines_are_clipped_past_the_limit_only():
+    from arbor.rewards import _LOG_LINE, _ClippedFormatter
+
+    formatter = _ClippedFormatter("%(message)s")
+
+    def line(n: int) -> str:
+        return formatter.format(logging.LogRecord("math_verify", logging.WARNING, "f.py", 1, "x" * n, None, None))
+
+    assert line(_LOG_LINE) == "x" * _LOG_LINE
+    assert line(_LOG_LINE + 1) == "x" * _LOG_LINE + f"… [{_LOG_LINE + 1} chars]"
+    assert clip_text("a" * 200) == repr("a" * 200)
+    assert clip_text("a" * 100 + "b" * 101) == f"{'a' * 100!r}…[1 chars]…{'b' * 100!r}"
+
+
+def test_a_check_in_process_returns_values_or_an_error_naming_the_term():
+    from arbor.rewards import _check
+
+    terms = [RewardTerm(f"{FIX}:length", 2.0), RewardTerm(f"{FIX}:raises_on_bad")]
+    fns = load_reward_terms(terms, search_dirs=[HERE])
+    kind, index, values, seconds = _check(3, problem(3), "abcd", terms, fns)
+    assert (kind, index, values) == ("ok", 3, [4.0, 1.0]) and 0 <= seconds < 5  # raw, unweighted
+    kind, index, message = _check(4, problem(4), "bad!", terms, fns)
+    assert (kind, index) == ("error", 4)
+    assert message.startswith("reward_fixtures.py:raises_on_bad raised ValueError: 'cannot score this: bad!'\n")
+    assert "reward_fixtures.py" in message.split("\n", 1)[1]  # the innermost frames say where
+    bool_terms = [RewardTerm(f"{FIX}:boolean")]
+    kind, _, message = _check(0, problem(0), "c", bool_terms, load_reward_terms(bool_terms, search_dirs=[HERE]))
+    assert kind == "error" and message == "reward_fixtures.py:boolean returned 'True', not a finite number"
+    # Five calls deep: the message shows the innermost three frames, each "  File ..." + source.
+    deep = [RewardTerm(f"{FIX}:raises_deep")]
+    _, _, message = _check(0, problem(0), "c", deep, load_reward_terms(deep, search_dirs=[HERE]))
+    head, frames = message.split("\n", 1)
+    assert head == "reward_fixtures.py:raises_deep raised KeyError: \"'deep'\""
+    files = [line for line in frames.splitlines() if not line.startswith("    ")]
+    assert len(files) == 3 and all(line.startswith("  File ") and line.endswith(", in level") for line in files)
+
+
+def test_the_worker_protocol_in_process(monkeypatch):
+    # The worker's loop, run here in the main thread on a pipe filled beforehand:
+    # Ctrl-C ignored, warnings logged clipped to stderr, ready, one answer per item, stop on
+    # None; a spec that does not load says why.
+    from multiprocessing import Pipe
+
+    import arbor.rewards as rewards
+
+    monkeypatch.setattr(rewards, "_IN_WORKER", False)
+    configured = {}
+    monkeypatch.setattr(logging, "basicConfig", lambda **kw: configured.update(kw))  # keep ours
+    ctrl_c = signal.getsignal(signal.SIGINT)
+    parent, child = Pipe()
+    parent.send((0, problem(0), "abc"))
+    parent.send((1, problem(1, sleep=0), "x"))
+    parent.send(None)
+    try:
+        rewards._worker_main(child, [RewardTerm(f"{FIX}:length"), RewardTerm(f"{FIX}:sleepy")], [HERE])
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGINT, ctrl_c)
+    assert rewards.in_reward_worker()
+    assert parent.recv() == ("ready",)
+    assert [parent.recv()[:3] for _ in range(2)] == [("ok", 0, [3.0, 1.0]), ("ok", 1, [1.0, 1.0])]
+    assert not parent.poll(0)
+    (handler,) = configured.pop("handlers")
+    assert configured == {"level": logging.WARNING} and handler.stream is sys.stderr
+    record = logging.LogRecord("math_verify", logging.WARNING, "f.py", 1, "z" * 1000, None, None)
+    assert handler.format(record).startswith("[reward worker] WARNING math_verify: zzz")
+    assert handler.format(record).endswith("… [1037 chars]")
+    parent, child = Pipe()
+    rewards._worker_main(child, [RewardTerm(f"{FIX}:missing")], [HERE])
+    kind, message = parent.recv()
+    assert kind == "load_error" and "reward.functions[0].fn: module 'reward_fixtures.py' has no attribute 'missing'" in message
+def test_worker_log_records_are_prefixed_clipped_and_warnings_only(capfd):
+    # The worker inherits the parent's stderr; a megabyte log line arrives clipped.
+    score_batch(f"{FIX}:logs", [(problem(0), "y" * 100_000)], timeout_s=10, workers=1, search_dirs=[HERE])
+    err = capfd.readouterr().err
+    (line,) = [x for x in err.splitlines() if "math_verify" in x]
+    prefix = "[reward worker] WARNING math_verify: "
+    assert line == prefix + "y" * (500 - len(prefix)) + f"… [{len(prefix) + 100_000} chars]"
+    assert "not shown" not in err
+
+
+def test_workers_leave_ctrl_c_to_the_parent():
+    with RewardPool(f"{FIX}:one", workers=1, timeout_s=5, search_dirs=[HERE]) as pool:
+        progress = []
+        pool.score([(problem(0), "c")], on_progress=lambda done, total: progress.append((done, total)))
+        assert progress[-1] == (1, 1) and all(total == 1 for _, total in progress)
+        (worker,) = pool._workers
+        os.kill(worker.process.pid, signal.SIGINT)  # a terminal's Ctrl-C reaches the whole group
+        assert pool.score([(problem(1), "c")]).scores == [1.0]
+        assert pool._workers[0].process.pid == worker.process.pid  # the same worker, alive
+
+
+def test_a_worker_that_does_not_start_in_time_is_an_error(monkeypatch):
+    monkeypatch.setenv("ARBOR_TEST_SLOW_IMPORT", "5")
+    with RewardPool(f"{FIX}:one", workers=1, timeout_s=5, search_dirs=[HERE], start_timeout_s=0.5) as pool:
+        with pytest.raises(RuntimeError, match="a reward worker did not start within 0.5 s"):
+            pool.score([(problem(0), "c")])
+
+
+def test_failure_message_quotes_five_examples_and_counts_the_rest():
+    examples = [f"problem id 'p{i}': reward check timed out after 1.0 s, scored 0" for i in range(7)]
+    with pytest.raises(RewardFailureError) as err:
+        check_failure_fraction(7, 8, 0.5, examples)
+    message = str(err.value)
+    assert "7 of 8 reward checks this step timed out or crashed (88% > reward.max_failure_fraction=0.5)" in message
+    assert "p4'" in message and "p5'" not in message and message.endswith("\n  … and 2 more")
+    check_failure_fraction(4, 8, 0.5, examples)  # 50 %: at the limit, goes on
+    # Five examples or fewer: all quoted, one a line, nothing counted.
+    for shown in (examples[:5], examples[:1]):
+        with pytest.raises(RewardFailureError) as err:
+            check_failure_fraction(5, 5, 0.5, shown)
+        assert str(err.value).endswith(":\n  " + "\n  ".join(shown))
+    with pytest.raises(RewardFailureError, match="p4': [^\n]*\n  … and 1 more$"):
+        check_failure_fraction(6, 6, 0.5, examples[:6])
+    # A check of a row without an id is named by its place.
+    result = score_batch(f"{FIX}:sleepy", [({"sleep": 60}, "c")], timeout_s=0.3, workers=1, search_dirs=[HERE])
+    (line,) = failed_checks(result, [({"sleep": 60}, "c")])
+    assert line.startswith("problem id '<item 0>': reward check timed out after 0.")
+
+
+def test_a_spec_that_loads_in_the_parent_but_not_in_a_worker_is_a_config_error():
+    with RewardPool(f"{FIX}:parent_only", workers=1, timeout_s=5, search_dirs=[HERE]) as pool:
+        with pytest.raises(ConfigError, match="reward.functions\\[0\\].fn: module 'reward_fixtures.py' has no attribute 'parent_only'"):
+            pool.score([(problem(0), "c")])
+
+
+def test_an_error_on_a_row_without_an_id_names_its_place():
+    with pytest.raises(RewardError, match="problem id '<item 0>'") as err:
+        score_batch(f"{FIX}:raises_on_bad", [({}, "bad")], timeout_s=10, workers=1, search_dirs=[HERE])
+    assert err.value.problem_id == "<item 0>"

@@ -445,3 +445,168 @@ def test_same_seed_same_trees_many_prompts() -> None:
 def test_rejects_mismatched_inputs() -> None:
     with pytest.raises(ValueError, match="2 problems but 1 prompts"):
         asyncio.run(sample_trees(ScriptedEngine(4), [{}, {}], [PROMPT], cfg_of()))
+
+
+# -- budget helpers: edges pinned by scripts/mutation.py sampler_budget -----------------------
+
+
+def test_budget_helper_edges() -> None:
+    # Remainders, not quota sizes, pick who rounds up: floors [2, 0, 0], fractions (0.2, 0.6, 0.2).
+    assert largest_remainder([2.2, 0.6, 0.2], 3) == [2, 1, 0]
+    # Log-probs far from 0 (a long path's sum): the max is subtracted before exp, no overflow.
+    # favor="low": softmax([1000, 1001]) = [0.269, 0.731]; 2 extra → [0.54, 1.46] → [1, 1].
+    assert assign_branches(4, [-1000.0, -1001.0], mode="logprob", temperature=1.0, favor="low") == [2, 2]
+    with pytest.raises(ValueError, match="branch_favor must be 'high' or 'low', got 'mid'"):
+        assign_branches(4, [0.0, 0.0], mode="logprob", favor="mid")
+    # Shorter than one window: never repetitive (and no empty count to take a max of).
+    assert not is_repetitive([1, 2], window=3, count=1)
+    assert is_repetitive([1, 2, 3], window=3, count=1)
+
+
+def test_request_seeds_are_stable_across_versions() -> None:
+    # A run resumed with a newer arbor must draw the same seeds: blake2b (8-byte digest,
+    # little-endian) of "seed/tree/node/fork" modulo 2**31 − 64.
+    assert request_seed(0, 0, 0, 0) == 1874085680
+    assert request_seed(7, 3, 12, 1) == 1063933157
+
+
+# -- requests, progress and the synchronous entry point (scripts/mutation.py sampler) --------
+
+
+def test_requests_carry_the_sampling_settings_and_the_problem_reaches_the_tree() -> None:
+    from arbor.sampler import sample_trees_sync
+
+    engine = ScriptedEngine(4)
+    seen = []
+    cfg = cfg_of(width=2, max_depth=1, temperature=0.7, top_p=0.9, top_k=20)
+    trees, stats = sample_trees_sync(engine, [{"id": "a"}, {"id": "b"}], [PROMPT, [4, 5]], cfg,
+                                     eos_token_ids=[EOS, 7], seed=5,
+                                     on_progress=lambda i, tree, s: seen.append((i, tree, s)))
+    assert [t.problem for t in trees] == [{"id": "a"}, {"id": "b"}]
+    assert sorted(i for i, _, _ in seen) == [0, 1]
+    assert all(trees[i] is tree and stats[i] is s for i, tree, s in seen)
+    for request in engine.calls:
+        p = request.sampling
+        assert (p.temperature, p.top_p, p.top_k, p.stop_token_ids) == (0.7, 0.9, 20, [EOS, 7])
+        assert p.n == 2 and p.max_new_tokens == 4
+
+
+def test_a_node_forked_again_gets_the_next_fork_seed() -> None:
+    # Every path fails in round 1, so the root is sent again: fork 0, then fork 1, 2, ...
+    def fail_at_once(request, j, depth):
+        return [9, 9, 9, 9], "length"
+
+    engine = ScriptedEngine(4, fail_at_once)
+    run(engine, cfg_of(width=4, max_depth=3, repetition_window=1, repetition_count=4), seed=2)
+    assert [r.sampling.seed for r in engine.calls] == [request_seed(2, 0, 0, k) for k in range(2)]
+
+
+def test_an_engine_that_returns_too_few_outputs_is_an_error() -> None:
+    class Short(ScriptedEngine):
+        async def generate(self, request):
+            return (await super().generate(request))[:1]
+
+    with pytest.raises(RuntimeError, match="engine returned 1 outputs for a request of n=2"):
+        run(Short(4), cfg_of(width=2))
+
+
+def test_finish_reasons_listed_for_a_shortfall() -> None:
+    from arbor.sampler import _reasons
+
+    tree = RolloutTree([1])
+    for reason in ("stop", "length", "stop", None, None):
+        tree.add_segment(tree.root, [2]).finish_reason = reason
+    assert _reasons(tree) == "?: 2, length: 1, stop: 2"
+    assert _reasons(RolloutTree([1])) == "no leaves"
+
+
+def test_branch_temperature_and_favor_reach_the_assignment() -> None:
+    # Round 1: two root copies with last-segment means −1 and −9. Round 2 splits 4 paths:
+    # T = 2: softmax([−0.5, −4.5]) = [0.982, 0.018] → 2 extra → [3, 1]; favor low → [1, 3];
+    # T = 100: softmax([−0.01, −0.09]) ≈ [0.52, 0.48] → quotas [1.04, 0.96] → [2, 2].
+    def logprob(request, j, depth):
+        return (-1.0 if j == 0 else -9.0) if depth == 1 else -0.5
+
+    for kw, split in ((dict(), [3, 1]), (dict(branch_favor="low"), [1, 3]),
+                      (dict(branch_temperature=100.0), [2, 2])):
+        engine = ScriptedEngine(4, logprob=logprob)
+        run(engine, cfg_of(width=8, max_depth=3, branch_assignment="logprob", **kw))
+        assert [r.sampling.n for r in engine.rounds[1]] == split, kw
+
+
+def test_root_fork_range_is_drawn_from_the_seed() -> None:
+    # random.Random("SEED/0/init").randint(2, 8) for seeds 0, 1, 2.
+    for seed, copies in ((0, 5), (1, 3), (2, 8)):
+        engine = ScriptedEngine(4)
+        run(engine, cfg_of(root_fork=[2, 8], max_depth=4), seed=seed)
+        assert engine.calls[0].sampling.n == copies
+
+
+def test_abort_and_empty_segments_end_their_paths() -> None:
+    def script(request, j, depth):
+        return ([5], "abort") if j == 0 else ([], "length")
+
+    engine = ScriptedEngine(4, script)
+    trees, stats = run(engine, cfg_of(width=3, root_fork=3, max_depth=4, fallback=False))
+    assert [leaf.finish_reason for leaf in trees[0].leaves()] == ["abort", "max_length", "max_length"]
+    # Token accounting: one request of 3 prompt tokens, n = 3; outputs 2 and 3 were cached.
+    assert (stats[0].prompt_tokens, stats[0].cached_tokens, stats[0].tokens_generated) == (9, 6, 1)
+    assert stats[0].tokens_computed == 4
+    # An abort is an abort even where the depth limit would also end the path.
+    trees, _ = run(ScriptedEngine(4, lambda request, j, depth: ([5], "abort")),
+                   cfg_of(width=2, max_depth=1, fallback=False))
+    assert [leaf.finish_reason for leaf in trees[0].leaves()] == ["abort", "abort"]
+
+
+def test_repetition_is_judged_on_the_decoded_text_not_the_ids() -> None:
+    # Distinct ids that decode to "aaaa": repetitive as text (window 2, 3 times), not as ids.
+    def script(request, j, depth):
+        return [10 + j * 4 + k for k in range(4)], "length"
+
+    cfg = cfg_of(width=2, max_depth=3, repetition_window=2, repetition_count=3, fallback=False)
+    trees, _ = run(ScriptedEngine(4, script), cfg, decode=lambda ids: "a" * len(ids))
+    assert [leaf.finish_reason for leaf in trees[0].leaves()] == ["repetition", "repetition"]
+
+
+def test_fallback_cuts_at_inner_boundaries_too() -> None:
+    # Every path answers at depth 2 (w = 8: 4 answers, 4 missing): each fallback source is
+    # cut at the root or at its depth-1 node, at random. Over a few seeds both happen.
+    def script(request, j, depth):
+        return ((fresh(request, j), "length") if len(request.input_ids) == len(PROMPT)
+                else ([11, EOS], "stop"))
+
+    cut_lengths = set()
+    for seed in range(4):
+        engine = ScriptedEngine(4, script)
+        run(engine, cfg_of(width=8, max_depth=3), eos_token_ids=[EOS], seed=seed)
+        cut_lengths |= {len(r.input_ids) for r in engine.rounds[2]}
+    assert cut_lengths == {len(PROMPT), len(PROMPT) + 4}
+
+
+def test_fallback_choices_follow_the_seed() -> None:
+    def script(request, j, depth):
+        return ((fresh(request, j), "length") if len(request.input_ids) == len(PROMPT)
+                else ([11, EOS], "stop"))
+
+    def cuts(seed):
+        engine = ScriptedEngine(4, script)
+        run(engine, cfg_of(width=16, max_depth=3), eos_token_ids=[EOS], seed=seed)
+        return [r.input_ids for batch in engine.rounds[2:] for r in batch]
+
+    assert cuts(1) == cuts(1)
+
+
+def test_an_engine_without_a_batch_call_gets_one_call_per_request() -> None:
+    class OneByOne:
+        def __init__(self) -> None:
+            self.inner = ScriptedEngine(4)
+
+        async def generate(self, request):
+            return await self.inner.generate(request)
+
+    single, batched = OneByOne(), ScriptedEngine(4)
+    trees_single, _ = run(single, cfg_of(width=4, max_depth=3))
+    trees_batched, _ = run(batched, cfg_of(width=4, max_depth=3))
+    assert [leaf.token_ids for leaf in trees_single[0].leaves()] == [
+        leaf.token_ids for leaf in trees_batched[0].leaves()]
+    assert len(single.inner.calls) == len(batched.calls) and single.inner.rounds == []

@@ -1,0 +1,276 @@
+"""Mutation testing of one core module against its own tests, with mutmut.
+
+    python scripts/mutation.py advantage            # or packing, loss, sampler, sampler_budget, rewards
+    python scripts/mutation.py rewards --show       # also print the diff of every survivor
+    python scripts/mutation.py --list               # the modules and the tests each runs
+
+mutmut (``pip install -e '.[dev]'``) changes one thing at a time in the module (``<`` for
+``<=``, ``+ 1`` for ``- 1``, a dropped argument, a swapped default, ...) and runs the tests
+that reach the changed function; a mutant no test fails on "survives" and is a behaviour
+no test pins. Each module runs in its own scratch copy of the repo under
+``.mutation/MODULE/`` (git-ignored), so several modules can run side by side and the
+work tree is never touched; mutmut's cache lives there too, so a second run only
+re-tests what changed (delete the folder to start over). Mutants listed in
+:data:`EQUIVALENT` change nothing observable (a log format, a default no caller relies
+on, ...): they are left out of the score, each with the reason.
+
+Ends with ``RESULT module=M killed=K total=T score=S survived=...``. On 2 busy cores a
+module takes 5–20 minutes; run it under ``nice``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import random
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# module -> the test files that are its own tests (what a developer changing it runs).
+TESTS: dict[str, list[str]] = {
+    "advantage": ["tests/test_advantage.py"],
+    "packing": ["tests/test_packing.py",
+                # linearise_trees' own hand-worked tests (the rest of the file trains models)
+                "tests/test_linearise.py::test_each_leaf_becomes_a_chain_by_hand",
+                "tests/test_linearise.py::test_per_token_advantages_follow_their_leaf",
+                "tests/test_linearise.py::test_wrong_advantage_count_names_the_problem",
+                "tests/test_linearise.py::test_unique_tokens_of_chains_are_the_linearised_tokens"],
+    "loss": ["tests/test_loss.py"],
+    "sampler": ["tests/test_sampler.py", "tests/test_sampler_agents.py"],
+    "sampler_budget": ["tests/test_sampler.py"],
+    "rewards": ["tests/test_rewards.py"],
+}
+
+# Mutant name -> why it cannot be told apart from the original by any test.
+_THREAD_NAME = "the agent-step thread's name: shown only in thread dumps"
+_ROOT_OFFSET = ("the root path's log-prob 1.0 for 0.0: every path compared in a round descends from it, and a common offset leaves the softmax split unchanged (independent mode does not split)")
+_NO_REASON = "the '?' key of a leaf without a finish reason: every sampled leaf gets one (_add, tool turns, timeouts)"
+_SHORTFALL = ("unreachable: sampling stops short of width only through the fallback, which "
+              "sets its own shortfall reason (_reasons itself is tested directly)")
+_CHUNKS = "the LM head in chunks or whole: the same log-probs (chunking saves memory; tests/test_lm_head.py pins that no [tokens, vocab] logits appear)"
+_ZEROS = ("the prompt's zero weights in float32 for float64: torch.cat promotes them to the "
+          "float64 of the node weights beside them, and 0 is exact in both")
+_NO_LEAVES = ("unreachable: every node of a tree has a leaf below it, so _node_weights never takes its 'no leaves' branch")
+EQUIVALENT: dict[str, str] = {
+    "arbor.packing.x__node_weights__mutmut_44": _NO_LEAVES,
+    "arbor.packing.x__node_weights__mutmut_46": _NO_LEAVES,
+    "arbor.packing.x__node_weights__mutmut_49": _NO_LEAVES,
+    "arbor.packing.x__node_weights__mutmut_50": _NO_LEAVES,
+    "arbor.packing.x__node_weights__mutmut_51": _NO_LEAVES,
+    "arbor.packing.x__node_weights__mutmut_52": _NO_LEAVES,
+    "arbor.packing.x__node_weights__mutmut_53": _NO_LEAVES,
+    "arbor.packing.x__node_weights__mutmut_54": _NO_LEAVES,
+    "arbor.packing.x__node_weights__mutmut_55": _NO_LEAVES,
+    "arbor.packing.x__node_weights__mutmut_56": _NO_LEAVES,
+    "arbor.packing.x__node_weights__mutmut_63": _NO_LEAVES,
+    "arbor.packing.x__node_weights__mutmut_64": _NO_LEAVES,
+    "arbor.packing.x__serialise__mutmut_20": _ZEROS,
+    "arbor.packing.x__serialise__mutmut_22": _ZEROS,
+    "arbor.packing.x_pack_trees__mutmut_1":
+        "default pack_tokens 16385 for 16384: only a tree of exactly 16 385 tokens tells them apart",
+    "arbor.rewards.xǁRewardPoolǁ_collect_finished__mutmut_27":
+        "break for continue after keeping a finished result: a worker left busy is restarted at "
+        "the start of the next batch anyway (score's first loop)",
+    "arbor.packing.x_assign_to_ranks__mutmut_18":
+        "every rank's load starts at 1.0 for 0.0: the same offset on every rank, the same choices",
+    "arbor.rewards.xǁRewardPoolǁ_collect_finished__mutmut_8":
+        "poll(1) for poll(0) when a batch stops: waits up to 1 s more for a busy worker's "
+        "answer before restarting it; the same results unless a check ends within that second",
+    "arbor.loss.x_pack_token_logprobs__mutmut_4": _CHUNKS,
+    "arbor.loss.x_pack_token_logprobs__mutmut_9": _CHUNKS,
+    "arbor.loss.x_pack_token_logprobs__mutmut_10": _CHUNKS,
+    "arbor.loss.x_pack_token_logprobs__mutmut_14": _CHUNKS,
+    "arbor.loss.x_policy_loss__mutmut_15": _CHUNKS,
+    "arbor.loss.x_linear_token_logprobs__mutmut_47":
+        "no attention mask on right-padded sequences: causal attention never lets a real token "
+        "see the padding after it, so its logits are the same",
+    "arbor.loss.x_pack_loss__mutmut_28":
+        "the attention implementation not passed on: 'auto' instead, the same log-probs",
+    "arbor.loss.x_policy_loss__mutmut_107":
+        "'or' for 'and' in the no-trees assert: total and all_sums are None together or not at all",
+    "arbor.loss.x_pack_token_logprobs__mutmut_7":
+        "targets .to(None) for .to(the model's device): a no-op where model and pack are on the CPU",
+    "arbor.loss.x_pack_token_logprobs__mutmut_29":
+        "packed_logits' own default attention is 'auto', the value passed",
+    "arbor.sampler.x__in_daemon_thread__mutmut_16": _THREAD_NAME,
+    "arbor.sampler.x__in_daemon_thread__mutmut_19": _THREAD_NAME,
+    "arbor.sampler.x__in_daemon_thread__mutmut_21": _THREAD_NAME,
+    "arbor.sampler.xǁ_TreeSamplerǁrun__mutmut_10": _ROOT_OFFSET,
+    "arbor.sampler.xǁ_TreeSamplerǁrun__mutmut_42": _ROOT_OFFSET,
+    "arbor.sampler.xǁ_TreeSamplerǁ_fallback__mutmut_24": _ROOT_OFFSET,
+    "arbor.sampler.x__response_upto__mutmut_2":
+        "tree.response_ids(root) is [] anyway: the guard only saves a call",
+    "arbor.sampler.xǁ_TreeSamplerǁ_path_at__mutmut_3":
+        "tree.path(root) is [] anyway: the guard only saves a call",
+    "arbor.sampler.xǁ_TreeSamplerǁ_done__mutmut_6": _NO_REASON,
+    "arbor.sampler.xǁ_TreeSamplerǁ_done__mutmut_13": _NO_REASON,
+    "arbor.sampler.xǁ_TreeSamplerǁ_done__mutmut_20": _SHORTFALL,
+    "arbor.sampler.xǁ_TreeSamplerǁ_done__mutmut_21": _SHORTFALL,
+    "arbor.rewards.xǁRewardPoolǁ_replace__mutmut_1":
+        "join() without its 5 s limit right after SIGKILL: a killed process exits, join returns",
+    "arbor.rewards.xǁRewardPoolǁscore__mutmut_58":
+        ">= for > against start_timeout_s: the clock never lands on the exact limit",
+    "arbor.loss.x_policy_loss__mutmut_11":
+        "default pack_tokens 16385 for 16384: only a tree of exactly 16 385 tokens tells them apart",
+    "arbor.advantage.x__std__mutmut_3":
+        "_std of < 2 values returns 1.0 for 0.0: it only divides R − mean (0 for one leaf) and "
+        "V(node) − V(parent) (0 without siblings), so every result is still 0",
+    "arbor.advantage.x_reinforce_pp_advantages__mutmut_6":
+        "std_normalize=None for False: both are falsy, Dr.GRPO either way",
+    "arbor.sampler_budget.x_is_repetitive__mutmut_4":
+        "the short-cut at len < window + count − 2: at exactly window + count − 2 items there are "
+        "count − 1 windows, too few to repeat count times, so the full count says False too",
+    "arbor.sampler_budget.x_is_repetitive__mutmut_13":
+        "one more window, cut short at the end: a shorter tuple equals no full window and occurs "
+        "once, so it reaches count only when count is 1, when a full window already does",
+    "arbor.sampler_budget.x_largest_remainder__mutmut_3":
+        "floor(q − 1e-9): an exact integer quota floors one lower with remainder 1.0, the largest "
+        "possible, so it gets its unit back first: the same integers",
+    "arbor.advantage.x_treepo_advantages__mutmut_34":
+        "weight 2.0 for 1.0 in the 'mean' aggregate: num and den both double, exactly",
+}
+
+COPIED = ("arbor", "tests", "rewards", "agents")  # what the tests import or read
+
+
+def _config(module: str) -> str:
+    tests = ", ".join(f'"{t}"' for t in TESTS[module])
+    return (
+        "[tool.mutmut]\n"
+        'source_paths = ["arbor"]\n'
+        f'only_mutate = ["arbor/{module}.py"]\n'
+        f"pytest_add_cli_args_test_selection = [{tests}]\n"
+        '# -p no:cacheprovider: the copy has no .pytest_cache worth keeping\n'
+        'pytest_add_cli_args = ["-q", "-p", "no:cacheprovider", "-p", "no:randomly"]\n'
+        '# torch is not fork-safe once initialised: fork mutants from a clean server\n'
+        'process_isolation = "forkserver"\n'
+        "use_git_change_detection = false\n"
+    )
+
+
+def _prepare(module: str) -> Path:
+    """The scratch copy for ``module``: fresh sources, mutmut's cache kept."""
+    work = ROOT / ".mutation" / module
+    work.mkdir(parents=True, exist_ok=True)
+    for name in COPIED:
+        shutil.rmtree(work / name, ignore_errors=True)
+        shutil.copytree(ROOT / name, work / name,
+                        ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    (work / "pyproject.toml").write_text(pyproject + "\n" + _config(module))
+    # mutmut maps each function to the tests that reach it once, and re-maps only tests with
+    # new names: after an edit to a test, its old map would skip it. Start the map afresh.
+    digest = hashlib.sha256(b"".join((work / "tests" / name).read_bytes()
+                                     for name in sorted(os.listdir(work / "tests"))
+                                     if name.endswith(".py"))).hexdigest()
+    seen = work / "tests.sha256"
+    if not seen.exists() or seen.read_text() != digest:
+        (work / "mutants" / "mutmut-stats.json").unlink(missing_ok=True)
+        seen.write_text(digest)
+    return work
+
+
+def _results(work: Path, env: dict[str, str]) -> dict[str, str]:
+    """mutant name -> status ("killed", "survived", "no tests", "timeout", ...)."""
+    out = subprocess.run([sys.executable, "-m", "mutmut", "results", "--all", "true"],
+                         cwd=work, env=env, capture_output=True, text=True, check=True).stdout
+    statuses = {}
+    for line in out.splitlines():
+        match = re.match(r"\s*(\S+): (.+)$", line)
+        if match:
+            statuses[match[1]] = match[2].strip()
+    return statuses
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("module", nargs="?", choices=sorted(TESTS))
+    parser.add_argument("--show", action="store_true", help="print the diff of every survivor")
+    parser.add_argument("--list", action="store_true", help="list the modules and their tests")
+    parser.add_argument("--sample", type=int, default=0, metavar="N",
+                        help="test only N mutants drawn at random (seed 0) and score those: an "
+                             "estimate for a busy machine; without it every mutant is tested")
+    parser.add_argument("--report", action="store_true",
+                        help="only report the last (or running) run's verdicts, run nothing")
+    args = parser.parse_args()
+    if args.list or args.module is None:
+        for module, tests in TESTS.items():
+            print(f"{module:15} {' '.join(tests)}")
+        return 0
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # import the mutants' copy
+    env.setdefault("OMP_NUM_THREADS", "1")
+    if args.report:
+        return _report(args.module, ROOT / ".mutation" / args.module, env, args.show, args.sample)
+    again = (ROOT / ".mutation" / args.module / "mutants").exists()
+    work = _prepare(args.module)
+    log = work / "mutmut-run.log"  # mutmut redraws a progress line many times a second
+    prefix = f"arbor.{args.module}."
+    run = [sys.executable, "-m", "mutmut", "run", "--max-children", "2"]
+    with log.open("w") as out:
+        if args.sample:
+            # Generate the mutants and map the tests, testing none (the pattern matches none) ...
+            subprocess.run(run + [f"{prefix}zzz_no_such_mutant*"], cwd=work, env=env, stdout=out,
+                           stderr=subprocess.STDOUT, check=False)
+            names = sorted(n for n in _results(work, env) if n.startswith(prefix) and n not in EQUIVALENT)
+            sample = random.Random(0).sample(names, min(args.sample, len(names)))
+            (work / "sample.txt").write_text("\n".join(sample) + "\n")
+            # ... then test the drawn ones that an earlier run has not already seen killed.
+            known = _results(work, env)
+            left = [n for n in sample if known.get(n) not in ("killed", "timeout")]
+            if left:
+                subprocess.run(run + left, cwd=work, env=env, stdout=out, stderr=subprocess.STDOUT,
+                               check=False)
+        else:
+            subprocess.run(run, cwd=work, env=env, stdout=out, stderr=subprocess.STDOUT, check=False)
+            if again:
+                # mutmut keeps a survivor's verdict until its function changes: tests added
+                # since the last run are tried on the survivors only when they are named.
+                left = [n for n, s in _results(work, env).items()
+                        if n.startswith(prefix) and s not in ("killed", "timeout")]
+                if left:
+                    subprocess.run(run + left, cwd=work, env=env, stdout=out,
+                                   stderr=subprocess.STDOUT, check=False)
+    progress = re.findall(r"(\d+/\d+ +🎉.*?🧙 \d+)", log.read_text())
+    print(progress[-1] if progress else f"mutmut printed no progress: see {log}")
+    return _report(args.module, work, env, args.show, args.sample)
+
+
+def _report(module: str, work: Path, env: dict[str, str], show: bool, sample: int = 0) -> int:
+    """Print the equivalent mutants, the survivors and the RESULT line of ``module``
+    (``sample``: of the mutants the last ``--sample`` run drew)."""
+    prefix = f"arbor.{module}."
+    statuses = _results(work, env)
+    mine = {name: s for name, s in statuses.items() if name.startswith(prefix)}
+    if sample:
+        drawn = set((work / "sample.txt").read_text().split())
+        mine = {name: s for name, s in mine.items() if name in drawn or name in EQUIVALENT}
+    # A listed mutant that a test now kills was not equivalent after all: it counts as killed.
+    equivalent = sorted(name for name, s in mine.items() if name in EQUIVALENT and s != "killed")
+    scored = {name: s for name, s in mine.items() if name not in equivalent}
+    killed = sum(s == "killed" or s == "timeout" for s in scored.values())
+    # "not checked": the run was stopped before it got there (it resumes where it stopped).
+    unchecked = sorted(name for name, s in scored.items() if s == "not checked")
+    survivors = sorted(name for name, s in scored.items()
+                       if s not in ("killed", "timeout", "not checked"))
+    for name in equivalent:
+        print(f"equivalent {name}: {EQUIVALENT[name]}")
+    for name in survivors:
+        print(f"{scored[name]:10} {name}")
+        if show:
+            subprocess.run([sys.executable, "-m", "mutmut", "show", name], cwd=work, env=env)
+    total = len(scored) - len(unchecked)
+    score = killed / total if total else 1.0
+    print(f"RESULT module={module} killed={killed} total={total} score={score:.3f} "
+          f"equivalent={len(equivalent)} survived={len(survivors)} not_checked={len(unchecked)}"
+          + (f" sample={sample}" if sample else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
