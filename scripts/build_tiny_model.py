@@ -204,7 +204,12 @@ def main() -> None:
                              "(default 0.35), greedy for cot (default 0.3)")
     parser.add_argument("--corrupt", type=float, default=0.25,
                         help="cot: share of warm-up solutions with one column sum off by one")
-    parser.add_argument("--eval-every", type=int, default=100)
+    parser.add_argument("--eval-every", type=int, default=None,
+                        help="SFT steps between validation evals; default 100 (5 with --task cot: its "
+                             "greedy accuracy climbs from 0.18 to 0.46 in 20 steps)")
+    parser.add_argument("--eval-from", type=int, default=None,
+                        help="no validation before this step; default 0 (500 with --task cot, whose "
+                             "accuracy stays ~0 for its first 500 steps)")
     parser.add_argument("--val-problems", type=int, default=100, help="validation problems for early stopping")
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--lr", type=float, default=3e-3)
@@ -220,6 +225,8 @@ def main() -> None:
     args.out = args.out or str(REPO / "models" / ("tiny-cot" if cot else "tiny-arith"))
     args.data = args.data or str(REPO / "data" / ("cot" if cot else "arith"))
     args.target_acc = args.target_acc if args.target_acc is not None else (0.3 if cot else 0.35)
+    args.eval_every = args.eval_every or (5 if cot else 100)
+    args.eval_from = args.eval_from if args.eval_from is not None else (500 if cot else 0)
     max_new_tokens = 128 if cot else 32  # cot answers are ~65 tokens, arith's ~14
 
     from transformers import Qwen2Config, Qwen2ForCausalLM
@@ -266,7 +273,7 @@ def main() -> None:
         if step == 0:
             first_loss = last_loss
         done = step == args.steps - 1
-        if (step + 1) % args.eval_every == 0 or done:
+        if ((step + 1) % args.eval_every == 0 and step + 1 >= args.eval_from) or done:
             model.eval()
             # cot stops on greedy accuracy: the RL bench's start is measured greedily.
             val = evaluate(model, tokenizer, valid[: args.val_problems], samples=0 if cot else 4, seed=args.seed,
