@@ -1,6 +1,6 @@
 """Does the tree pay off? TreePO vs GRPO trained side by side for the same wall-clock budget.
 
-    python scripts/bench_learning.py [--config configs/cot.yaml] [--budget-s 240] [--seeds 2]
+    python scripts/bench_learning.py [--config configs/cot.yaml] [--budget-s 200] [--seeds 2]
         [--evals 6] [--out runs/bench_learning] [section.key=value ...]
     python scripts/bench_learning.py --budget-s 20 --seeds 1 data.prompts_per_step=4   # smoke
 
@@ -30,8 +30,11 @@ and ``accuracy_vs_tokens.png`` into ``--out``, then
 ``RESULT time_to_acc_ratio=<GRPO seconds / TreePO seconds to reach the lower of the two
 final accuracies> final_acc_tree=... final_acc_grpo=... step_speedup=<GRPO / TreePO seconds
 per RL step>``, each the mean over seeds, and a ``SPREAD`` line with every seed's values.
-Wall time: start-up (~20 s an arm) + budget + evals, per arm and seed. Timings only mean
-something on a quiet machine.
+Wall time: per arm and seed, start-up (~20 s quiet) + the budget + 7 greedy evals of the 200
+held-out problems; the defaults (2 seeds x 2 arms x 200 s) come to ~20 min on a quiet 2-core
+machine (an estimate: not timed quiet yet). Timings only mean something on a quiet machine:
+on a loaded one the reward pool's math-verify calls time out (scored 0) and start-up alone
+takes minutes.
 """
 
 from __future__ import annotations
@@ -186,7 +189,7 @@ def plot(curves: list[Curve], out: Path) -> list[Path]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", default=str(REPO / "configs" / "cot.yaml"))
-    parser.add_argument("--budget-s", type=float, default=240.0, help="training seconds per arm and seed")
+    parser.add_argument("--budget-s", type=float, default=200.0, help="training seconds per arm and seed")
     parser.add_argument("--seeds", type=int, default=2, help="run.seed 0..N-1, each trained by both arms")
     parser.add_argument("--evals", type=int, default=6, help="greedy evals per run after the start one")
     parser.add_argument("--out", default=str(REPO / "runs" / "bench_learning"))
