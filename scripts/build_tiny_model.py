@@ -2,6 +2,13 @@
 
     python scripts/build_tiny_model.py                      # -> models/tiny-arith, data/arith
     python scripts/build_tiny_model.py --steps 50 --out /tmp/tiny --data /tmp/arith
+    python scripts/build_tiny_model.py --task cot            # -> models/tiny-cot, data/cot
+
+``--task cot`` builds the chain-of-thought variant (``scripts/cot_task.py``): the same
+tokenizer recipe and architecture, warm-started on six-digit column additions worked
+digit by digit (~65 answer tokens before ``\\boxed{}``), some of them with a slip carried
+through (``--corrupt``), and stopped as soon as its *greedy* validation accuracy reaches
+``--target-acc`` (default 0.3): the start of ``scripts/bench_learning.py``'s RL runs.
 
 No download: the byte-level BPE tokenizer (digits always one per token) is trained here on
 the synthetic corpus, the model (Qwen2 architecture, ~0.9M parameters, 3.4 MB) starts
@@ -42,6 +49,9 @@ from arbor.data import format_prompt  # noqa: E402
 from arbor.learner import Learner  # noqa: E402
 from arbor.sft import SftExample, encode_example, sft_step  # noqa: E402
 
+sys.path.insert(0, str(REPO / "scripts"))
+import cot_task  # noqa: E402
+
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 EOS, PAD = "<|im_end|>", "<|endoftext|>"
 CHAT_TEMPLATE = (
@@ -52,6 +62,8 @@ CHAT_TEMPLATE = (
 PROMPT_SUFFIX = " Put the answer in \\boxed{}."
 DATA_CFG = DataConfig(prompt_suffix=PROMPT_SUFFIX, system_prompt=None)
 N_PROBLEMS = 4000  # at most; fewer when the operand range has fewer distinct problems
+# --task cot: test, valid, train (RL) and the warm-up's problems, all distinct.
+COT_SPLITS = {"test": 200, "valid": 100, "train": 1000, "sft": 20000}
 
 
 def make_problem(rng: random.Random, index: int, max_operand: int) -> dict[str, str]:
@@ -67,14 +79,8 @@ def make_problem(rng: random.Random, index: int, max_operand: int) -> dict[str, 
 
 def make_problems(seed: int, max_operand: int) -> list[dict[str, str]]:
     """Distinct problems (no prompt in two splits), in a seeded order."""
-    rng, seen, problems = random.Random(seed), set(), []
     n = min(N_PROBLEMS, (max_operand + 1) ** 2 + (max_operand + 1) * (max_operand + 2) // 2)  # distinct a+b, a-b
-    while len(problems) < n:
-        p = make_problem(rng, len(problems), max_operand)
-        if p["prompt"] not in seen:
-            seen.add(p["prompt"])
-            problems.append(p)
-    return problems
+    return cot_task.distinct_problems(lambda rng, index: make_problem(rng, index, max_operand), seed, n)
 
 
 def build_tokenizer(corpus: list[str], vocab_size: int, out: Path) -> Any:
@@ -169,14 +175,40 @@ def evaluate(model: Any, tokenizer: Any, problems: Sequence[dict[str, str]], sam
             "mean_len": sum(lengths) / len(lengths)}
 
 
+def split_problems(args: argparse.Namespace) -> dict[str, list[dict[str, str]]]:
+    """The task's problems in disjoint splits: test (reported), valid (early stopping),
+    train (the RL run's problems, never seen in SFT, so RL has to generalise too) and sft."""
+    if args.task == "cot":
+        problems = cot_task.make_problems(args.seed, sum(COT_SPLITS.values()), args.corrupt)
+        splits, start = {}, 0
+        for name, count in COT_SPLITS.items():
+            splits[name], start = problems[start:start + count], start + count
+        return splits
+    problems = make_problems(args.seed, args.max_operand)
+    n_test, n_valid = min(200, len(problems) // 5), min(100, len(problems) // 10)
+    n_train = (len(problems) - n_test - n_valid) * 2 // 5
+    return {"test": problems[:n_test], "valid": problems[n_test:n_test + n_valid],
+            "train": problems[n_test + n_valid:n_test + n_valid + n_train],
+            "sft": problems[n_test + n_valid + n_train:]}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", default=str(REPO / "models" / "tiny-arith"))
-    parser.add_argument("--data", default=str(REPO / "data" / "arith"))
+    parser.add_argument("--task", choices=["arith", "cot"], default="arith",
+                        help="arith: the quickstart's a+b; cot: six-digit addition worked column by column")
+    parser.add_argument("--out", default=None, help="default: models/tiny-arith (models/tiny-cot with --task cot)")
+    parser.add_argument("--data", default=None, help="default: data/arith (data/cot with --task cot)")
     parser.add_argument("--steps", type=int, default=2500, help="SFT steps at most")
-    parser.add_argument("--target-acc", type=float, default=0.35,
-                        help="stop once the sampled (T=1) validation accuracy reaches this")
-    parser.add_argument("--eval-every", type=int, default=100)
+    parser.add_argument("--target-acc", type=float, default=None,
+                        help="stop once the validation accuracy reaches this: sampled (T=1) for arith "
+                             "(default 0.35), greedy for cot (default 0.3)")
+    parser.add_argument("--corrupt", type=float, default=0.25,
+                        help="cot: share of warm-up solutions with one column sum off by one")
+    parser.add_argument("--eval-every", type=int, default=None,
+                        help="SFT steps between validation evals; default 100 (20 with --task cot, whose "
+                             "greedy accuracy climbs from 0.18 to 0.46 between steps 600 and 620: "
+                             "--eval-every 5 --eval-from 500 stops nearer --target-acc)")
+    parser.add_argument("--eval-from", type=int, default=0, help="no validation before this step")
     parser.add_argument("--val-problems", type=int, default=100, help="validation problems for early stopping")
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--lr", type=float, default=3e-3)
@@ -188,23 +220,25 @@ def main() -> None:
     parser.add_argument("--eval-problems", type=int, default=200, help="test problems for the final report")
     parser.add_argument("--eval-samples", type=int, default=8, help="samples per test problem at T=1")
     args = parser.parse_args()
+    cot = args.task == "cot"
+    args.out = args.out or str(REPO / "models" / ("tiny-cot" if cot else "tiny-arith"))
+    args.data = args.data or str(REPO / "data" / ("cot" if cot else "arith"))
+    args.target_acc = args.target_acc if args.target_acc is not None else (0.3 if cot else 0.35)
+    args.eval_every = args.eval_every or (20 if cot else 100)
+    max_new_tokens = 128 if cot else 32  # cot answers are ~65 tokens, arith's ~14
 
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     t_start = time.monotonic()
     torch.manual_seed(args.seed)
     rng = random.Random(args.seed)
-    problems = make_problems(args.seed, args.max_operand)
-    # Four disjoint splits: test (reported), valid (early stopping), train (the RL run's
-    # problems, never seen in SFT, so RL has to generalise too) and sft (the warm-up's).
-    n_test, n_valid = min(200, len(problems) // 5), min(100, len(problems) // 10)
-    n_train = (len(problems) - n_test - n_valid) * 2 // 5
-    test, valid = problems[:n_test], problems[n_test:n_test + n_valid]
-    train = problems[n_test + n_valid:n_test + n_valid + n_train]
-    sft = problems[n_test + n_valid + n_train:]
+    splits = split_problems(args)
+    problems = [p for rows in splits.values() for p in rows]
+    test, valid, train, sft = splits["test"], splits["valid"], splits["train"], splits["sft"]
     data = Path(args.data)
     data.mkdir(parents=True, exist_ok=True)
-    for name, rows in (("train", train), ("test", test), ("sft", sft)):
+    # cot's 20,000 warm-up problems are not written: the seed regenerates them.
+    for name, rows in (("train", train), ("test", test)) + ((("sft", sft),) if not cot else ()):
         with (data / f"{name}.jsonl").open("w") as f:
             for p in rows:
                 f.write(json.dumps({k: p[k] for k in ("id", "prompt", "answer")}) + "\n")
@@ -226,7 +260,7 @@ def main() -> None:
     learner = Learner(ModelConfig(path=str(out)), LearnerConfig(backend="torch", device="cpu", dtype="float32"), optim,
                       LossConfig(), total_steps=args.steps, model=model)
     print(f"model: {n_params / 1e6:.2f}M parameters, vocab {len(tokenizer)}; "
-          f"{len(sft)} sft / {len(train)} train / {len(test)} test problems, operands ≤ {args.max_operand}", flush=True)
+          f"{len(sft)} sft / {len(train)} train / {len(test)} test problems, task {args.task}", flush=True)
     examples = {p["id"]: sft_example(tokenizer, p) for p in sft}
     first_loss = last_loss = float("nan")
     t0 = time.monotonic()
@@ -237,11 +271,13 @@ def main() -> None:
         if step == 0:
             first_loss = last_loss
         done = step == args.steps - 1
-        if (step + 1) % args.eval_every == 0 or done:
+        if ((step + 1) % args.eval_every == 0 and step + 1 >= args.eval_from) or done:
             model.eval()
-            val = evaluate(model, tokenizer, valid[: args.val_problems], samples=4, seed=args.seed)
+            # cot stops on greedy accuracy: the RL bench's start is measured greedily.
+            val = evaluate(model, tokenizer, valid[: args.val_problems], samples=0 if cot else 4, seed=args.seed,
+                           max_new_tokens=max_new_tokens)
             print(f"step {step + 1:5d}/{args.steps}  loss {last_loss:.3f}  lr {learner.current_lr():.1e}  "
-                  f"val sampled acc {val['acc']:.2f} format {val['format']:.2f}  "
+                  f"val {'greedy' if cot else 'sampled'} acc {val['acc']:.2f} format {val['format']:.2f}  "
                   f"{time.monotonic() - t0:.0f} s", flush=True)
             if val["acc"] >= args.target_acc:
                 print(f"reached --target-acc {args.target_acc}: stopping at step {step + 1}", flush=True)
@@ -254,8 +290,9 @@ def main() -> None:
     model.save_pretrained(out)
     model.generation_config.save_pretrained(out)
     evaluated = test[: args.eval_problems]
-    sampled = evaluate(model, tokenizer, evaluated, samples=args.eval_samples, seed=args.seed + 1)
-    greedy = evaluate(model, tokenizer, evaluated, samples=0, seed=args.seed)
+    sampled = evaluate(model, tokenizer, evaluated, samples=args.eval_samples, seed=args.seed + 1,
+                       max_new_tokens=max_new_tokens)
+    greedy = evaluate(model, tokenizer, evaluated, samples=0, seed=args.seed, max_new_tokens=max_new_tokens)
     size = sum(f.stat().st_size for f in out.iterdir()) / 2**20
     print(f"{len(evaluated)} test problems: sampled (T=1, {args.eval_samples} each) acc {sampled['acc']:.3f} "
           f"format {sampled['format']:.3f} answer tokens mean {sampled['mean_len']:.1f} max {sampled['max_len']}; "

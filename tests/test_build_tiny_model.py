@@ -70,3 +70,51 @@ def test_builder_writes_loadable_model_and_data(tmp_path):
     for row in splits["train"][:50]:
         a, op, b = re.fullmatch(r"What is (\d+)([+-])(\d+)\?", row["prompt"]).groups()
         assert str(int(a) + int(b) if op == "+" else int(a) - int(b)) == row["answer"]
+
+
+def test_cot_task_works_columns_and_slips_consistently():
+    sys.path.insert(0, str(REPO / "scripts"))
+    import cot_task
+
+    # 528173+309468: units 3+8+0=11 (write 1, carry 1), tens 7+6+1=14, ... = 837641.
+    assert cot_task.solve([528173, 309468]) == (
+        "3+8+0=11, 7+6+1=14, 1+4+1=6, 8+9+0=17, 2+0+1=3, 5+3+0=8, \\boxed{837641}")
+    # A slip of +1 in the hundreds (6 -> 7) is carried on: the boxed answer is 100 more.
+    assert cot_task.solve([528173, 309468], slip_column=2, slip=1).endswith(
+        "1+4+1=7, 8+9+0=17, 2+0+1=3, 5+3+0=8, \\boxed{837741}")
+    # A column of zeros slips up, never to -1.
+    assert cot_task.solve([100000, 100000], slip_column=0, slip=-1).startswith("0+0+0=1, ")
+    problems = cot_task.make_problems(seed=3, count=400, corrupt=0.5)
+    assert problems == cot_task.make_problems(seed=3, count=400, corrupt=0.5)  # seeded
+    assert len({p["prompt"] for p in problems}) == 400
+    for p in problems:
+        a, b = map(int, re.fullmatch(r"What is (\d{6})\+(\d{6})\?", p["prompt"]).groups())
+        assert p["answer"] == str(a + b)
+    boxed = [re.search(r"\\boxed\{(\d+)\}$", p["solution"])[1] for p in problems]
+    wrong = sum(b != p["answer"] for b, p in zip(boxed, problems))
+    assert 150 < wrong < 250  # about half the solutions slip, and a slip changes the answer
+
+
+def test_builder_cot_task_writes_disjoint_splits_and_long_answers(tmp_path):
+    out, data = tmp_path / "model", tmp_path / "data"
+    run = subprocess.run(
+        [sys.executable, str(REPO / "scripts/build_tiny_model.py"), "--task", "cot", "--steps", "3", "--batch", "4",
+         "--hidden", "64", "--layers", "1", "--eval-every", "1000", "--val-problems", "2",
+         "--eval-problems", "2", "--eval-samples", "1", "--out", str(out), "--data", str(data)],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "task cot" in run.stdout and re.search(r"^RESULT sampled_acc=", run.stdout, re.M)
+    splits = {name: [json.loads(line) for line in (data / f"{name}.jsonl").read_text().splitlines()]
+              for name in ("train", "test")}
+    assert (len(splits["train"]), len(splits["test"])) == (1000, 200)
+    assert not {r["prompt"] for r in splits["train"]} & {r["prompt"] for r in splits["test"]}
+    assert not (data / "sft.jsonl").exists()  # 20,000 warm-up problems: the seed regenerates them
+    # The worked answers are 60-150 tokens with the built tokenizer: trees have prefixes to share.
+    sys.path.insert(0, str(REPO / "scripts"))
+    import cot_task
+
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    script = _script()
+    lengths = [len(script.answer_ids(tokenizer, p)) for p in cot_task.make_problems(0, 50, corrupt=0.0)]
+    assert 60 <= min(lengths) and max(lengths) <= 150, lengths

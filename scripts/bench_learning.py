@@ -1,0 +1,222 @@
+"""Does the tree pay off? TreePO vs GRPO trained side by side for the same wall-clock budget.
+
+    python scripts/bench_learning.py [--config configs/cot.yaml] [--budget-s 200] [--seeds 2]
+        [--evals 6] [--out runs/bench_learning] [section.key=value ...]
+    python scripts/bench_learning.py --budget-s 20 --seeds 1 data.prompts_per_step=4   # smoke
+
+Trains the config's model on its data twice per seed with the real trainer
+(:func:`arbor.trainer.train`: engines, reward pool, DeepSpeed learner, weight sync):
+
+- **tree**: TreePO sampling (``rollout.mode: tree``), TreePO subgroup advantages
+  (``algorithm.advantage: treepo``) and tree packing (``loss.mode: tree``): each shared
+  prefix sampled, scored and trained once;
+- **grpo**: independent sampling (``rollout.mode: independent``: one request ``n = width``
+  per prompt), GRPO advantages and linear training (``loss.mode: linear``: every
+  trajectory its own row, packed unpadded under ``learner.pack_tokens``), what verl,
+  slime and OpenRLHF do.
+
+Everything else is the config's and the same for both arms: model, data and its order
+(``run.seed``), reward, learning rate, dynamic sampling, and the group size — the tree's
+``rollout.width`` leaves are the GRPO arm's ``width`` independent answers, under the same
+response budget (``segment_tokens · max_depth``). Each arm trains until its training
+seconds (the step phases, eval excluded, start-up excluded) pass ``--budget-s``; greedy
+accuracy on the held-out set is measured at the start, every ``budget / evals`` training
+seconds and at the end, through the same engines (``eval.*``). Tokens computed are the
+engines' (prefill + decode: ``rollout/tokens_computed``) plus the learner's
+(``train/tokens``: a tree's shared prefix counts once, a linear row's every time).
+
+Writes ``curves.csv`` (arm, seed, step, train_s, tokens, accuracy), ``accuracy_vs_seconds.png``
+and ``accuracy_vs_tokens.png`` into ``--out``, then
+``RESULT time_to_acc_ratio=<GRPO seconds / TreePO seconds to reach the lower of the two
+final accuracies> final_acc_tree=... final_acc_grpo=... step_speedup=<GRPO / TreePO seconds
+per RL step>``, each the mean over seeds, and a ``SPREAD`` line with every seed's values.
+Wall time: per arm and seed, start-up (~20 s quiet) + the budget + 7 greedy evals of the 200
+held-out problems; the defaults (2 seeds x 2 arms x 200 s) come to ~20 min on a quiet 2-core
+machine (an estimate: not timed quiet yet). Timings only mean something on a quiet machine:
+on a loaded one the reward pool's math-verify calls time out (scored 0) and start-up alone
+takes minutes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import math
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from arbor import phases  # noqa: E402
+from arbor.config import load_config  # noqa: E402
+from arbor.metrics import read_metrics  # noqa: E402
+
+# What differs between the arms; everything else comes from the config.
+ARMS = {
+    "tree": ["rollout.mode=tree", "algorithm.advantage=treepo", "loss.mode=tree"],
+    "grpo": ["rollout.mode=independent", "algorithm.advantage=grpo", "loss.mode=linear"],
+}
+# Past any budget: the run ends when the budget does, not at run.steps.
+NO_STEP_LIMIT = 1_000_000
+
+
+@dataclass
+class Curve:
+    """One arm's run: greedy accuracy at cumulative training seconds and tokens."""
+
+    arm: str
+    seed: int
+    points: list[tuple[int, float, float, float]] = field(default_factory=list)  # (step, train_s, tokens, accuracy)
+    steps: int = 0
+    train_s: float = 0.0  # training seconds over all steps (eval excluded)
+
+    @property
+    def final_accuracy(self) -> float:
+        return self.points[-1][3]
+
+    @property
+    def seconds_per_step(self) -> float:
+        return self.train_s / max(self.steps, 1)
+
+
+class BudgetSpent(Exception):
+    """Raised from the trainer's ``after_step`` hook to end a run at its budget."""
+
+
+def run_arm(config: str, arm: str, seed: int, budget_s: float, evals: int, out: Path, overrides: list[str]) -> Curve:
+    """Train one arm with :func:`arbor.trainer.train` until ``budget_s`` training seconds."""
+    from arbor.trainer import train
+
+    output_dir = out / f"{arm}-seed{seed}"
+    cfg = load_config(config, [
+        *overrides, *ARMS[arm], f"run.seed={seed}", f"run.output_dir={output_dir}", f"run.name=bench-{arm}",
+        f"run.steps={NO_STEP_LIMIT}", f"run.eval_every={NO_STEP_LIMIT}",  # the trainer evaluates the start only
+        "run.save_every=0", "run.save_trees_every=0", "run.tensorboard=false", "run.log_every=10",
+    ])
+    curve = Curve(arm, seed)
+    tokens = [0.0]
+    next_eval = [budget_s / evals]
+
+    def after_step(ctx, step: int, metrics: dict[str, float]) -> None:
+        curve.steps = step
+        curve.train_s += metrics["time/step_s"] - metrics.get("time/eval_s", 0.0)
+        tokens[0] += metrics["rollout/tokens_computed"] + metrics.get("train/tokens", 0.0)
+        done = curve.train_s >= budget_s
+        if done or curve.train_s >= next_eval[0]:
+            accuracy = phases.evaluate(ctx, ctx.eval_problems)["eval/accuracy"]
+            curve.points.append((step, curve.train_s, tokens[0], accuracy))
+            print(f"{arm} seed {seed}: step {step}, {curve.train_s:.0f} s, {tokens[0]:.3g} tokens: "
+                  f"greedy accuracy {accuracy:.3f}", flush=True)
+            while next_eval[0] <= curve.train_s:
+                next_eval[0] += budget_s / evals
+        if done:
+            raise BudgetSpent
+
+    try:
+        train(cfg, after_step)
+    except BudgetSpent:
+        pass
+    start = read_metrics(output_dir)[0]  # step 0: the trainer's eval before any training
+    curve.points.insert(0, (0, 0.0, 0.0, start["eval/accuracy"]))
+    return curve
+
+
+def time_to_accuracy(points: list[tuple[int, float, float, float]], target: float) -> float:
+    """Training seconds at which the curve first reaches ``target``, linear between evals;
+    ``inf`` when it never does.
+
+    >>> time_to_accuracy([(0, 0.0, 0, 0.2), (5, 10.0, 0, 0.3), (9, 20.0, 0, 0.5)], 0.4)
+    15.0
+    """
+    for i, (_, seconds, _, accuracy) in enumerate(points):
+        if accuracy >= target:
+            if i == 0:
+                return seconds
+            _, s0, _, a0 = points[i - 1]
+            return s0 + (target - a0) / (accuracy - a0) * (seconds - s0)
+    return math.inf
+
+
+def seed_figures(tree: Curve, grpo: Curve) -> dict[str, float]:
+    """One seed's figures. The target is the lower final accuracy; it must lie above the
+    start (both arms start from the same model), else neither learned and the ratio is nan."""
+    target = min(tree.final_accuracy, grpo.final_accuracy)
+    start = max(tree.points[0][3], grpo.points[0][3])
+    ratio = math.nan
+    if target > start:
+        ratio = time_to_accuracy(grpo.points, target) / time_to_accuracy(tree.points, target)
+    return {"time_to_acc_ratio": ratio, "final_acc_tree": tree.final_accuracy, "final_acc_grpo": grpo.final_accuracy,
+            "step_speedup": grpo.seconds_per_step / tree.seconds_per_step, "target": target, "start": start}
+
+
+def write_csv(curves: list[Curve], path: Path) -> None:
+    with path.open("w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["arm", "seed", "step", "train_s", "tokens_computed", "greedy_accuracy"])
+        for c in curves:
+            for step, seconds, tokens, accuracy in c.points:
+                writer.writerow([c.arm, c.seed, step, f"{seconds:.2f}", int(tokens), f"{accuracy:.4f}"])
+
+
+def plot(curves: list[Curve], out: Path) -> list[Path]:
+    """Accuracy against training seconds and against tokens computed: one line per arm and seed."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, no display
+    import matplotlib.pyplot as plt
+
+    colors = {"tree": "tab:green", "grpo": "tab:blue"}
+    paths = []
+    for x_index, name, label in ((1, "seconds", "training seconds"), (2, "tokens", "tokens computed")):
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for c in curves:
+            ax.plot([p[x_index] for p in c.points], [p[3] for p in c.points], marker="o", color=colors[c.arm],
+                    alpha=0.8, label=f"{'TreePO' if c.arm == 'tree' else 'GRPO'} seed {c.seed}")
+        ax.set_xlabel(label)
+        ax.set_ylabel("greedy held-out accuracy")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        paths.append(out / f"accuracy_vs_{name}.png")
+        fig.savefig(paths[-1], dpi=120)
+        plt.close(fig)
+    return paths
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", default=str(REPO / "configs" / "cot.yaml"))
+    parser.add_argument("--budget-s", type=float, default=200.0, help="training seconds per arm and seed")
+    parser.add_argument("--seeds", type=int, default=2, help="run.seed 0..N-1, each trained by both arms")
+    parser.add_argument("--evals", type=int, default=6, help="greedy evals per run after the start one")
+    parser.add_argument("--out", default=str(REPO / "runs" / "bench_learning"))
+    parser.add_argument("overrides", nargs="*", help="section.key=value for both arms, e.g. data.prompts_per_step=4")
+    args = parser.parse_args()
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = time.monotonic()
+    curves, figures = [], []
+    for seed in range(args.seeds):
+        # Arms alternate so a machine that slows down over the session hurts both alike.
+        pair = {arm: run_arm(args.config, arm, seed, args.budget_s, args.evals, out, args.overrides) for arm in ARMS}
+        curves += pair.values()
+        figures.append(seed_figures(pair["tree"], pair["grpo"]))
+        f = figures[-1]
+        print(f"seed {seed}: tree {pair['tree'].steps} steps ({pair['tree'].seconds_per_step:.1f} s each), "
+              f"grpo {pair['grpo'].steps} steps ({pair['grpo'].seconds_per_step:.1f} s each); start accuracy "
+              f"{f['start']:.3f}, target {f['target']:.3f}: time_to_acc_ratio {f['time_to_acc_ratio']:.2f}", flush=True)
+    write_csv(curves, out / "curves.csv")
+    paths = plot(curves, out)
+    print(f"wrote {out / 'curves.csv'}, {', '.join(map(str, paths))} ({time.monotonic() - t0:.0f} s in all)")
+    keys = ("time_to_acc_ratio", "final_acc_tree", "final_acc_grpo", "step_speedup")
+    mean = {k: sum(f[k] for f in figures) / len(figures) for k in keys}  # nan if any seed's ratio is nan
+    print("SPREAD " + " ".join(f"{k}=" + ",".join(f"{f[k]:.3f}" for f in figures) for k in keys))
+    print("RESULT " + " ".join(f"{k}={mean[k]:.3f}" for k in keys), flush=True)
+
+
+if __name__ == "__main__":
+    main()

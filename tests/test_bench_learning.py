@@ -1,0 +1,71 @@
+"""scripts/bench_learning.py: its figures by hand, and a smoke run of both arms through the real trainer."""
+
+import csv
+import importlib.util
+import math
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _script():
+    spec = importlib.util.spec_from_file_location("bench_learning", REPO / "scripts/bench_learning.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["bench_learning"] = module  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_time_to_accuracy_interpolates_between_evals():
+    script = _script()
+    points = [(0, 0.0, 0, 0.2), (4, 10.0, 0, 0.3), (8, 20.0, 0, 0.5)]
+    assert script.time_to_accuracy(points, 0.2) == 0.0  # already there at the start
+    assert script.time_to_accuracy(points, 0.3) == 10.0
+    assert script.time_to_accuracy(points, 0.4) == 15.0  # halfway from 0.3 (10 s) to 0.5 (20 s)
+    assert script.time_to_accuracy(points, 0.6) == math.inf
+
+
+def test_seed_figures_take_the_lower_final_accuracy_as_the_target():
+    script = _script()
+    tree = script.Curve("tree", 0, [(0, 0.0, 0, 0.2), (5, 10.0, 0, 0.4), (10, 20.0, 0, 0.5)], steps=10, train_s=20.0)
+    grpo = script.Curve("grpo", 0, [(0, 0.0, 0, 0.2), (4, 10.0, 0, 0.3), (8, 20.0, 0, 0.4)], steps=8, train_s=20.0)
+    figures = script.seed_figures(tree, grpo)
+    # Target 0.4 (GRPO's final): GRPO at 20 s, the tree at 10 s; steps of 2.5 s vs 2.0 s.
+    assert figures["target"] == 0.4 and figures["time_to_acc_ratio"] == 2.0
+    assert figures["step_speedup"] == 1.25
+    assert (figures["final_acc_tree"], figures["final_acc_grpo"]) == (0.5, 0.4)
+    # Neither arm rose above the start: no time to compare.
+    flat = script.Curve("grpo", 0, [(0, 0.0, 0, 0.2), (8, 20.0, 0, 0.2)], steps=8, train_s=20.0)
+    assert math.isnan(script.seed_figures(tree, flat)["time_to_acc_ratio"])
+
+
+def test_smoke_run_trains_both_arms_and_writes_csv_plots_and_result(tmp_path):
+    run = subprocess.run(
+        [sys.executable, str(REPO / "scripts/bench_learning.py"), "--budget-s", "1", "--seeds", "1", "--evals", "1",
+         "--out", str(tmp_path), "data.prompts_per_step=2", "eval.max_problems=4", "algorithm.dynamic_sampling=false",
+         "rollout.segment_tokens=8", "rollout.max_depth=2", "eval.max_response_tokens=16",
+         "reward.workers=1"],
+        capture_output=True, text=True, timeout=600, cwd=REPO,
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert re.search(r"^RESULT time_to_acc_ratio=\S+ final_acc_tree=[\d.]+ final_acc_grpo=[\d.]+ step_speedup=[\d.]+$",
+                     run.stdout, re.M), run.stdout
+    assert re.search(r"^SPREAD time_to_acc_ratio=\S+ final_acc_tree=[\d.]+ ", run.stdout, re.M)
+    rows = list(csv.DictReader((tmp_path / "curves.csv").open()))
+    by_arm = {arm: [r for r in rows if r["arm"] == arm] for arm in ("tree", "grpo")}
+    for arm_rows in by_arm.values():
+        # The start eval, then at least one after the budget ran out (one step at least).
+        assert len(arm_rows) >= 2 and arm_rows[0]["step"] == "0" and int(arm_rows[-1]["step"]) >= 1
+        assert float(arm_rows[-1]["train_s"]) >= 1.0 and int(arm_rows[-1]["tokens_computed"]) > 0
+    # Both arms start from the same model, evaluated greedily on the same problems.
+    assert by_arm["tree"][0]["greedy_accuracy"] == by_arm["grpo"][0]["greedy_accuracy"]
+    for name in ("accuracy_vs_seconds.png", "accuracy_vs_tokens.png"):
+        assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # Each arm's run used its own sampler, advantage and loss mode.
+    tree_cfg = (tmp_path / "tree-seed0" / "config.yaml").read_text()
+    grpo_cfg = (tmp_path / "grpo-seed0" / "config.yaml").read_text()
+    assert "mode: independent" in grpo_cfg and "advantage: grpo" in grpo_cfg and "mode: linear" in grpo_cfg
+    assert "mode: tree" in tree_cfg and "advantage: treepo" in tree_cfg
