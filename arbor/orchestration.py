@@ -4,7 +4,7 @@
     placement = Placement(cfg)                      # one placement group for the whole run
     engines = EngineGroup(cfg, placement)          # engines[i] on its bundle; .urls
     learners = LearnerGroup(cfg, placement, total_steps=cfg.run.steps)
-    sums = learners.step(packs_per_rank, denominator)   # one update on every rank
+    results = learners.step(packs_per_rank, denominator)  # one update on every rank
     learners.push_weights(engines.urls, version="3")    # ZeRO-3 gather → engines
 
 Each learner rank is a Ray actor that sets its torch.distributed variables (rank 0's node
@@ -309,16 +309,12 @@ class LearnerGroup:
         ]
         self.output_dir = cfg.run.output_dir
         master = self.results([self.workers[0].address.remote()])[0]
-        self.call("setup", master, total_steps)
+        self.results([w.setup.remote(master, total_steps) for w in self.workers])
         self.weight_version: str | None = None  # what the engines serve; None: model.path's weights
 
     @property
     def world_size(self) -> int:
         return len(self.workers)
-
-    def call(self, method: str, *args: Any) -> list[Any]:
-        """``method(*args)`` on every rank at once (collectives need all ranks); results by rank."""
-        return self.results([getattr(w, method).remote(*args) for w in self.workers])
 
     def results(self, refs: list[Any]) -> list[Any]:
         """``ray.get(refs)`` (ref r from rank r), or LearnerFailedError as soon as a rank is lost."""
@@ -347,12 +343,34 @@ class LearnerGroup:
             for w, p in zip(self.workers, packs_per_rank)
         ])
 
+    # Every method below runs on all ranks at once (collectives need every rank); results by rank.
+
     def push_weights(self, urls: list[str], version: str) -> None:
-        self.call("push_weights", urls, version)
+        self.results([w.push_weights.remote(urls, version) for w in self.workers])
         self.weight_version = version
 
     def logprob_gap(self, samples: list[tuple[list[int], list[int], list[float]]]) -> float:
-        return self.call("logprob_gap", samples)[0]
+        return self.results([w.logprob_gap.remote(samples) for w in self.workers])[0]
+
+    def save(self, directory: str) -> None:
+        """Every rank's model, optimizer and schedule state under ``directory``."""
+        self.results([w.save.remote(directory) for w in self.workers])
+
+    def load(self, directory: str) -> None:
+        """Every rank's state from a :meth:`save` directory."""
+        self.results([w.load.remote(directory) for w in self.workers])
+
+    def export_hf(self, directory: str) -> None:
+        """The current weights as an HF directory (gathered from every rank; rank 0 writes)."""
+        self.results([w.export_hf.remote(directory) for w in self.workers])
+
+    def reset_weight_sync(self, alive_urls: list[str]) -> None:
+        """Drop the weight-update group after an engine restart (:meth:`LearnerWorker.reset_weight_sync`)."""
+        self.results([w.reset_weight_sync.remote(alive_urls) for w in self.workers])
+
+    def state_checksum(self) -> list[float]:
+        """Σ |parameters| as each rank sees the whole model (tests: "did weights change")."""
+        return self.results([w.state_checksum.remote() for w in self.workers])
 
     def shutdown(self) -> None:
         import ray

@@ -201,7 +201,7 @@ class RunContext:
     def save_checkpoint(self, step: int) -> None:
         self.log.status(f"saving checkpoint of step {step}…")
         directory = checkpoint.step_dir(self.cfg.run.output_dir, step)
-        self.learners.call("save", str(directory / "learner"))
+        self.learners.save(str(directory / "learner"))
         checkpoint.write_driver_state(directory, {"step": step, "stream": self.stream.state_dict(),
                                                   "schedule_steps": self.schedule_steps})
         checkpoint.mark_latest(self.cfg.run.output_dir, step, keep=self.cfg.run.keep_checkpoints)
@@ -209,7 +209,7 @@ class RunContext:
     def resume(self, directory: Path) -> None:
         """Continue from a checkpoint: learner state, data cursor, RNG, engine weights."""
         state = checkpoint.read_driver_state(directory)
-        self.learners.call("load", str(directory / "learner"))
+        self.learners.load(str(directory / "learner"))
         self.stream.load_state_dict(state["stream"])
         self.start_step = int(state["step"])
         self.learners.push_weights(self.engines.urls, str(self.start_step))
@@ -219,7 +219,7 @@ class RunContext:
     def export_hf(self) -> None:
         """The final policy as an HF directory (safetensors + tokenizer): ``<output_dir>/hf``."""
         self.log.status("exporting the policy…")
-        self.learners.call("export_hf", self.output_dir("hf"))
+        self.learners.export_hf(self.output_dir("hf"))
 
 
 def main(cfg: Config) -> int:
