@@ -32,6 +32,8 @@ from arbor import checkpoint
 from arbor.config import Config, RayConfig
 from arbor.engines.auth import API_KEY_ENV, run_api_key
 from arbor.engines.server import free_port
+from arbor.learner import StepResult
+from arbor.packing import PackedBatch
 
 # Environment every actor needs: no Ray auth token files, CPU DeepSpeed where no CUDA.
 _ACTOR_ENV = ("RAY_AUTH_MODE", "DS_ACCELERATOR", "HF_HUB_OFFLINE", "PYTHONPATH", "TRANSFORMERS_OFFLINE", "PYTHONWARNINGS")
@@ -193,8 +195,8 @@ class LearnerWorker:
         self.learner = Learner(cfg.model, cfg.learner, cfg.optim, cfg.loss, total_steps=total_steps,
                                temperature=cfg.rollout.temperature)
 
-    def step(self, packs: Sequence[Any], denominator: float, filler: Any = None) -> dict[str, float]:
-        return self.learner.step_sums(packs, denominator, filler)
+    def step(self, packs: Sequence[PackedBatch], denominator: float, filler: PackedBatch | None = None) -> StepResult:
+        return self.learner.step(packs, denominator, filler)
 
     def push_weights(self, urls: list[str], version: str) -> None:
         """Gather the parameters (collective) and, on rank 0, send them to every engine.
@@ -335,8 +337,8 @@ class LearnerGroup:
         return ray.get(refs)
 
     def step(
-        self, packs_per_rank: Sequence[Sequence[Any]], denominator: float, filler: Any = None
-    ) -> list[dict[str, float]]:
+        self, packs_per_rank: Sequence[Sequence[PackedBatch]], denominator: float, filler: PackedBatch | None = None
+    ) -> list[StepResult]:
         """One update: rank r trains ``packs_per_rank[r]``; a rank without packs runs ``filler`` at zero loss."""
         return self.results([
             w.step.remote(list(p), denominator, None if p else filler)

@@ -28,7 +28,7 @@ from arbor.config import AlgorithmConfig, Config, DataConfig, EvalConfig, LossCo
 from arbor.data import ProblemStream
 from arbor.engine_recovery import EngineRecovery
 from arbor.engines.client import SGLangClient
-from arbor.learner import sums_metrics
+from arbor.loss import LossStats
 from arbor.metrics import MetricsLog
 from arbor.orchestration import EngineGroup, LearnerGroup, closing
 from arbor.packing import assign_to_ranks, loss_denominator, pack_trees
@@ -171,7 +171,7 @@ def train_on_batch(
 
     ``pack_tokens``: ``learner.pack_tokens``; ``seed``: ``run.seed`` (the epochs' shuffles).
     """
-    sums, norms, lrs = [], [], []
+    stats, norms, lrs = LossStats(), [], []
     order = list(range(len(trees)))
     for epoch in range(algorithm.ppo_epochs):
         if epoch:
@@ -188,10 +188,10 @@ def train_on_batch(
             per_rank = [[packs[i] for i in r] for r in assign_to_ranks(packs, learners.world_size)]
             denominator = loss_denominator(sub_trees, loss_cfg.normalize)
             results = learners.step(per_rank, denominator, filler=packs[0])
-            sums += results
-            norms.append(results[0]["grad_norm"])
-            lrs.append(results[0]["lr"])
-    metrics = {f"train/{k}": v for k, v in sums_metrics(sums).items()}
+            stats = sum((r.stats for r in results), stats)
+            norms.append(results[0].grad_norm)  # the same on every rank
+            lrs.append(results[0].lr)
+    metrics = {f"train/{k}": v for k, v in stats.metrics().items()}
     metrics["train/grad_norm"] = sum(norms) / len(norms)
     metrics["train/lr"] = lrs[-1]
     metrics["train/updates"] = float(len(norms))

@@ -37,7 +37,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from arbor.loss import policy_loss  # noqa: E402
+from arbor.packed_loss import policy_loss  # noqa: E402
 from arbor.tree import RolloutTree  # noqa: E402
 
 VOCAB = 4096

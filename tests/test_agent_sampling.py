@@ -24,7 +24,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from arbor.agents import continuation_ids
 from arbor.config import RolloutConfig, load_config
 from arbor.errors import ConfigError
-from arbor.loss import policy_loss
+from arbor.packed_loss import policy_loss
 from arbor.sampler import sample_trees
 
 MODEL = Path(__file__).resolve().parents[1] / "models" / "tiny-arith"

@@ -6,7 +6,7 @@ import pytest
 import torch
 from test_tree_vs_linear import assert_close, random_advantages, random_tree, tiny
 
-from arbor.loss import pack_loss, policy_loss
+from arbor.packed_loss import pack_loss, policy_loss
 from arbor.packing import linearise_trees, loss_denominator, pack_trees
 from arbor.tree import RolloutTree
 
@@ -90,7 +90,7 @@ def test_packed_chains_equal_the_linear_loss_float64(normalize, per_token):
     assert total == pytest.approx(ref_loss.item(), rel=1e-6, abs=1e-12)
     for ref, p in zip(ref_grads, model.parameters()):
         assert_close(ref, p.grad, 1e-6)
-    metrics = sums.metrics()
-    for name in ("clip_fraction", "approx_kl", "entropy", "logprob_gap", "linearised_tokens"):
+    metrics = sums.stats.metrics()
+    for name in ("loss", "clip_fraction", "approx_kl", "entropy", "logprob_gap", "linearised_tokens"):
         assert metrics[name] == pytest.approx(ref_metrics[name], rel=1e-6, abs=1e-9), name
     assert metrics["tokens"] == ref_metrics["tokens"]  # linear: every trained token unique

@@ -6,7 +6,8 @@ import pytest
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from arbor.logprobs import set_behaviour_logprobs, sft_loss, tree_logprobs
+from arbor.logprobs import set_behaviour_logprobs, tree_logprobs
+from arbor.packed_loss import sft_loss
 from arbor.tree import RolloutTree
 
 

@@ -5,12 +5,13 @@ import math
 import pytest
 import torch
 
+from arbor.lm_head import logprobs_and_entropy
 from arbor.loss import (
+    LossStats,
     LossSums,
     clipped_objective,
     combine,
     kl_penalty,
-    logprobs_and_entropy,
     token_sums,
 )
 
@@ -67,7 +68,7 @@ def test_token_sums_and_metrics_by_hand():
     )
     # objective = 2·1.28 + (-1)·1.5 + (-0.5)·1.0 = 0.56
     assert sums.objective.item() == pytest.approx(0.56)
-    m = sums.metrics()
+    m = sums.stats.metrics()
     assert m["clip_fraction"] == pytest.approx(2 / 4)
     assert m["entropy"] == pytest.approx((3 * 0.7 + 0.1) / 4)
     assert m["logprob_gap"] == pytest.approx(3 * math.log(1.5) / 4)
@@ -78,10 +79,14 @@ def test_token_sums_and_metrics_by_hand():
 
 
 def test_sums_add_across_packs():
-    a = LossSums(t(1.0)[0], t(0.0)[0], t(2.0)[0], clipped=1, tokens=2, linearised_tokens=3)
-    b = LossSums(t(0.5)[0], t(1.0)[0], t(1.0)[0], clipped=2, tokens=1, linearised_tokens=1)
+    a = LossSums(t(1.0)[0], t(0.0)[0], t(2.0)[0], LossStats(loss=0.25, clipped=1, tokens=2, linearised_tokens=3))
+    b = LossSums(t(0.5)[0], t(1.0)[0], t(1.0)[0], LossStats(loss=0.5, clipped=2, tokens=1, linearised_tokens=1))
     c = a + b
-    assert (c.objective.item(), c.clipped, c.tokens, c.linearised_tokens) == (1.5, 3, 3, 4)
+    assert (c.objective.item(), c.entropy.item(), c.stats.clipped, c.stats.tokens) == (1.5, 3.0, 3, 3)
+    # The metrics divide once, after the sums over packs (and ranks): 3 clipped of 4 linearised.
+    m = c.stats.metrics()
+    assert (m["loss"], m["clip_fraction"], m["tokens"], m["linearised_tokens"]) == (0.75, 3 / 4, 3.0, 4.0)
+    assert sum([a.stats, b.stats], LossStats()) == c.stats  # how the trainer adds the ranks' results
 
 
 # -- engine and learner agree at any sampling temperature ------------------------------------
@@ -109,7 +114,7 @@ def test_old_logprobs_from_the_engine_match_the_learner_at_temperature(engine_an
     import asyncio
 
     from arbor.config import RolloutConfig
-    from arbor.loss import policy_loss
+    from arbor.packed_loss import policy_loss
     from arbor.sampler import sample_trees
 
     engine, model = engine_and_model

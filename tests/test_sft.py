@@ -26,8 +26,8 @@ from arbor.config import (
 from arbor.data import DataError
 from arbor.engines.server import free_port
 from arbor.learner import Learner
-from arbor.logprobs import sft_loss
 from arbor.metrics import read_metrics
+from arbor.packed_loss import sft_loss
 from arbor.sft import (
     SftExample,
     _default_distributed_env,

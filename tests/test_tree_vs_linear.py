@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from arbor.loss import policy_loss
+from arbor.packed_loss import policy_loss
 from arbor.tree import RolloutTree
 
 VOCAB = 48
@@ -152,7 +152,7 @@ def test_kl_without_reference_is_an_error():
 def test_learner_style_accumulation_over_packs_and_ranks():
     # The learner calls backward pack by pack with one global denominator, packs spread
     # over ranks: the accumulated gradients equal one linear step over the whole batch.
-    from arbor.loss import pack_loss
+    from arbor.packed_loss import pack_loss
     from arbor.packing import assign_to_ranks, loss_denominator, pack_trees
 
     rng = random.Random(11)
