@@ -90,4 +90,4 @@ class Recheck:
     def step(self, problem, history):
         if any(m["role"] == "tool" for m in history):
             return None
-        return [{"role": "tool", "content": "checked", "error": "1"}]
+        return [{"role": "tool", "content": "checked", "error": True}]
