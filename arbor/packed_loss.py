@@ -1,14 +1,16 @@
 """The policy and SFT losses of a model on rollout trees: forwards on packs, then the pure objective.
 
     loss, metrics = policy_loss(model, trees, advantages)                # tree-packed (default)
-    ref, _ = policy_loss(model, trees, advantages, mode="linear")       # every leaf its own padded row
+    ref, _ = policy_loss(model, trees, advantages, mode="padded")       # every leaf its own padded row
     loss.backward()                                                      # same gradients either way
     loss, sums = pack_loss(model, pack, denominator)                     # one pack's share (the learner)
     nll = sft_loss(model, trees, leaf_weights)                           # weighted NLL, prefixes once
 
 The objective itself is :mod:`arbor.loss` (pure tensor functions); the log-prob forwards
-are :mod:`arbor.logprobs`. ``mode="linear"`` is the reference these must agree with: every
-leaf a right-padded sequence of its own.
+are :mod:`arbor.logprobs`. ``mode="padded"`` is the reference these must agree with: every
+leaf a right-padded sequence of its own (not to be confused with the trainer's
+``loss.mode: linear``, which packs every leaf as a chain of its own:
+:func:`arbor.packing.linearise_trees`).
 
 Log-probs are those of softmax(logits / T) at the rollout temperature T, computed in
 float32 (or wider): the engines (SGLang and arbor's own) report exactly these for each
@@ -43,7 +45,7 @@ from arbor.packing import (
 from arbor.tree import RolloutTree
 from arbor.tree_attention import Attention
 
-LossMode = Literal["tree", "linear"]  # tree-packed, or every leaf its own padded sequence
+LossMode = Literal["tree", "padded"]  # tree-packed, or every leaf its own padded sequence
 
 
 # -- tree-packed ----------------------------------------------------------------------------------
@@ -162,6 +164,14 @@ def _padded_sums(
     )
 
 
+def _check_mode(mode: str) -> None:
+    if mode == "linear":  # the name until #20, when it also meant the trainer's packed chains
+        raise ValueError("mode 'linear' is now 'padded' (every leaf its own padded sequence); the trainer's "
+                         "loss.mode: linear (every leaf its own packed chain) is arbor.packing.linearise_trees")
+    if mode != "tree":
+        raise ValueError(f"mode must be 'tree' or 'padded', got {mode!r}")
+
+
 # -- public entry points ------------------------------------------------------------------------------
 
 
@@ -191,7 +201,7 @@ def policy_loss(
     ``entropy``, ``logprob_gap``, ``kl``, ``tokens``, ``linearised_tokens``), weighted so
     both modes report the same numbers.
 
-    ``mode``: ``"tree"`` packs each tree once; ``"linear"`` forwards every leaf as its own
+    ``mode``: ``"tree"`` packs each tree once; ``"padded"`` forwards every leaf as its own
     right-padded sequence (the reference). ``temperature``: the sampling temperature T of
     the behaviour log-probs; the learner's log-probs, entropy and KL are those of
     softmax(logits / T), as the engine's are. ``chunk_tokens`` (tree mode): run the LM head
@@ -201,13 +211,12 @@ def policy_loss(
         raise ValueError("kl_coef > 0 needs a ref_model")
     denominator = loss_denominator(trees, normalize)
     kw = dict(clip_low=clip_low, clip_high=clip_high, kl_estimator=kl_estimator)
-    if mode == "linear":
+    if mode == "padded":
         sums = _padded_sums(model, trees, advantages, normalize, ref_model, temperature, kl_coef=kl_coef, **kw)
         loss = combine(sums, denominator, kl_coef, entropy_coef)
         sums.stats.loss = float(loss.detach())
         return loss, sums.stats.metrics()
-    if mode != "tree":
-        raise ValueError(f"mode must be 'tree' or 'linear', got {mode!r}")
+    _check_mode(mode)
     total: torch.Tensor | None = None
     all_sums: LossSums | None = None
     for pack in pack_trees(trees, advantages, pack_tokens=pack_tokens, normalize=normalize):
@@ -234,7 +243,7 @@ def sft_loss(
     """−Σ_leaves w_b Σ_{t∈path b} log p_t / denominator (Σ T_b, or the number of leaves).
 
     The negative log-likelihood of the trainable tokens of every root-to-leaf path,
-    normalised like the policy loss; ``mode="tree"`` equals ``"linear"`` (linear SFT, each
+    normalised like the policy loss; ``mode="tree"`` equals ``"padded"`` (linear SFT, each
     leaf its own sequence) in value and gradients. ``leaf_weights`` per tree per leaf
     (default 1): e.g. to up-weight good branches.
     """
@@ -242,14 +251,13 @@ def sft_loss(
     if any(w < 0 for ws in weights for w in ws):
         raise ValueError("SFT leaf weights must be ≥ 0")
     denominator = max(loss_denominator(trees, normalize), 1e-12)
-    if mode == "linear":
+    if mode == "padded":
         logp, _, _ = padded_token_logprobs(model, trees)
         f = padded_token_fields(trees, None, normalize, loss_weights=weights, require_logprobs=False)
         sel = torch.tensor(f["mask"], dtype=torch.bool, device=logp.device)
         w = torch.tensor(f["weight"], dtype=logp.dtype, device=logp.device)  # w_b · weight_b (≥ 0)
         return -(w[sel] * logp[sel]).sum() / denominator
-    if mode != "tree":
-        raise ValueError(f"mode must be 'tree' or 'linear', got {mode!r}")
+    _check_mode(mode)
     total = None
     for pack in pack_trees(trees, None, pack_tokens=pack_tokens, normalize=normalize, loss_weights=weights,
                            require_logprobs=False):

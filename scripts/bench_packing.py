@@ -4,7 +4,7 @@
 
 A tiny Qwen2-style model (hidden 256, 4 layers, 8 heads, vocab 4096, random weights)
 runs ``policy_loss`` forward + backward on the same trees in ``mode="tree"`` and
-``mode="linear"`` (every leaf its own right-padded sequence), interleaved, medians:
+``mode="padded"`` (every leaf its own right-padded sequence), interleaved, medians:
 
   (a) 16 leaves sharing a 512-token prefix, 64-token branches (ideal 6×)
   (b) a TreePO-shaped binary tree: depth 4, 64-token segments, 16 leaves
@@ -162,20 +162,20 @@ def main() -> None:
         advantages = [[rng.gauss(0, 1) for _ in t.leaves()] for t in trees]
         unique = sum(t.stats().unique_tokens for t in trees)
         linear = sum(t.stats().linearised_tokens for t in trees)
-        for mode in ("tree", "linear"):  # warm-up
+        for mode in ("tree", "padded"):  # warm-up
             step(model, trees, advantages, mode, args.attention)
-        times: dict[str, list[float]] = {"tree": [], "linear": []}
-        cpu: dict[str, list[float]] = {"tree": [], "linear": []}
+        times: dict[str, list[float]] = {"tree": [], "padded": []}
+        cpu: dict[str, list[float]] = {"tree": [], "padded": []}
         for _ in range(args.reps):  # interleaved, so drifts in machine load hit both
-            for mode in ("tree", "linear"):
+            for mode in ("tree", "padded"):
                 wall, used = step(model, trees, advantages, mode, args.attention)
                 times[mode].append(wall)
                 cpu[mode].append(used)
-        tree_t, linear_t = statistics.median(times["tree"]), statistics.median(times["linear"])
+        tree_t, linear_t = statistics.median(times["tree"]), statistics.median(times["padded"])
         # CPU seconds are less sensitive to other processes on a shared machine than wall
         # time; printed beside it, the RESULT line uses wall time.
-        tree_c, linear_c = statistics.median(cpu["tree"]), statistics.median(cpu["linear"])
-        mem = {m: peak_memory(name, m, args.attention) for m in ("tree", "linear")}
+        tree_c, linear_c = statistics.median(cpu["tree"]), statistics.median(cpu["padded"])
+        mem = {m: peak_memory(name, m, args.attention) for m in ("tree", "padded")}
         results[name] = (linear_t / tree_t, linear / unique)
         print(
             f"case {name}: unique {unique} tokens, linearised {linear} (ideal {linear / unique:.2f}x) | "

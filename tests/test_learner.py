@@ -71,7 +71,7 @@ def test_torch_learner_accumulates_exact_gradients(tmp_path):
     got = [p.grad for p in learner.model.parameters()]
 
     reference = Qwen2ForCausalLM.from_pretrained(path)
-    loss, metrics = policy_loss(reference, trees, advantages, mode="linear")
+    loss, metrics = policy_loss(reference, trees, advantages, mode="padded")
     loss.backward()
     for a, p in zip(got, reference.parameters()):
         torch.testing.assert_close(a, p.grad, rtol=1e-4, atol=1e-6)
@@ -147,7 +147,7 @@ def test_zero3_two_ranks_match_single_process(tmp_path, limit, chunk, tied):
     assert counts[0] >= 2
     reference = Qwen2ForCausalLM.from_pretrained(path)
     if limit is None:
-        loss, _ = policy_loss(reference, trees, advantages, mode="linear")
+        loss, _ = policy_loss(reference, trees, advantages, mode="padded")
         loss.backward()
     else:  # the packs actually trained, each over the batch's global denominator
         ranks = assign_to_ranks(packs, 2)

@@ -64,14 +64,14 @@ def test_unique_tokens_of_chains_are_the_linearised_tokens():
 @pytest.mark.parametrize("per_token", [False, True])
 def test_packed_chains_equal_the_linear_loss_float64(normalize, per_token):
     # The learner's path: pack_trees on the chains, pack_loss per pack with the global
-    # denominator, gradients accumulated; the reference is policy_loss(mode="linear").
+    # denominator, gradients accumulated; the reference is policy_loss(mode="padded").
     seed = 20 + 2 * per_token + (normalize == "sequence")
     rng = random.Random(seed)
     trees = [random_tree(rng, i) for i in range(4)]
     advantages = random_advantages(rng, trees, per_token)
     model = tiny("qwen2", torch.float64, seed)
     model.zero_grad()
-    ref_loss, ref_metrics = policy_loss(model, trees, advantages, mode="linear", normalize=normalize)
+    ref_loss, ref_metrics = policy_loss(model, trees, advantages, mode="padded", normalize=normalize)
     ref_loss.backward()
     ref_grads = [p.grad.clone() for p in model.parameters()]
 

@@ -122,7 +122,7 @@ def test_old_logprobs_from_the_engine_match_the_learner_at_temperature(engine_an
     prompts = [[17, 42, 99, 5, 63], [31, 200, 11, 54, 76, 150]]
     trees, _ = asyncio.run(sample_trees(engine, [{"id": "a"}, {"id": "b"}], prompts, cfg, eos_token_ids=[0], seed=1))
     advantages = [[(-1.0) ** i for i in range(len(t.leaves()))] for t in trees]
-    for mode in ("tree", "linear"):
+    for mode in ("tree", "padded"):
         _, metrics = policy_loss(model, trees, advantages, mode=mode, temperature=temperature, chunk_tokens=5)
         assert metrics["logprob_gap"] <= 1e-5, (mode, metrics)
         assert metrics["clip_fraction"] == 0.0
