@@ -181,7 +181,7 @@ def main() -> None:
             f"case {name}: unique {unique} tokens, linearised {linear} (ideal {linear / unique:.2f}x) | "
             f"tree {tree_t * 1e3:.0f} ms, linear {linear_t * 1e3:.0f} ms, speedup {linear_t / tree_t:.2f}x "
             f"(CPU time {tree_c * 1e3:.0f} / {linear_c * 1e3:.0f} ms: {linear_c / tree_c:.2f}x) | "
-            f"peak step memory tree {mem['tree']:.0f} MiB, linear {mem['linear']:.0f} MiB",
+            f"peak step memory tree {mem['tree']:.0f} MiB, linear {mem['padded']:.0f} MiB",
             flush=True,
         )
     speedup, ideal = results["a"]
