@@ -9,7 +9,7 @@ The episode ends when a model turn has no code block, or after ``max_tool_calls`
 Where the machine cannot isolate tools from the network (no working ``unshare``), the
 agent refuses to start unless ``agent_args: {allow_network: true}`` says that is meant.
 A tool that times out, raises, runs out of memory or prints megabytes gives an error
-message (marked ``"error": "1"`` for the tool-error metric); the rollout goes on.
+message (marked ``"error": True`` for the tool-error metric); the rollout goes on.
 """
 
 from __future__ import annotations
@@ -33,11 +33,11 @@ class PythonTool:
         self.memory_mb, self.max_output_chars = memory_mb, max_output_chars
         self.pool = ToolPool(workers, allow_network=allow_network)
 
-    def start(self, problem: dict) -> list[dict[str, str]]:
+    def start(self, problem: dict) -> list[dict]:
         # The prompt is text or chat messages; the instruction ends its last user message.
         return prompt_messages(problem["prompt"], INSTRUCTION)
 
-    def step(self, problem: dict, history: list[dict[str, str]]) -> list[dict[str, str]] | None:
+    def step(self, problem: dict, history: list[dict]) -> list[dict] | None:
         calls = sum(m["role"] == "tool" for m in history)
         blocks = CODE.findall(history[-1]["content"])
         if not blocks or calls >= self.max_tool_calls:
@@ -46,7 +46,7 @@ class PythonTool:
             blocks[-1], timeout_s=self.timeout_s, memory_mb=self.memory_mb,
             max_output_chars=self.max_output_chars,
         )
-        message = {"role": "tool", "content": result.observation or "(no output)"}
+        message: dict = {"role": "tool", "content": result.observation or "(no output)"}
         if not result.ok:
-            message["error"] = "1"
+            message["error"] = True
         return [message]

@@ -21,7 +21,7 @@ import functools
 import logging
 import sys
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, NotRequired, Protocol, TypedDict, runtime_checkable
 
 from arbor.config import DataConfig, RolloutConfig
 from arbor.data import DataError, chat_template_ids, format_prompt
@@ -31,7 +31,19 @@ from arbor.plugins import load_object
 if TYPE_CHECKING:
     from arbor.tree import Node, RolloutTree
 
-Message = dict[str, str]  # {"role": "user" | "assistant" | "tool" | "system", "content": ...}
+
+
+class Message(TypedDict):
+    """A chat message an agent returns or reads (a plain dict: agents need no arbor import)."""
+
+    role: str  # "system" | "user" | "assistant" | "tool"
+    content: str
+    # A tool message reporting a failure (timed out, raised, out of memory): counted in
+    # agent/tool_errors. arbor's own field: it never reaches the chat template.
+    error: NotRequired[bool]
+
+
+CHAT_KEYS_DROPPED = ("error",)  # Message fields that are arbor's, not the chat format's
 Render = Callable[[list[Message]], list[int]]  # an agent's messages -> the ids appended
 
 log = logging.getLogger(__name__)
@@ -171,7 +183,8 @@ def continuation_ids(
     base = chat_template_ids(tokenizer, _ANCHOR, generation_prompt=False)
     if eos in base:  # the model's turn stops at its EOS; what the template puts after is ours
         base = base[: len(base) - base[::-1].index(eos)]
-    full = chat_template_ids(tokenizer, _ANCHOR + list(messages), generation_prompt=True)
+    chat = [{k: v for k, v in m.items() if k not in CHAT_KEYS_DROPPED} for m in messages]
+    full = chat_template_ids(tokenizer, _ANCHOR + chat, generation_prompt=True)
     if full[: len(base)] != base:
         raise ValueError(
             "the chat template rewrites earlier turns when messages are added, so tool "

@@ -149,6 +149,9 @@ class AlgorithmConfig:
 
 @dataclass
 class LossConfig:
+    # tree: each tree packed once (a shared prefix is computed once); linear: every leaf a
+    # chain of its own (arbor.packing.linearise_trees), packed: the GRPO baseline's compute,
+    # the same loss and gradients.
     mode: Literal["tree", "linear"] = "tree"
     clip_low: float = 0.2
     clip_high: float = 0.28

@@ -29,11 +29,11 @@ import asyncio
 import os
 import sys
 import threading
-from typing import Any
 
 from arbor import checkpoint
 from arbor.engines.client import EngineError, run_sync
 from arbor.engines.launch import EngineLaunchError
+from arbor.orchestration import EngineGroup, LearnerGroup
 
 
 class EngineFailedError(RuntimeError):
@@ -43,7 +43,7 @@ class EngineFailedError(RuntimeError):
 class EngineRecovery:
     """Restarts dead engines for the driver's client and counts the restarts."""
 
-    def __init__(self, engines: Any, learners: Any, max_restarts: int, weight_sync: str, output_dir: str) -> None:
+    def __init__(self, engines: EngineGroup, learners: LearnerGroup, max_restarts: int, weight_sync: str, output_dir: str) -> None:
         self.engines, self.learners = engines, learners
         self.max_restarts, self.weight_sync, self.output_dir = max_restarts, weight_sync, output_dir
         self.in_a_row = dict.fromkeys(engines.urls, 0)  # restarts since the engine last served a whole step
@@ -109,7 +109,7 @@ class EngineRecovery:
         version = self.learners.weight_version
         if version is not None:
             directory = os.path.join(self.output_dir, "weight-sync")  # where disk sync writes too
-            self.learners.call("export_hf", directory)
+            self.learners.export_hf(directory)
             run_sync(lambda c: c.update_weights_from_disk(directory, weight_version=version), [url])
             run_sync(lambda c: c.flush_cache(), [url])
             served = run_sync(lambda c: c.get_weight_version(), [url])
@@ -117,6 +117,6 @@ class EngineRecovery:
                 raise EngineFailedError(f"engine {url} restarted but serves weight version {served}, not {version!r}")
         if self.weight_sync == "distributed":
             # The old group had the dead server in it: the others leave, the next sync opens a new one.
-            self.learners.call("reset_weight_sync", [u for u in self.engines.urls if u != url])
+            self.learners.reset_weight_sync([u for u in self.engines.urls if u != url])
         print(f"arbor train: engine {url} is back, serving weight version {version or 'of model.path'}",
               file=sys.stderr, flush=True)

@@ -4,7 +4,8 @@
                       temperature=cfg.rollout.temperature)
     denominator = loss_denominator(all_trees_of_the_step, cfg.loss.normalize)   # global
     packs = pack_trees(my_trees, my_advantages, pack_tokens=cfg.learner.pack_tokens)
-    metrics = learner.step(packs, denominator)      # backward over every pack, one update
+    result = learner.step(packs, denominator)       # backward over every pack, one update
+    result.stats.metrics(), result.grad_norm        # loss metrics of this rank's tokens
 
 Log-probs are those of softmax(logits / T) with T the rollout temperature (the
 distribution the engines sampled from), in float32 whatever the training dtype, with
@@ -26,22 +27,35 @@ debugging with the same loss and schedule.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import math
 import os
 from collections.abc import Callable, Sequence
-from dataclasses import fields
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from arbor.config import LearnerConfig, LossConfig, ModelConfig, OptimConfig
 from arbor.lm_head import check_temperature
-from arbor.loss import LossSums, combine, pack_loss
+from arbor.loss import LossStats
+from arbor.packed_loss import pack_loss
 from arbor.packing import PackedBatch
 from arbor.zero3 import build_partitioned, reference_engine
+
+R = TypeVar("R")
+
+
+@dataclass
+class StepResult:
+    """What one learner rank returns from an update (across Ray): add ``stats`` over ranks."""
+
+    stats: LossStats  # this rank's loss and metric sums (its packs only)
+    grad_norm: float  # before clipping (the same on every rank)
+    lr: float  # the learning rate this update used
 
 
 def resolve_device(device: str) -> torch.device:
@@ -186,68 +200,50 @@ class Learner:
     # -- training --------------------------------------------------------------------------
 
     def backward(
-        self, packs: Sequence[PackedBatch], denominator: float, filler: PackedBatch | None = None
-    ) -> LossSums | None:
-        """Accumulate the gradients of ``packs`` (this rank's share of one update).
+        self,
+        packs: Sequence[PackedBatch],
+        loss_of: Callable[[Any, PackedBatch], tuple[torch.Tensor, R]],
+        filler: PackedBatch | None = None,
+    ) -> list[R]:
+        """Accumulate the gradients of ``loss_of(model, pack)`` over ``packs`` (this rank's share
+        of one update); the records it returned with each loss, pack by pack.
 
-        ``filler``: a pack for zero-loss passes when this rank has none (fewer packs than
-        ranks); ZeRO-3 needs every rank in every forward.
+        ``loss_of`` returns a loss already divided by its global denominator and a record of
+        it (:meth:`policy_pack_loss`'s :class:`~arbor.loss.LossStats`, SFT's loss value).
+        ``model`` is the DeepSpeed engine when there is one: DeepSpeed's forward advances the
+        ZeRO-3 micro-step counter, without which each backward overwrites the last one's
+        gradients instead of accumulating them. ``filler``: a pack for zero-loss passes when
+        this rank has none (fewer packs than ranks); ZeRO-3 needs every rank in every forward.
         """
-        total: LossSums | None = None
+        records: list[R] = []
         scale = float(self.world_size) if self.engine is not None else 1.0
         for i in range(self._passes(len(packs), filler is not None)):
             # ZeRO-3 gathers parameters collectively in every forward, so ranks with fewer
             # packs run extra passes on a pack of theirs with the loss zeroed.
             idle = i >= len(packs)
             pack = packs[min(i, len(packs) - 1)] if packs else filler
-            # Through the engine, not its module: DeepSpeed's forward advances the ZeRO-3
-            # micro-step counter, without which each backward overwrites the last one's
-            # gradients instead of accumulating them.
-            loss, sums = pack_loss(
-                self.engine or self.model, pack, denominator, clip_low=self.loss_cfg.clip_low,
-                clip_high=self.loss_cfg.clip_high, kl_coef=self.loss_cfg.kl_coef,
-                kl_estimator=self.loss_cfg.kl_estimator, entropy_coef=self.loss_cfg.entropy_coef,
-                ref_model=self.ref_model, attention=self.attention, temperature=self.temperature,
-                chunk_tokens=self.cfg.logit_chunk_tokens,
-            )
-            if idle:
-                loss = loss * 0.0
-            if self.engine is not None:
-                self.engine.backward(loss * scale)
-            else:
-                loss.backward()
-            if not idle:
-                total = sums if total is None else total + sums
-        return total
-
-    def backward_with(
-        self,
-        packs: Sequence[PackedBatch],
-        loss_of: Callable[[Any, PackedBatch], torch.Tensor],
-        filler: PackedBatch | None = None,
-    ) -> float:
-        """Accumulate the gradients of ``loss_of(model, pack)`` over ``packs``; their summed value.
-
-        The same accumulation as :meth:`backward` for any per-pack loss that is already
-        divided by its global denominator (e.g. SFT's NLL): idle passes on ``filler`` keep
-        ZeRO-3 ranks in step, and the world-size factor undoes DeepSpeed's gradient mean.
-        ``model`` is the DeepSpeed engine when there is one (its forward counts micro-steps).
-        """
-        total = 0.0
-        scale = float(self.world_size) if self.engine is not None else 1.0
-        for i in range(self._passes(len(packs), filler is not None)):
-            idle = i >= len(packs)
-            pack = packs[min(i, len(packs) - 1)] if packs else filler
-            loss = loss_of(self.engine or self.model, pack)
+            loss, record = loss_of(self.engine or self.model, pack)
             if idle:
                 loss = loss * 0.0
             else:
-                total += float(loss.detach())
+                records.append(record)
             if self.engine is not None:
+                # DeepSpeed averages gradients over data-parallel ranks: × world size makes it the sum.
                 self.engine.backward(loss * scale)
             else:
                 loss.backward()
-        return total
+        return records
+
+    def policy_pack_loss(self, model: Any, pack: PackedBatch, denominator: float) -> tuple[torch.Tensor, LossStats]:
+        """:func:`~arbor.packed_loss.pack_loss` with this learner's loss settings (``loss.*``);
+        the pack's metric sums as plain floats (its graph is not kept past the backward)."""
+        loss, sums = pack_loss(
+            model, pack, denominator, clip_low=self.loss_cfg.clip_low, clip_high=self.loss_cfg.clip_high,
+            kl_coef=self.loss_cfg.kl_coef, kl_estimator=self.loss_cfg.kl_estimator,
+            entropy_coef=self.loss_cfg.entropy_coef, ref_model=self.ref_model, attention=self.attention,
+            temperature=self.temperature, chunk_tokens=self.cfg.logit_chunk_tokens,
+        )
+        return loss, sums.stats
 
     def _passes(self, n: int, has_filler: bool) -> int:
         """Forward/backward passes this rank runs: the most packs any rank has."""
@@ -274,24 +270,13 @@ class Learner:
         self.steps += 1
         return grad_norm
 
-    def step(self, packs: Sequence[PackedBatch], denominator: float) -> dict[str, float]:
-        """One optimizer update over ``packs``; loss metrics of this rank's tokens."""
-        sums = self.backward(packs, denominator)
-        grad_norm = self.optimizer_step()
-        metrics = sums.metrics() if sums is not None else {}
-        metrics.update(grad_norm=grad_norm, lr=self.current_lr())
-        return metrics
-
-    def step_sums(
-        self, packs: Sequence[PackedBatch], denominator: float, filler: PackedBatch | None = None
-    ) -> dict[str, float]:
-        """:meth:`step`, returning additive sums (add them over ranks, then :func:`sums_metrics`)."""
-        sums = self.backward(packs, denominator, filler)
-        lr = self.current_lr()  # the rate this update used
-        grad_norm = self.optimizer_step()
-        out = additive_sums(sums, denominator, self.loss_cfg)
-        out.update(grad_norm=grad_norm, lr=lr)
-        return out
+    def step(self, packs: Sequence[PackedBatch], denominator: float, filler: PackedBatch | None = None) -> StepResult:
+        """One optimizer update over ``packs``: the policy loss's sums of this rank's tokens
+        (add them over ranks), the gradient norm and the learning rate it used."""
+        records = self.backward(packs, functools.partial(self.policy_pack_loss, denominator=denominator), filler)
+        stats = sum(records, LossStats())
+        lr = self.current_lr()  # the rate this update uses
+        return StepResult(stats=stats, grad_norm=self.optimizer_step(), lr=lr)
 
     # -- checkpoints and export ----------------------------------------------------------------
 
@@ -355,30 +340,3 @@ class Learner:
                 out.update((name, tensor.cpu()) for name, tensor in bucket)
         return out
 
-
-SUM_FIELDS = ("clipped", "approx_kl", "entropy_lin", "gap", "kl_lin", "tokens", "linearised_tokens")
-
-
-def additive_sums(sums: LossSums | None, denominator: float, loss_cfg: LossConfig) -> dict[str, float]:
-    """The float parts of ``sums`` plus the loss value: all add up over packs and ranks."""
-    if sums is None:
-        return {"loss": 0.0, **dict.fromkeys(SUM_FIELDS, 0.0)}
-    out = {f.name: float(getattr(sums, f.name)) for f in fields(sums) if f.name in SUM_FIELDS}
-    out["loss"] = float(combine(sums, denominator, loss_cfg.kl_coef, loss_cfg.entropy_coef).detach())
-    return out
-
-
-def sums_metrics(rank_sums: Sequence[dict[str, float]]) -> dict[str, float]:
-    """Batch metrics from the additive sums of every rank (and update) of one step."""
-    total = {k: sum(r[k] for r in rank_sums) for k in ("loss", *SUM_FIELDS)}
-    n = max(total["linearised_tokens"], 1.0)
-    return {
-        "loss": total["loss"],
-        "clip_fraction": total["clipped"] / n,
-        "approx_kl": total["approx_kl"] / n,
-        "entropy": total["entropy_lin"] / n,
-        "logprob_gap": total["gap"] / n,
-        "kl": total["kl_lin"] / n,
-        "tokens": total["tokens"],
-        "linearised_tokens": total["linearised_tokens"],
-    }

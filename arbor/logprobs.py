@@ -1,26 +1,92 @@
-"""Tree-packed log-probabilities and SFT loss on the same packing as the policy loss.
+"""Log-probabilities of rollout tokens under a model: the forwards behind every loss.
 
+    logp, entropy = pack_token_logprobs(model, pack, select)   # [M], [M] at packed tokens
+    logp, entropy, index = padded_token_logprobs(model, trees) # every leaf its own padded row
     logps = tree_logprobs(ref_model, trees)    # per tree: {node id: tensor [len(node)]}
-    loss = sft_loss(model, trees)              # weighted NLL, each shared prefix once
 
-``tree_logprobs`` scores every response token once (reference-model log-probs for KL,
-or recomputed behaviour log-probs). ``sft_loss`` is the negative log-likelihood of the
-trainable tokens of every root-to-leaf path, normalised like the policy loss, and equals
-linear SFT (each leaf its own sequence) in value and gradients.
+All are log-probs of softmax(logits / T) at the sampling temperature T, in float32 or
+wider whatever the model's dtype. ``pack_token_logprobs`` runs a tree pack
+(:mod:`arbor.packing`) with tree attention; ``padded_token_logprobs`` is the reference
+it must agree with. ``tree_logprobs`` scores every response token once (reference-model
+log-probs for KL, or recomputed behaviour log-probs).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Literal
 
 import torch
 from transformers import PreTrainedModel
 
-from arbor.loss import linear_token_fields, linear_token_logprobs, pack_token_logprobs
-from arbor.packing import Normalize, loss_denominator, pack_trees
+from arbor.lm_head import chunkable_head, chunked_head, logprobs_and_entropy
+from arbor.packing import PackedBatch, pack_trees
 from arbor.tree import RolloutTree
-from arbor.tree_attention import Attention
+from arbor.tree_attention import Attention, packed_logits
+
+
+def pack_token_logprobs(
+    model: PreTrainedModel,
+    pack: PackedBatch,
+    select: torch.Tensor,  # [M] int64 packed indices of the tokens to score
+    attention: Attention = "auto",
+    *,
+    temperature: float = 1.0,
+    chunk_tokens: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """log p and entropy of softmax(logits / T) at the packed tokens ``select``: ([M], [M]), float32+.
+
+    ``chunk_tokens`` > 0: the LM head runs on that many tokens at a time
+    (:mod:`arbor.lm_head`), so [M, V] logits never exist; models whose logits are not a
+    plain linear head of the last hidden state fall back to whole logits.
+    """
+    rows = pack.parent[select]
+    targets = pack.input_ids[select].to(next(model.parameters()).device)
+    head = chunkable_head(model) if chunk_tokens > 0 else None
+    if head is None:
+        return logprobs_and_entropy(packed_logits(model, pack, rows, attention), targets, temperature)
+    with chunked_head(head, targets, temperature=temperature, chunk_tokens=chunk_tokens):
+        scores = packed_logits(model, pack, rows, attention)  # [M, 2]: the head returns (log p, entropy)
+    return scores[:, 0], scores[:, 1]
+
+
+def padded_token_logprobs(
+    model: PreTrainedModel, trees: Sequence[RolloutTree], temperature: float = 1.0
+) -> tuple[torch.Tensor, torch.Tensor, list[tuple[int, int, list[int]]]]:
+    """Forward every leaf as its own right-padded sequence.
+
+    Returns the log-probs and entropies (of softmax(logits / T), float32+) of every
+    response token, flattened over leaves, and per leaf (tree index, leaf index, flat
+    indices of its response tokens).
+    """
+    device = next(model.parameters()).device
+    seqs, starts, owners = [], [], []
+    for t, tree in enumerate(trees):
+        for b, leaf in enumerate(tree.leaves()):
+            seqs.append(tree.full_ids(leaf))
+            starts.append(len(tree.prompt_ids))
+            owners.append((t, b))
+    length = max(map(len, seqs))
+    keep = length - min(starts) + 1  # logits from the first prediction of a response on
+    ids = torch.zeros(len(seqs), length, dtype=torch.long)
+    mask = torch.zeros(len(seqs), length, dtype=torch.long)
+    for i, s in enumerate(seqs):
+        ids[i, : len(s)] = torch.tensor(s)
+        mask[i, : len(s)] = 1
+    logits = model(
+        input_ids=ids.to(device), attention_mask=mask.to(device), logits_to_keep=keep, use_cache=False
+    ).logits  # [L, keep, V]
+    rows, targets, index = [], [], []
+    offset = length - keep
+    for i, s in enumerate(seqs):
+        positions = list(range(starts[i], len(s)))  # response tokens
+        flat = list(range(len(rows), len(rows) + len(positions)))
+        rows += [(i, p - 1 - offset) for p in positions]
+        targets += [s[p] for p in positions]
+        index.append((*owners[i], flat))
+    r = torch.tensor(rows, dtype=torch.long, device=device).reshape(-1, 2)
+    targets_t = torch.tensor(targets, dtype=torch.long, device=device)
+    logp, entropy = logprobs_and_entropy(logits[r[:, 0], r[:, 1]], targets_t, temperature)
+    return logp, entropy, index
 
 
 @torch.no_grad()
@@ -58,41 +124,3 @@ def set_behaviour_logprobs(trees: Sequence[RolloutTree], logprobs: list[dict[int
     for tree, per_node in zip(trees, logprobs):
         for node in tree.nodes():
             node.logprobs = per_node[node.id].tolist()
-
-
-def sft_loss(
-    model: PreTrainedModel,
-    trees: Sequence[RolloutTree],
-    leaf_weights: Sequence[Sequence[float]] | None = None,
-    *,
-    normalize: Normalize = "token",
-    mode: Literal["tree", "linear"] = "tree",
-    pack_tokens: int = 16384,
-    attention: Attention = "auto",
-) -> torch.Tensor:
-    """−Σ_leaves w_b Σ_{t∈path b} log p_t / denominator (Σ T_b, or the number of leaves).
-
-    ``leaf_weights`` per tree per leaf (default 1): e.g. to up-weight good branches.
-    """
-    weights = leaf_weights or [[1.0] * len(t.leaves()) for t in trees]
-    if any(w < 0 for ws in weights for w in ws):
-        raise ValueError("SFT leaf weights must be ≥ 0")
-    denominator = max(loss_denominator(trees, normalize), 1e-12)
-    if mode == "linear":
-        logp, _, _ = linear_token_logprobs(model, trees)
-        f = linear_token_fields(trees, weights, normalize, require_logprobs=False)
-        sel = torch.tensor(f["mask"], dtype=torch.bool, device=logp.device)
-        w = torch.tensor(f["pos"], dtype=logp.dtype, device=logp.device)  # w_b · weight_b (≥ 0)
-        return -(w[sel] * logp[sel]).sum() / denominator
-    if mode != "tree":
-        raise ValueError(f"mode must be 'tree' or 'linear', got {mode!r}")
-    total = None
-    for pack in pack_trees(trees, weights, pack_tokens=pack_tokens, normalize=normalize,
-                           require_logprobs=False):
-        select = pack.trained.nonzero()[:, 0]
-        logp, _ = pack_token_logprobs(model, pack, select, attention)
-        # adv_pos carries Σ_b w_b · weight_b over the leaves through each token.
-        part = -(pack.adv_pos[select].to(logp) * logp).sum() / denominator
-        total = part if total is None else total + part
-    assert total is not None, "no trees to train on"
-    return total

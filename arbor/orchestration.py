@@ -4,7 +4,7 @@
     placement = Placement(cfg)                      # one placement group for the whole run
     engines = EngineGroup(cfg, placement)          # engines[i] on its bundle; .urls
     learners = LearnerGroup(cfg, placement, total_steps=cfg.run.steps)
-    sums = learners.step(packs_per_rank, denominator)   # one update on every rank
+    results = learners.step(packs_per_rank, denominator)  # one update on every rank
     learners.push_weights(engines.urls, version="3")    # ZeRO-3 gather → engines
 
 Each learner rank is a Ray actor that sets its torch.distributed variables (rank 0's node
@@ -32,6 +32,8 @@ from arbor import checkpoint
 from arbor.config import Config, RayConfig
 from arbor.engines.auth import API_KEY_ENV, run_api_key
 from arbor.engines.server import free_port
+from arbor.learner import StepResult
+from arbor.packing import PackedBatch
 
 # Environment every actor needs: no Ray auth token files, CPU DeepSpeed where no CUDA.
 _ACTOR_ENV = ("RAY_AUTH_MODE", "DS_ACCELERATOR", "HF_HUB_OFFLINE", "PYTHONPATH", "TRANSFORMERS_OFFLINE", "PYTHONWARNINGS")
@@ -193,8 +195,8 @@ class LearnerWorker:
         self.learner = Learner(cfg.model, cfg.learner, cfg.optim, cfg.loss, total_steps=total_steps,
                                temperature=cfg.rollout.temperature)
 
-    def step(self, packs: Sequence[Any], denominator: float, filler: Any = None) -> dict[str, float]:
-        return self.learner.step_sums(packs, denominator, filler)
+    def step(self, packs: Sequence[PackedBatch], denominator: float, filler: PackedBatch | None = None) -> StepResult:
+        return self.learner.step(packs, denominator, filler)
 
     def push_weights(self, urls: list[str], version: str) -> None:
         """Gather the parameters (collective) and, on rank 0, send them to every engine.
@@ -309,16 +311,12 @@ class LearnerGroup:
         ]
         self.output_dir = cfg.run.output_dir
         master = self.results([self.workers[0].address.remote()])[0]
-        self.call("setup", master, total_steps)
+        self.results([w.setup.remote(master, total_steps) for w in self.workers])
         self.weight_version: str | None = None  # what the engines serve; None: model.path's weights
 
     @property
     def world_size(self) -> int:
         return len(self.workers)
-
-    def call(self, method: str, *args: Any) -> list[Any]:
-        """``method(*args)`` on every rank at once (collectives need all ranks); results by rank."""
-        return self.results([getattr(w, method).remote(*args) for w in self.workers])
 
     def results(self, refs: list[Any]) -> list[Any]:
         """``ray.get(refs)`` (ref r from rank r), or LearnerFailedError as soon as a rank is lost."""
@@ -339,20 +337,42 @@ class LearnerGroup:
         return ray.get(refs)
 
     def step(
-        self, packs_per_rank: Sequence[Sequence[Any]], denominator: float, filler: Any = None
-    ) -> list[dict[str, float]]:
+        self, packs_per_rank: Sequence[Sequence[PackedBatch]], denominator: float, filler: PackedBatch | None = None
+    ) -> list[StepResult]:
         """One update: rank r trains ``packs_per_rank[r]``; a rank without packs runs ``filler`` at zero loss."""
         return self.results([
             w.step.remote(list(p), denominator, None if p else filler)
             for w, p in zip(self.workers, packs_per_rank)
         ])
 
+    # Every method below runs on all ranks at once (collectives need every rank); results by rank.
+
     def push_weights(self, urls: list[str], version: str) -> None:
-        self.call("push_weights", urls, version)
+        self.results([w.push_weights.remote(urls, version) for w in self.workers])
         self.weight_version = version
 
     def logprob_gap(self, samples: list[tuple[list[int], list[int], list[float]]]) -> float:
-        return self.call("logprob_gap", samples)[0]
+        return self.results([w.logprob_gap.remote(samples) for w in self.workers])[0]
+
+    def save(self, directory: str) -> None:
+        """Every rank's model, optimizer and schedule state under ``directory``."""
+        self.results([w.save.remote(directory) for w in self.workers])
+
+    def load(self, directory: str) -> None:
+        """Every rank's state from a :meth:`save` directory."""
+        self.results([w.load.remote(directory) for w in self.workers])
+
+    def export_hf(self, directory: str) -> None:
+        """The current weights as an HF directory (gathered from every rank; rank 0 writes)."""
+        self.results([w.export_hf.remote(directory) for w in self.workers])
+
+    def reset_weight_sync(self, alive_urls: list[str]) -> None:
+        """Drop the weight-update group after an engine restart (:meth:`LearnerWorker.reset_weight_sync`)."""
+        self.results([w.reset_weight_sync.remote(alive_urls) for w in self.workers])
+
+    def state_checksum(self) -> list[float]:
+        """Σ |parameters| as each rank sees the whole model (tests: "did weights change")."""
+        return self.results([w.state_checksum.remote() for w in self.workers])
 
     def shutdown(self) -> None:
         import ray

@@ -53,7 +53,7 @@ class PackedBatch:
     trained: torch.Tensor  # [N] bool, owned and loss mask 1: the token enters the loss
     old_logprobs: torch.Tensor  # [N] float64, behaviour logprobs (0 where not trained)
     leaf_count: torch.Tensor  # [N] float64, leaves whose path holds the token (linearised multiplicity)
-    weight: torch.Tensor  # [N] float64, Σ over those leaves of the normalisation weight w_b
+    weight: torch.Tensor  # [N] float64, Σ over those leaves of w_b (normalisation × loss weight; SFT's loss)
     adv_pos: torch.Tensor  # [N] float64, Σ_b w_b · max(A_b,t, 0)
     adv_neg: torch.Tensor  # [N] float64, Σ_b w_b · min(A_b,t, 0)
     n_pos: torch.Tensor  # [N] float64, leaves with A_b,t > 0 (for the clip fraction)
@@ -158,7 +158,7 @@ class _NodeWeights:
 
 
 def _node_weights(
-    tree: RolloutTree, advantages: Sequence, normalize: Normalize
+    tree: RolloutTree, advantages: Sequence, normalize: Normalize, loss_weights: Sequence[float] | None = None
 ) -> dict[int, _NodeWeights]:
     """Per node, per token: sums over the leaves below it (every token of a node has the same leaves)."""
     leaves = tree.leaves()
@@ -167,6 +167,10 @@ def _node_weights(
             f"problem {tree.problem_id}: {len(advantages)} advantages for {len(leaves)} leaves"
         )
     w = leaf_weights(tree, normalize)
+    if loss_weights is not None:
+        if len(loss_weights) != len(leaves):
+            raise ValueError(f"problem {tree.problem_id}: {len(loss_weights)} loss weights for {len(leaves)} leaves")
+        w = [a * b for a, b in zip(w, loss_weights)]
     # Per leaf: its advantage along the response, one value per response token.
     per_token = []
     for leaf, adv in zip(leaves, advantages):
@@ -275,18 +279,23 @@ def pack_trees(
     pack_tokens: int = 16384,
     normalize: Normalize = "token",
     require_logprobs: bool = True,
+    loss_weights: Sequence[Sequence[float]] | None = None,
 ) -> list[PackedBatch]:
     """Pack ``trees`` into batches of at most ``pack_tokens`` tokens (DFS order, exact weights).
 
     ``advantages`` per tree per leaf (or per leaf per token); None means 0 (e.g. for
-    log-prob computation). Trees larger than the budget are partitioned; several trees
+    log-prob computation or SFT). Trees larger than the budget are partitioned; several trees
     (or parts) share a pack. Packs keep the input order of trees. ``require_logprobs``:
     trained tokens must carry behaviour logprobs (not needed for SFT or scoring).
+    ``loss_weights`` per tree per leaf (default 1): a factor on the leaf's w_b, so each
+    token's ``weight`` is Σ_b w_b · loss_weight_b (SFT's example weights).
     """
     if advantages is None:
         advantages = [[0.0] * len(t.leaves()) for t in trees]
     if len(advantages) != len(trees):
         raise ValueError(f"{len(advantages)} advantage lists for {len(trees)} trees")
+    if loss_weights is not None and len(loss_weights) != len(trees):
+        raise ValueError(f"{len(loss_weights)} loss weight lists for {len(trees)} trees")
     parts: list[list[_Part]] = [[]]
     used = 0
     for t, tree in enumerate(trees):
@@ -312,7 +321,8 @@ def pack_trees(
             current = _Part(t, {n.id: False for n in context} | {n.id: True for n in trained})
             parts[-1].append(current)
             used += cost
-    weights = [_node_weights(tree, adv, normalize) for tree, adv in zip(trees, advantages)]
+    weights = [_node_weights(tree, adv, normalize, loss_weights[t] if loss_weights is not None else None)
+               for t, (tree, adv) in enumerate(zip(trees, advantages))]
     return [_serialise(pack, trees, weights, require_logprobs) for pack in parts if pack]
 
 

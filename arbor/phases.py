@@ -1,34 +1,43 @@
 """The phases of one RL step, each a function the trainer calls by name (ARCHITECTURE.md).
 
-    batch = collect_rollouts(ctx, step)          # sample trees, score leaves, dynamic sampling
+    batch = collect_rollouts(ctx.sampling, ctx.rewards, ctx.stream, ctx.log, cfg, step)
     advantages = batch_advantages(batch.trees, cfg.algorithm)
-    train = train_on_batch(ctx, batch.trees, advantages, step)   # PPO epochs × minibatches
-    sync = sync_weights(ctx, version=str(step), probe=batch.trees[:2])
+    train = train_on_batch(ctx.learners, batch.trees, advantages, step, cfg.algorithm, cfg.loss,
+                           pack_tokens=cfg.learner.pack_tokens, seed=cfg.run.seed)  # PPO epochs × minibatches
+    sync = sync_weights(ctx.learners, ctx.engines, ctx.recovery, ctx.sampling, cfg.rollout,
+                        version=str(step), probe=batch.trees[:2])
 
-``ctx`` (:class:`arbor.trainer.RunContext`) holds the config, the engine client, the
-learner group, the reward pool and the tokenizer; the phases own nothing.
+Each phase takes the pieces it uses (the engine client in :class:`Sampling`, the learner
+group, the reward pool, the sub-configs) by name and owns none of them: the trainer's
+:class:`~arbor.run_context.RunContext` starts and stops them.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import random
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, TypeVar
 
 from arbor.advantage import compute_advantages, dynamic_sampling_filter
-from arbor.agents import episode_inputs, tool_turns
+from arbor.agents import Agent, Render, episode_inputs, tool_turns
 from arbor.answers import has_final_answer
-from arbor.config import AlgorithmConfig
-from arbor.learner import sums_metrics
+from arbor.config import AlgorithmConfig, Config, DataConfig, EvalConfig, LossConfig, RolloutConfig
+from arbor.data import ProblemStream
+from arbor.engine_recovery import EngineRecovery
+from arbor.engines.client import SGLangClient
+from arbor.loss import LossStats
+from arbor.metrics import MetricsLog
+from arbor.orchestration import EngineGroup, LearnerGroup, closing
 from arbor.packing import assign_to_ranks, loss_denominator, pack_trees
-from arbor.rewards import check_failure_fraction, failed_checks
+from arbor.rewards import RewardPool, check_failure_fraction, failed_checks
 from arbor.sampler import SampleStats, sample_trees
 from arbor.tree import RolloutTree
 
-if TYPE_CHECKING:
-    from arbor.trainer import RunContext
-
+T = TypeVar("T")
+Status = Callable[[str], None]  # a progress line for the console (MetricsLog.status)
 log = logging.getLogger(__name__)
 
 
@@ -46,27 +55,54 @@ class Batch:
     rounds: int = 0
 
 
+@dataclass
+class Sampling:
+    """What rollouts, evals and the weight-sync probe need of the engines: the client, and the
+    tokenizer, agent and prompt format that turn problems into token ids and back."""
+
+    client: SGLangClient
+    tokenizer: Any  # the policy's transformers tokenizer
+    agent: Agent | None  # rollout.agent's multi-turn episodes; None: one prompt, one answer
+    eos_token_ids: list[int]  # every id that ends a model turn (arbor.data.stop_token_ids)
+    data_cfg: DataConfig  # the prompt format: system prompt, suffix, max_prompt_tokens
+    chat_template: bool  # model.chat_template
+
+    def run(self, coroutine: Coroutine[Any, Any, T]) -> T:
+        """Run a coroutine on the engine client from the synchronous loop."""
+        return asyncio.run(closing(self.client, coroutine))
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def episode_inputs(self, problems: list[dict]) -> tuple[list[list[int]], Render | None]:
+        """The first prompt of each problem's episode and the agent's render (:func:`~arbor.agents.episode_inputs`)."""
+        return episode_inputs(problems, self.agent, self.tokenizer, self.data_cfg, self.chat_template)
+
+
 def step_seed(seed: int, step: int, round_: int = 0) -> int:
     """Sampling seed of a step's round: a run with the same seed samples the same trees."""
     return (seed * 1_000_003 + step * 1_009 + round_) % (2**31)
 
 
-def collect_rollouts(ctx: RunContext, step: int) -> Batch:
+def collect_rollouts(
+    sampling: Sampling, rewards: RewardPool, stream: ProblemStream, log: MetricsLog, cfg: Config, step: int
+) -> Batch:
     """Sample ``data.prompts_per_step`` trees, score them; refill what dynamic sampling drops.
 
-    Raises :class:`~arbor.rewards.RewardFailureError` when more than
-    ``reward.max_failure_fraction`` of the step's reward checks timed out or crashed.
+    Reads ``data.prompts_per_step``, ``algorithm.dynamic_sampling`` / ``max_refill_rounds``,
+    ``rollout.*``, ``run.seed`` and ``reward.max_failure_fraction``. Raises
+    :class:`~arbor.rewards.RewardFailureError` when more than ``reward.max_failure_fraction``
+    of the step's reward checks timed out or crashed.
     """
-    cfg = ctx.cfg
     target = cfg.data.prompts_per_step
     rounds = 1 + (cfg.algorithm.max_refill_rounds if cfg.algorithm.dynamic_sampling else 0)
     batch = Batch(trees=[])
     for round_ in range(rounds):
-        problems = ctx.stream.next_batch(target - len(batch.trees))
-        with ctx.log.phase("rollout"):
-            trees, stats = sample(ctx, problems, cfg.rollout, step_seed(cfg.run.seed, step, round_))
-        with ctx.log.phase("reward"):
-            correct = score_trees(ctx, trees, batch)
+        problems = stream.next_batch(target - len(batch.trees))
+        with log.phase("rollout"):
+            trees, stats = sample(sampling, problems, cfg.rollout, step_seed(cfg.run.seed, step, round_), log.status)
+        with log.phase("reward"):
+            correct = score_trees(rewards, sampling.decode, trees, batch, log.status)
         batch.sampled += trees
         batch.stats += stats
         batch.correct += correct
@@ -79,38 +115,35 @@ def collect_rollouts(ctx: RunContext, step: int) -> Batch:
     return batch
 
 
-def sample(ctx: RunContext, problems: list[dict], rollout_cfg: Any, seed: int) -> tuple[list[RolloutTree], list[SampleStats]]:
+def sample(
+    sampling: Sampling, problems: list[dict], rollout_cfg: RolloutConfig, seed: int, status: Status
+) -> tuple[list[RolloutTree], list[SampleStats]]:
     """Trees for ``problems`` from the engines (progress on the console)."""
-    cfg, tokenizer = ctx.cfg, ctx.tokenizer
     # With rollout.agent, multi-turn episodes from the agent's start; else one prompt each.
-    prompts, render = episode_inputs(problems, ctx.agent, tokenizer, cfg.data, cfg.model.chat_template)
+    prompts, render = sampling.episode_inputs(problems)
     done = [0]
 
     def progress(*_: Any) -> None:
         done[0] += 1
-        ctx.log.status(f"rollout: {done[0]}/{len(problems)} trees")
+        status(f"rollout: {done[0]}/{len(problems)} trees")
 
-    def decode(ids: list[int]) -> str:
-        return tokenizer.decode(ids, skip_special_tokens=True)
-
-    return ctx.run_async(sample_trees(
-        ctx.client, problems, prompts, rollout_cfg, eos_token_ids=ctx.eos_token_ids, seed=seed,
-        is_final_answer=lambda ids: has_final_answer(decode(ids)), decode=decode, on_progress=progress,
-        agent=ctx.agent, render=render,
+    return sampling.run(sample_trees(
+        sampling.client, problems, prompts, rollout_cfg, eos_token_ids=sampling.eos_token_ids, seed=seed,
+        is_final_answer=lambda ids: has_final_answer(sampling.decode(ids)), decode=sampling.decode,
+        on_progress=progress, agent=sampling.agent, render=render,
     ))
 
 
-def score_trees(ctx: RunContext, trees: list[RolloutTree], batch: Batch) -> list[bool]:
+def score_trees(
+    rewards: RewardPool, decode: Callable[[list[int]], str], trees: list[RolloutTree], batch: Batch, status: Status
+) -> list[bool]:
     """Set every leaf's reward; returns per-leaf correctness (first reward term > 0).
 
     Timed-out and crashed checks (scored 0) are counted in ``batch`` and warned about by problem id.
     """
     leaves = [(tree, leaf) for tree in trees for leaf in tree.leaves()]
-    items = [
-        (tree.problem, ctx.tokenizer.decode(tree.response_ids(leaf), skip_special_tokens=True))
-        for tree, leaf in leaves
-    ]
-    result = ctx.rewards.score(items, lambda d, n: ctx.log.status(f"rewards: {d}/{n}"))
+    items = [(tree.problem, decode(tree.response_ids(leaf))) for tree, leaf in leaves]
+    result = rewards.score(items, lambda d, n: status(f"rewards: {d}/{n}"))
     for (_, leaf), score in zip(leaves, result.scores):
         leaf.reward = score
     failures = failed_checks(result, items)
@@ -130,75 +163,87 @@ def batch_advantages(trees: list[RolloutTree], algorithm: AlgorithmConfig) -> li
     )
 
 
-def train_on_batch(ctx: RunContext, trees: list[RolloutTree], advantages: list, step: int) -> dict[str, float]:
-    """``ppo_epochs`` × ``minibatches`` learner updates over the batch; loss metrics."""
-    cfg = ctx.cfg
-    sums, norms, lrs = [], [], []
+def train_on_batch(
+    learners: LearnerGroup, trees: list[RolloutTree], advantages: list, step: int, algorithm: AlgorithmConfig,
+    loss_cfg: LossConfig, *, pack_tokens: int, seed: int,
+) -> dict[str, float]:
+    """``ppo_epochs`` × ``minibatches`` learner updates over the batch; loss metrics.
+
+    ``pack_tokens``: ``learner.pack_tokens``; ``seed``: ``run.seed`` (the epochs' shuffles).
+    """
+    stats, norms, lrs = LossStats(), [], []
     order = list(range(len(trees)))
-    for epoch in range(cfg.algorithm.ppo_epochs):
+    for epoch in range(algorithm.ppo_epochs):
         if epoch:
-            random.Random(step_seed(cfg.run.seed, step, 100 + epoch)).shuffle(order)
-        size = -(-len(order) // cfg.algorithm.minibatches)
+            random.Random(step_seed(seed, step, 100 + epoch)).shuffle(order)
+        size = -(-len(order) // algorithm.minibatches)
         for start in range(0, len(order), size):
             chosen = order[start : start + size]
             sub_trees, sub_adv = [trees[i] for i in chosen], [advantages[i] for i in chosen]
-            if cfg.loss.mode == "linear":
+            if loss_cfg.mode == "linear":
                 from arbor.packing import linearise_trees
 
                 sub_trees, sub_adv = linearise_trees(sub_trees, sub_adv)
-            packs = pack_trees(sub_trees, sub_adv, pack_tokens=cfg.learner.pack_tokens,
-                               normalize=cfg.loss.normalize)
-            per_rank = [[packs[i] for i in r] for r in assign_to_ranks(packs, ctx.learners.world_size)]
-            denominator = loss_denominator(sub_trees, cfg.loss.normalize)
-            results = ctx.learners.step(per_rank, denominator, filler=packs[0])
-            sums += results
-            norms.append(results[0]["grad_norm"])
-            lrs.append(results[0]["lr"])
-    metrics = {f"train/{k}": v for k, v in sums_metrics(sums).items()}
+            packs = pack_trees(sub_trees, sub_adv, pack_tokens=pack_tokens, normalize=loss_cfg.normalize)
+            per_rank = [[packs[i] for i in r] for r in assign_to_ranks(packs, learners.world_size)]
+            denominator = loss_denominator(sub_trees, loss_cfg.normalize)
+            results = learners.step(per_rank, denominator, filler=packs[0])
+            stats = sum((r.stats for r in results), stats)
+            norms.append(results[0].grad_norm)  # the same on every rank
+            lrs.append(results[0].lr)
+    metrics = {f"train/{k}": v for k, v in stats.metrics().items()}
     metrics["train/grad_norm"] = sum(norms) / len(norms)
     metrics["train/lr"] = lrs[-1]
     metrics["train/updates"] = float(len(norms))
     return metrics
 
 
-def sync_weights(ctx: RunContext, version: str, probe: list[RolloutTree]) -> dict[str, float]:
+def sync_weights(
+    learners: LearnerGroup, engines: EngineGroup, recovery: EngineRecovery, sampling: Sampling,
+    rollout_cfg: RolloutConfig, version: str, probe: list[RolloutTree],
+) -> dict[str, float]:
     """Learner weights → every engine (cache flushed, version checked), then the probe gap."""
     from arbor.weight_sync import probe_samples
 
-    cfg = ctx.cfg
-    ctx.recovery.revive_dead()  # a server that died after its last request is restarted first
-    ctx.learners.push_weights(ctx.engines.urls, version)
+    recovery.revive_dead()  # a server that died after its last request is restarted first
+    learners.push_weights(engines.urls, version)
     metrics: dict[str, float] = {"sync/weight_version": float(version)}
     if probe:
         prompts = [t.prompt_ids for t in probe]
-        samples = ctx.run_async(probe_samples(ctx.client, prompts, max_new_tokens=cfg.rollout.segment_tokens,
-                                              temperature=cfg.rollout.temperature))
-        metrics["sync/logprob_gap"] = ctx.learners.logprob_gap(samples)
+        samples = sampling.run(probe_samples(sampling.client, prompts, max_new_tokens=rollout_cfg.segment_tokens,
+                                             temperature=rollout_cfg.temperature))
+        metrics["sync/logprob_gap"] = learners.logprob_gap(samples)
         # The probe's KV must not make the next step's cache state differ from a resumed run's.
-        ctx.run_async(ctx.client.flush_cache())
+        sampling.run(sampling.client.flush_cache())
     return metrics
 
 
-def evaluate(ctx: RunContext, problems: list[dict]) -> dict[str, float]:
+def evaluate(
+    sampling: Sampling, rewards: RewardPool, problems: list[dict], eval_cfg: EvalConfig,
+    rollout_cfg: RolloutConfig, seed: int, status: Status,
+) -> dict[str, float]:
     """``eval/*`` metrics (pass@k, maj@k, accuracy, length; tool calls with an agent) on
     ``problems``: :mod:`arbor.evaluate`."""
     from arbor.evaluate import run_eval
 
-    cfg, tokenizer = ctx.cfg, ctx.tokenizer
-    problems = problems[: cfg.eval.max_problems or None]
-    prompts, render = episode_inputs(problems, ctx.agent, tokenizer, cfg.data, cfg.model.chat_template)
-
-    def decode(ids: list[int]) -> str:
-        return tokenizer.decode(ids, skip_special_tokens=True)
-
+    problems = problems[: eval_cfg.max_problems or None]
+    prompts, render = sampling.episode_inputs(problems)
     report = run_eval(
-        ctx.client, ctx.rewards, problems, prompts, cfg.eval, cfg.rollout, decode=decode,
-        eos_token_ids=ctx.eos_token_ids, seed=cfg.run.seed, run_async=ctx.run_async, status=ctx.log.status,
-        agent=ctx.agent, render=render,
+        sampling.client, rewards, problems, prompts, eval_cfg, rollout_cfg, decode=sampling.decode,
+        eos_token_ids=sampling.eos_token_ids, seed=seed, run_async=sampling.run, status=status,
+        agent=sampling.agent, render=render,
     )
     # As after the probe: the next step starts from the cache state a resumed run has.
-    ctx.run_async(ctx.client.flush_cache())
+    sampling.run(sampling.client.flush_cache())
     return report.metrics
+
+
+def throughput_metrics(batch: Batch, seconds: float) -> dict[str, float]:
+    """Trajectories and generated tokens per second of a step that took ``seconds``."""
+    seconds = seconds or 1e-9
+    leaves = sum(len(t.leaves()) for t in batch.sampled)
+    tokens = sum(s.tokens_generated for s in batch.stats)
+    return {"throughput/trajectories_per_s": leaves / seconds, "throughput/tokens_per_s": tokens / seconds}
 
 
 def rollout_metrics(batch: Batch) -> dict[str, float]:

@@ -95,7 +95,7 @@ class SampleStats:
     fallbacks: int = 0  # finished paths cut and restarted from (fallback sources)
     root_restarts: int = 0  # fallbacks from the root: no finished path was well-formed
     tool_turns: int = 0  # agent turns appended (multi-turn episodes)
-    tool_errors: int = 0  # agent messages marked "error" (a tool timed out, raised, ...)
+    tool_errors: int = 0  # agent messages marked error=True (a tool timed out, raised, ...)
     agent_timeouts: int = 0  # agent.step calls past rollout.agent_timeout_s (episode ended)
     finish_reasons: dict[str, int] = field(default_factory=dict)  # leaf reason → count
     shortfall_reason: str | None = None
@@ -323,12 +323,16 @@ class _TreeSampler:
         # A tool may print far more than the episode has room for (a long traceback): the
         # turn is cut at the response budget, so no path outgrows max_response_tokens (and
         # the model's context); the episode then ends there ("max_length").
+        for m in messages:
+            if not isinstance(m.get("error", False), bool):
+                raise TypeError(f"problem {tree.problem_id}: an agent message's 'error' must be true or false "
+                                f"(a failed tool call), got {m['error']!r}")
         ids = self.render(messages)[:room]
         # Never trained (mask 0); logprob 0 stands in for "not sampled" so paths stay uniform.
         tool = tree.add_segment(node, ids, [0.0] * len(ids), [0] * len(ids))
         self.tool_messages[tool.id] = list(messages)
         self.stats.tool_turns += 1
-        self.stats.tool_errors += sum(1 for m in messages if m.get("error"))
+        self.stats.tool_errors += sum(1 for m in messages if m.get("error") is True)
         tool.finish_reason = "max_length" if tool.end >= self.cfg.max_response_tokens else None
         return tool
 

@@ -58,7 +58,6 @@ import warnings
 from collections.abc import Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -69,11 +68,10 @@ from arbor.config import Config, DataConfig, SftConfig, save_config
 from arbor.data import DataError, format_prompt, read_rows, stop_token_ids
 from arbor.engines.server import free_port
 from arbor.learner import Learner, resolve_device
-from arbor.loss import pack_token_logprobs
 from arbor.metrics import MetricsLog
+from arbor.packed_loss import pack_sft_loss
 from arbor.packing import Normalize, PackedBatch, assign_to_ranks, loss_denominator, pack_trees
 from arbor.tree import RolloutTree
-from arbor.tree_attention import Attention
 
 # -- examples -------------------------------------------------------------------------------
 
@@ -241,33 +239,21 @@ def _weights(weight: Any, leaves: int, where: str, per_branch: bool) -> list[flo
 # -- one optimizer step -----------------------------------------------------------------------
 
 
-def pack_sft_loss(
-    model: Any, pack: PackedBatch, denominator: float, attention: Attention = "auto", chunk_tokens: int = 0
-) -> torch.Tensor:
-    """−Σ weight · log p over the pack's trained tokens / the batch's ``denominator``.
-
-    ``pack_trees`` given the leaf weights as advantages puts Σ_b w_b · weight_b over the
-    leaves through each token in ``adv_pos``: the token's multiplicity in linear SFT.
-    ``chunk_tokens``: the LM head's chunk (``learner.logit_chunk_tokens``; 0: whole logits).
-    """
-    select = pack.trained.nonzero()[:, 0]
-    logp, _ = pack_token_logprobs(model, pack, select, attention, chunk_tokens=chunk_tokens)
-    return -(pack.adv_pos[select].to(logp) * logp).sum() / denominator
-
-
 def sft_backward(learner: Learner, examples: Sequence[SftExample], normalize: Normalize = "token") -> dict[str, float]:
     """Accumulate this rank's share of the gradient of the batch ``examples`` (the same list
     on every rank); ``sft/loss`` of this rank's packs and the batch's token counts."""
     trees = [e.tree for e in examples]
     denominator = max(loss_denominator(trees, normalize), 1e-12)
-    packs = pack_trees(trees, [e.weights for e in examples], pack_tokens=learner.cfg.pack_tokens,
-                       normalize=normalize, require_logprobs=False)
+    packs = pack_trees(trees, None, pack_tokens=learner.cfg.pack_tokens, normalize=normalize,
+                       loss_weights=[e.weights for e in examples], require_logprobs=False)
     mine = assign_to_ranks(packs, learner.world_size)[learner.rank] if _distributed(learner) else range(len(packs))
+
+    def loss_of(model: Any, pack: PackedBatch) -> tuple[torch.Tensor, float]:
+        loss = pack_sft_loss(model, pack, denominator, learner.attention, learner.cfg.logit_chunk_tokens)
+        return loss, float(loss.detach())
+
     # Any pack can fill a rank's idle passes: every rank holds them all.
-    loss = learner.backward_with([packs[i] for i in mine],
-                                 partial(pack_sft_loss, denominator=denominator, attention=learner.attention,
-                                         chunk_tokens=learner.cfg.logit_chunk_tokens),
-                                 filler=packs[0])
+    loss = sum(learner.backward([packs[i] for i in mine], loss_of, filler=packs[0]), 0.0)
     return {
         "sft/loss": loss,
         "sft/tokens": loss_denominator(trees, "token"),

@@ -7,7 +7,7 @@ A random model shaped like Qwen2.5-0.5B's head (vocab 151,936, hidden 896, 14 qu
 KV heads, MLP 4,864, tied embeddings; ``--layers`` 2 of its 24 are enough: the head is
 what differs) trains on one packed tree of ``--tokens`` tokens (a ``--prompt``-token
 prompt, two 256-token branches, 16 leaves below them; every response token is trained)
-with :func:`arbor.loss.pack_loss`, float32 on the CPU:
+with :func:`arbor.packed_loss.pack_loss`, float32 on the CPU:
 
 - ``unchunked``: ``learner.logit_chunk_tokens: 0`` — [tokens, vocab] logits from the
   model's forward, log-softmax, entropy through autograd (arbor before the chunked head);
@@ -102,7 +102,7 @@ def run_variant(args: argparse.Namespace) -> dict[str, float]:
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from arbor.loss import pack_loss
+    from arbor.packed_loss import pack_loss
     from arbor.packing import loss_denominator, pack_trees
     from arbor.tree_attention import BLOCKS_IMPL, attention_implementation
 

@@ -10,7 +10,7 @@ runs ``policy_loss`` forward + backward on the same trees three ways, interleave
   full path its own sequence (``linearise_trees``), the sequences packed unpadded one after
   another with causal attention inside each (``pack_trees`` on the chains) through the
   same attention kernel as ``tree``;
-- ``padded``: ``mode="linear"``, every leaf its own right-padded row of one batch.
+- ``padded``: ``mode="padded"``, every leaf its own right-padded row of one batch.
 
 Cases:
 
@@ -57,7 +57,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from arbor.loss import policy_loss  # noqa: E402
+from arbor.packed_loss import policy_loss  # noqa: E402
 from arbor.packing import linearise_trees  # noqa: E402
 from arbor.tree import RolloutTree  # noqa: E402
 
@@ -161,7 +161,7 @@ class Batch:
 
     trees: list[RolloutTree]
     advantages: list
-    policy_mode: str  # policy_loss's mode: "tree" packs the trees, "linear" pads every leaf
+    policy_mode: str  # policy_loss's mode: "tree" packs the trees, "padded" pads every leaf
 
 
 def batch_for(mode: str, trees: list[RolloutTree], advantages: list) -> Batch:
@@ -171,7 +171,7 @@ def batch_for(mode: str, trees: list[RolloutTree], advantages: list) -> Batch:
         return Batch(*linearise_trees(trees, advantages), "tree")
     if mode not in ("tree", "padded"):
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-    return Batch(trees, advantages, "tree" if mode == "tree" else "linear")
+    return Batch(trees, advantages, "tree" if mode == "tree" else "padded")
 
 
 def batch_loss(model: torch.nn.Module, batch: Batch, attention: str) -> torch.Tensor:

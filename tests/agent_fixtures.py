@@ -43,6 +43,9 @@ class ScriptedEngine:
     async def flush_cache(self) -> None:  # the trainer's eval phase flushes after sampling
         pass
 
+    async def close(self) -> None:  # the trainer's phases close the client after each run
+        pass
+
 
 class ScriptedAgent:
     """A tool message echoing the model's code after each of the first TOOL_TURNS turns."""
@@ -87,4 +90,4 @@ class Recheck:
     def step(self, problem, history):
         if any(m["role"] == "tool" for m in history):
             return None
-        return [{"role": "tool", "content": "checked", "error": "1"}]
+        return [{"role": "tool", "content": "checked", "error": True}]

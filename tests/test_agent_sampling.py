@@ -24,7 +24,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from arbor.agents import continuation_ids
 from arbor.config import RolloutConfig, load_config
 from arbor.errors import ConfigError
-from arbor.loss import policy_loss
+from arbor.packed_loss import policy_loss
 from arbor.sampler import sample_trees
 
 MODEL = Path(__file__).resolve().parents[1] / "models" / "tiny-arith"
@@ -88,7 +88,7 @@ def test_tree_equals_linear_gradients_on_agent_trees(tokenizer):
     rng = random.Random(0)
     advantages = [[rng.gauss(0, 1) for _ in t.leaves()] for t in trees]
     grads = {}
-    for mode in ("tree", "linear"):
+    for mode in ("tree", "padded"):
         model = AutoModelForCausalLM.from_pretrained(MODEL, dtype=torch.float64)
         loss, metrics = policy_loss(model, trees, advantages, mode=mode)
         loss.backward()
@@ -97,7 +97,7 @@ def test_tree_equals_linear_gradients_on_agent_trees(tokenizer):
         assert metrics["linearised_tokens"] == sum(
             sum(len(n.token_ids) for n in t.path(leaf) if n.loss_mask is None) for t in trees for leaf in t.leaves()
         )
-    for a, b in zip(grads["tree"], grads["linear"]):
+    for a, b in zip(grads["tree"], grads["padded"]):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-9)
 
 

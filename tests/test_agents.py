@@ -65,7 +65,7 @@ def test_python_tool_runs_the_last_code_block_and_reports_errors():
     assert agent.step(problem, history) == [{"role": "tool", "content": "42\n"}]
     crash = agent.start(problem) + [{"role": "assistant", "content": "```python\nraise ValueError('no')\n```"}]
     (message,) = agent.step(problem, crash)
-    assert message["error"] == "1" and "ValueError: no" in message["content"]
+    assert message["error"] is True and "ValueError: no" in message["content"]
     done = history + [{"role": "tool", "content": "42\n"}, {"role": "assistant", "content": "\\boxed{42}"}]
     assert agent.step(problem, done) is None  # no code: the episode ends
 
@@ -107,3 +107,16 @@ def test_python_tool_agent_without_network_isolation_fails_at_start_up(tmp_path,
     assert "config error: tool sandbox: cannot cut tools off the network here (no `unshare`" in error
     assert main(["train", "configs/agent_math.yaml", "--dry-run", "rollout.agent_args.allow_network=true"]) == 0
     assert "allow_network: true" in capsys.readouterr().out
+
+
+def test_a_tool_messages_error_flag_never_reaches_the_chat_template():
+    """``error`` is arbor's field (the tool-error metric), not the chat format's: a template
+    that would render it (here one that prints every message's ``error``) gets the message without it."""
+    tokenizer = AutoTokenizer.from_pretrained(REPO / "models" / "tiny-arith")
+    tokenizer.chat_template = (
+        "{% for m in messages %}<|im_start|>{{ m.role }}{% if m.error is defined %} failed{% endif %}\n"
+        "{{ m.content }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    failed = continuation_ids(tokenizer, [{"role": "tool", "content": "Traceback", "error": True}])
+    assert failed == continuation_ids(tokenizer, [{"role": "tool", "content": "Traceback"}])
+    assert "failed" not in tokenizer.decode(failed)

@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from arbor.engines.client import SGLangClient
-from arbor.engines.distributed import FlatBuffer, flat_chunks, flatten, rank_layout, unflatten
+from arbor.engines.client import SGLangClient, rank_layout
+from arbor.engines.distributed import FlatBuffer, flat_chunks, flatten, unflatten
 from arbor.engines.server import free_port
 from arbor.weight_sync import (
     WeightSync,

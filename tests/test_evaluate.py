@@ -3,12 +3,10 @@ on the multi-turn tests' scripted engine and agent, then the CLI on tiny-arith."
 
 from __future__ import annotations
 
-import asyncio
 import json
 import subprocess
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 from agent_fixtures import PROBLEMS as EPISODE_PROBLEMS
@@ -62,6 +60,9 @@ class ScriptedEngine:
 
     async def flush_cache(self) -> None:
         self.flushes += 1
+
+    async def close(self) -> None:  # the trainer's phases close the client after each run
+        pass
 
     async def generate(self, request: GenerateRequest) -> list[GenerateOutput]:
         self.requests.append(request)
@@ -154,14 +155,13 @@ def test_greedy_eval_is_one_answer_at_temperature_zero(rewards):
 def test_the_trainers_eval_phase_logs_the_same_metrics(rewards):
     cfg = eval_config("eval.max_problems=3")
     statuses: list[str] = []
-    ctx = SimpleNamespace(cfg=cfg, client=ScriptedEngine(), rewards=rewards, tokenizer=CharTokenizer(), agent=None,
-                          eos_token_ids=[EOS], run_async=asyncio.run, log=SimpleNamespace(status=statuses.append))
-    metrics = phases.evaluate(ctx, PROBLEMS)
+    sampling = phases.Sampling(ScriptedEngine(), CharTokenizer(), None, [EOS], cfg.data, cfg.model.chat_template)
+    metrics = phases.evaluate(sampling, rewards, PROBLEMS, cfg.eval, cfg.rollout, cfg.run.seed, statuses.append)
     assert metrics["eval/problems"] == 3  # eval.max_problems: the first three
     assert metrics["eval/pass@3"] == 2 / 3 and metrics["eval/maj@3"] == 1 / 3
     assert metrics["eval/accuracy"] == pytest.approx(3 / 9)
     assert "eval: sampled 3/3 problems" in statuses
-    assert ctx.client.flushes == 1  # the next step starts from an empty cache, as a resumed run does
+    assert sampling.client.flushes == 1  # the next step starts from an empty cache, as a resumed run does
 
 
 def test_eval_with_an_agent_runs_one_episode_per_sample(rewards):
@@ -173,11 +173,10 @@ def test_eval_with_an_agent_runs_one_episode_per_sample(rewards):
     cfg = load_config(None, ["eval.samples=3", "eval.temperature=1.0", "eval.max_response_tokens=200",
                              "data.system_prompt=Be brief.", "rollout.agent_timeout_s=0.3"])
     agent, engine = HangingAgent(), EpisodeEngine(tokenizer)
-    ctx = SimpleNamespace(cfg=cfg, client=engine, rewards=rewards, tokenizer=tokenizer, agent=agent,
-                          eos_token_ids=[tokenizer.eos_token_id], run_async=asyncio.run,
-                          log=SimpleNamespace(status=lambda text: None))
+    sampling = phases.Sampling(engine, tokenizer, agent, [tokenizer.eos_token_id], cfg.data, cfg.model.chat_template)
     try:
-        metrics = phases.evaluate(ctx, EPISODE_PROBLEMS)
+        metrics = phases.evaluate(sampling, rewards, EPISODE_PROBLEMS, cfg.eval, cfg.rollout, cfg.run.seed,
+                                  lambda text: None)
     finally:
         agent.release.set()
     starts = [r for r in engine.requests if r.sampling.n == 3]  # one per problem; then n = 1 per turn

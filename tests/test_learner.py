@@ -1,5 +1,6 @@
 """The learner: exact accumulated gradients over packs, single process and 2 ZeRO-3 ranks (CPU, gloo)."""
 
+import functools
 import math
 import os
 import random
@@ -14,7 +15,8 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 from arbor.config import load_config
 from arbor.engines.server import free_port
 from arbor.learner import Learner, lr_lambda
-from arbor.loss import pack_loss, policy_loss
+from arbor.loss import LossStats
+from arbor.packed_loss import pack_loss, policy_loss
 from arbor.packing import assign_to_ranks, loss_denominator, pack_trees
 from arbor.tree import RolloutTree
 
@@ -64,15 +66,16 @@ def test_torch_learner_accumulates_exact_gradients(tmp_path):
     learner = Learner(cfg.model, cfg.learner, cfg.optim, cfg.loss, total_steps=10)
     packs = pack_trees(trees, advantages, pack_tokens=20)  # several packs: accumulation
     assert len(packs) > 1
-    sums = learner.backward(packs, loss_denominator(trees, "token"))
+    denominator = loss_denominator(trees, "token")
+    stats = learner.backward(packs, functools.partial(learner.policy_pack_loss, denominator=denominator))
     got = [p.grad for p in learner.model.parameters()]
 
     reference = Qwen2ForCausalLM.from_pretrained(path)
-    loss, metrics = policy_loss(reference, trees, advantages, mode="linear")
+    loss, metrics = policy_loss(reference, trees, advantages, mode="padded")
     loss.backward()
     for a, p in zip(got, reference.parameters()):
         torch.testing.assert_close(a, p.grad, rtol=1e-4, atol=1e-6)
-    assert sums.metrics()["linearised_tokens"] == metrics["linearised_tokens"]
+    assert sum(stats, LossStats()).metrics()["linearised_tokens"] == metrics["linearised_tokens"]
 
     before = [p.detach().clone() for p in learner.model.parameters()]
     grad_norm = learner.optimizer_step()
@@ -107,7 +110,8 @@ rank = int(os.environ["RANK"])
 mine = [packs[i] for i in assign_to_ranks(packs, 2)[rank][: {limit} if rank == 1 else None]]
 learner = Learner(cfg.model, cfg.learner, cfg.optim, cfg.loss, total_steps=10)
 before = learner.full_state_dict()
-learner.backward(mine, loss_denominator(trees, "token"))
+denominator = loss_denominator(trees, "token")
+learner.backward(mine, lambda model, pack: learner.policy_pack_loss(model, pack, denominator))
 learner.optimizer_step()
 after = learner.full_state_dict()
 torch.save({{k: before[k] - after[k] for k in before}}, {out!r} + os.environ["RANK"])
@@ -148,7 +152,7 @@ def test_zero3_two_ranks_match_single_process(tmp_path, limit, chunk, tied):
     assert counts[0] >= 2
     reference = Qwen2ForCausalLM.from_pretrained(path)
     if limit is None:
-        loss, _ = policy_loss(reference, trees, advantages, mode="linear")
+        loss, _ = policy_loss(reference, trees, advantages, mode="padded")
         loss.backward()
     else:  # the packs actually trained, each over the batch's global denominator
         ranks = assign_to_ranks(packs, 2)

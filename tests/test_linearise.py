@@ -6,7 +6,7 @@ import pytest
 import torch
 from test_tree_vs_linear import assert_close, random_advantages, random_tree, tiny
 
-from arbor.loss import pack_loss, policy_loss
+from arbor.packed_loss import pack_loss, policy_loss
 from arbor.packing import linearise_trees, loss_denominator, pack_trees
 from arbor.tree import RolloutTree
 
@@ -64,14 +64,14 @@ def test_unique_tokens_of_chains_are_the_linearised_tokens():
 @pytest.mark.parametrize("per_token", [False, True])
 def test_packed_chains_equal_the_linear_loss_float64(normalize, per_token):
     # The learner's path: pack_trees on the chains, pack_loss per pack with the global
-    # denominator, gradients accumulated; the reference is policy_loss(mode="linear").
+    # denominator, gradients accumulated; the reference is policy_loss(mode="padded").
     seed = 20 + 2 * per_token + (normalize == "sequence")
     rng = random.Random(seed)
     trees = [random_tree(rng, i) for i in range(4)]
     advantages = random_advantages(rng, trees, per_token)
     model = tiny("qwen2", torch.float64, seed)
     model.zero_grad()
-    ref_loss, ref_metrics = policy_loss(model, trees, advantages, mode="linear", normalize=normalize)
+    ref_loss, ref_metrics = policy_loss(model, trees, advantages, mode="padded", normalize=normalize)
     ref_loss.backward()
     ref_grads = [p.grad.clone() for p in model.parameters()]
 
@@ -90,7 +90,7 @@ def test_packed_chains_equal_the_linear_loss_float64(normalize, per_token):
     assert total == pytest.approx(ref_loss.item(), rel=1e-6, abs=1e-12)
     for ref, p in zip(ref_grads, model.parameters()):
         assert_close(ref, p.grad, 1e-6)
-    metrics = sums.metrics()
-    for name in ("clip_fraction", "approx_kl", "entropy", "logprob_gap", "linearised_tokens"):
+    metrics = sums.stats.metrics()
+    for name in ("loss", "clip_fraction", "approx_kl", "entropy", "logprob_gap", "linearised_tokens"):
         assert metrics[name] == pytest.approx(ref_metrics[name], rel=1e-6, abs=1e-9), name
     assert metrics["tokens"] == ref_metrics["tokens"]  # linear: every trained token unique

@@ -14,7 +14,7 @@ from transformers import Gemma2Config, Gemma2ForCausalLM
 
 from arbor.lm_head import chunkable_head, head_logprobs, logprobs_and_entropy
 from arbor.logprobs import tree_logprobs
-from arbor.loss import policy_loss
+from arbor.packed_loss import policy_loss
 
 
 def test_logprobs_and_entropy_at_a_temperature_by_hand():

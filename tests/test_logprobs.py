@@ -6,7 +6,8 @@ import pytest
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from arbor.logprobs import set_behaviour_logprobs, sft_loss, tree_logprobs
+from arbor.logprobs import set_behaviour_logprobs, tree_logprobs
+from arbor.packed_loss import sft_loss
 from arbor.tree import RolloutTree
 
 
@@ -50,19 +51,19 @@ def test_sft_tree_equals_linear(normalize):
     model, trees = setup(1)
     weights = [[1.0 + k for k in range(len(t.leaves()))] for t in trees]
     grads, values = {}, {}
-    for mode in ("linear", "tree"):
+    for mode in ("padded", "tree"):
         model.zero_grad()
         loss = sft_loss(model, trees, weights, normalize=normalize, mode=mode, pack_tokens=14)
         loss.backward()
         values[mode] = loss.item()
         grads[mode] = [p.grad.clone() for p in model.parameters()]
-    assert values["tree"] == pytest.approx(values["linear"], rel=1e-9)
-    for a, b in zip(grads["linear"], grads["tree"]):
+    assert values["tree"] == pytest.approx(values["padded"], rel=1e-9)
+    for a, b in zip(grads["padded"], grads["tree"]):
         # HF's RMSNorm computes in float32 even in a float64 model: compare to the scale.
         assert (a - b).abs().max() <= 1e-6 * a.abs().max()
 
 
-@pytest.mark.parametrize("mode", ["tree", "linear"])
+@pytest.mark.parametrize("mode", ["tree", "padded"])
 def test_negative_sft_weights_rejected_in_both_modes(mode):
     model, trees = setup()
     weights = [[-1.0] * len(t.leaves()) for t in trees]

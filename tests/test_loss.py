@@ -5,12 +5,13 @@ import math
 import pytest
 import torch
 
+from arbor.lm_head import logprobs_and_entropy
 from arbor.loss import (
+    LossStats,
     LossSums,
     clipped_objective,
     combine,
     kl_penalty,
-    logprobs_and_entropy,
     token_sums,
 )
 
@@ -67,7 +68,7 @@ def test_token_sums_and_metrics_by_hand():
     )
     # objective = 2·1.28 + (-1)·1.5 + (-0.5)·1.0 = 0.56
     assert sums.objective.item() == pytest.approx(0.56)
-    m = sums.metrics()
+    m = sums.stats.metrics()
     assert m["clip_fraction"] == pytest.approx(2 / 4)
     assert m["entropy"] == pytest.approx((3 * 0.7 + 0.1) / 4)
     assert m["logprob_gap"] == pytest.approx(3 * math.log(1.5) / 4)
@@ -78,10 +79,14 @@ def test_token_sums_and_metrics_by_hand():
 
 
 def test_sums_add_across_packs():
-    a = LossSums(t(1.0)[0], t(0.0)[0], t(2.0)[0], clipped=1, tokens=2, linearised_tokens=3)
-    b = LossSums(t(0.5)[0], t(1.0)[0], t(1.0)[0], clipped=2, tokens=1, linearised_tokens=1)
+    a = LossSums(t(1.0)[0], t(0.0)[0], t(2.0)[0], LossStats(loss=0.25, clipped=1, tokens=2, linearised_tokens=3))
+    b = LossSums(t(0.5)[0], t(1.0)[0], t(1.0)[0], LossStats(loss=0.5, clipped=2, tokens=1, linearised_tokens=1))
     c = a + b
-    assert (c.objective.item(), c.clipped, c.tokens, c.linearised_tokens) == (1.5, 3, 3, 4)
+    assert (c.objective.item(), c.entropy.item(), c.stats.clipped, c.stats.tokens) == (1.5, 3.0, 3, 3)
+    # The metrics divide once, after the sums over packs (and ranks): 3 clipped of 4 linearised.
+    m = c.stats.metrics()
+    assert (m["loss"], m["clip_fraction"], m["tokens"], m["linearised_tokens"]) == (0.75, 3 / 4, 3.0, 4.0)
+    assert sum([a.stats, b.stats], LossStats()) == c.stats  # how the trainer adds the ranks' results
 
 
 # -- engine and learner agree at any sampling temperature ------------------------------------
@@ -109,7 +114,7 @@ def test_old_logprobs_from_the_engine_match_the_learner_at_temperature(engine_an
     import asyncio
 
     from arbor.config import RolloutConfig
-    from arbor.loss import policy_loss
+    from arbor.packed_loss import policy_loss
     from arbor.sampler import sample_trees
 
     engine, model = engine_and_model
@@ -117,7 +122,7 @@ def test_old_logprobs_from_the_engine_match_the_learner_at_temperature(engine_an
     prompts = [[17, 42, 99, 5, 63], [31, 200, 11, 54, 76, 150]]
     trees, _ = asyncio.run(sample_trees(engine, [{"id": "a"}, {"id": "b"}], prompts, cfg, eos_token_ids=[0], seed=1))
     advantages = [[(-1.0) ** i for i in range(len(t.leaves()))] for t in trees]
-    for mode in ("tree", "linear"):
+    for mode in ("tree", "padded"):
         _, metrics = policy_loss(model, trees, advantages, mode=mode, temperature=temperature, chunk_tokens=5)
         assert metrics["logprob_gap"] <= 1e-5, (mode, metrics)
         assert metrics["clip_fraction"] == 0.0
@@ -171,10 +176,10 @@ def forked_tree(ratio: float, masks=(None, None, None), d_logprobs: bool = True)
 
 
 def both_modes(model, trees, advantages, **kw):
-    from arbor.loss import policy_loss
+    from arbor.packed_loss import policy_loss
 
     tree_loss, tree_m = policy_loss(model, trees, advantages, mode="tree", **kw)
-    lin_loss, lin_m = policy_loss(model, trees, advantages, mode="linear", **kw)
+    lin_loss, lin_m = policy_loss(model, trees, advantages, mode="padded", **kw)
     assert tree_loss.item() == pytest.approx(lin_loss.item(), rel=1e-9, abs=1e-12)
     # "tokens" counts unique tokens: fewer in a tree than in the linear batch.
     assert tree_m["tokens"] <= lin_m["tokens"]
@@ -242,8 +247,8 @@ def test_logprob_gap_counts_differences_of_both_signs():
         adv_neg=t(0.0, 0.0), leaf_count=t(1.0, 1.0), n_pos=t(0.0, 0.0), n_neg=t(0.0, 0.0),
         clip_low=0.2, clip_high=0.28, kl_estimator="k3",
     )
-    assert sums.metrics()["logprob_gap"] == pytest.approx(0.2)
-    assert sums.metrics()["approx_kl"] == pytest.approx(0.02)
+    assert sums.stats.metrics()["logprob_gap"] == pytest.approx(0.2)
+    assert sums.stats.metrics()["approx_kl"] == pytest.approx(0.02)
 
 
 def test_kl_and_entropy_sums_are_weighted_per_token():
@@ -256,7 +261,7 @@ def test_kl_and_entropy_sums_are_weighted_per_token():
         clip_low=0.2, clip_high=0.28, kl_estimator="k1",
     )
     assert sums.kl.item() == pytest.approx(0.1) and sums.entropy.item() == pytest.approx(1.5)
-    m = sums.metrics()
+    m = sums.stats.metrics()
     assert m["kl"] == pytest.approx(0.025) and m["entropy"] == pytest.approx(0.625)
     # Ratio 1: objective = Σ adv_pos + Σ adv_neg = 1 − 1 = 0. Loss = (0 + 0.5·0.1 − 0.2·1.5) / 4.
     assert combine(sums, 4.0, kl_coef=0.5, entropy_coef=0.2).item() == pytest.approx((0.05 - 0.3) / 4)
@@ -268,9 +273,9 @@ def test_metrics_of_one_token_and_of_nothing():
         torch.log(t(1.5)), t(0.3), t(0.0), None, weight=t(1.0), adv_pos=t(1.0), adv_neg=t(0.0),
         leaf_count=t(1.0), n_pos=t(1.0), n_neg=t(0.0), clip_low=0.2, clip_high=0.28, kl_estimator="k3",
     )
-    m = sums.metrics()
+    m = sums.stats.metrics()
     assert (m["clip_fraction"], m["entropy"], m["tokens"], m["linearised_tokens"]) == pytest.approx((1.0, 0.3, 1, 1))
-    empty = LossSums(t(0.0)[0], t(0.0)[0], t(0.0)[0]).metrics()
+    empty = LossSums(t(0.0)[0], t(0.0)[0], t(0.0)[0]).stats.metrics()
     assert empty["clip_fraction"] == 0.0 and empty["logprob_gap"] == 0.0
     # A zero denominator (nothing trainable anywhere) gives a zero loss, not NaN.
     assert combine(LossSums(t(0.0)[0], t(0.0)[0], t(0.0)[0]), 0.0, 0.0, 0.0).item() == 0.0
@@ -280,7 +285,7 @@ def test_metrics_of_one_token_and_of_nothing():
 def test_defaults_of_the_pack_loss_and_the_policy_loss_agree(random_model, uniform_model, ratio):
     # The learner calls pack_loss pack by pack; its defaults must be policy_loss's
     # (clip 0.2 / 0.28, T = 1, tree mode, token normalisation, k3).
-    from arbor.loss import pack_loss, policy_loss
+    from arbor.packed_loss import pack_loss, policy_loss
     from arbor.packing import loss_denominator, pack_trees
 
     tree = forked_tree(ratio)
@@ -289,7 +294,7 @@ def test_defaults_of_the_pack_loss_and_the_policy_loss_agree(random_model, unifo
     (pack,) = pack_trees([tree], advantages)
     by_pack, sums = pack_loss(random_model, pack, loss_denominator([tree], "token"))
     assert by_pack.item() == pytest.approx(loss.item(), rel=1e-12)
-    assert sums.metrics() == pytest.approx(metrics)
+    assert sums.stats.metrics() == pytest.approx(metrics)
     explicit, _ = policy_loss(random_model, [tree], advantages, clip_low=0.2, clip_high=0.28, temperature=1.0,
                               mode="tree", normalize="token")
     assert explicit.item() == pytest.approx(loss.item(), rel=1e-12)
@@ -306,18 +311,18 @@ def test_defaults_of_the_pack_loss_and_the_policy_loss_agree(random_model, unifo
 
 
 def test_policy_loss_errors(uniform_model):
-    from arbor.loss import policy_loss
+    from arbor.packed_loss import policy_loss
 
     tree = forked_tree(1.0)
     with pytest.raises(ValueError, match="^kl_coef > 0 needs a ref_model$"):
         policy_loss(uniform_model, [tree], [[1.0, 0.0, 0.0]], kl_coef=0.1)
-    with pytest.raises(ValueError, match="mode must be 'tree' or 'linear', got 'flat'"):
+    with pytest.raises(ValueError, match="mode must be 'tree' or 'padded', got 'flat'"):
         policy_loss(uniform_model, [tree], [[1.0, 0.0, 0.0]], mode="flat")
 
 
 def test_pack_token_logprobs_defaults(random_model):
     # Defaults: T = 1, attention "auto", the whole LM head (no chunks); what pack_loss passes.
-    from arbor.loss import pack_token_logprobs
+    from arbor.logprobs import pack_token_logprobs
     from arbor.packing import pack_trees
 
     (pack,) = pack_trees([forked_tree(1.0)], [[1.0, 0.0, -1.0]])
@@ -331,11 +336,11 @@ def test_pack_token_logprobs_defaults(random_model):
     assert torch.allclose(logp, chunked[0], rtol=1e-10) and torch.allclose(entropy, chunked[1], rtol=1e-10)
 
 
-def test_linear_token_logprobs_index_each_leafs_tokens(random_model):
+def test_padded_token_logprobs_index_each_leafs_tokens(random_model):
     # forked_tree's leaves b (path a b: 3 tokens), c (a c: 4), d (1): flat positions 0-2, 3-6, 7.
-    from arbor.loss import linear_token_logprobs
+    from arbor.logprobs import padded_token_logprobs
 
-    logp, entropy, index = linear_token_logprobs(random_model, [forked_tree(1.0)])
+    logp, entropy, index = padded_token_logprobs(random_model, [forked_tree(1.0)])
     assert index == [(0, 0, [0, 1, 2]), (0, 1, [3, 4, 5, 6]), (0, 2, [7])]
     assert logp.shape == entropy.shape == (8,)
     assert torch.allclose(logp[[0, 1]], logp[[3, 4]])  # the shared segment a, scored twice

@@ -15,7 +15,7 @@ import torch
 from test_learner import batch, config, tiny_model_dir
 from transformers import Qwen2ForCausalLM
 
-from arbor.loss import policy_loss
+from arbor.packed_loss import policy_loss
 
 ray = pytest.importorskip("ray")
 
@@ -88,7 +88,7 @@ def test_two_ranks_on_two_nodes_give_the_single_process_gradient(tmp_path, monke
 
     trees, advantages = batch()
     reference = Qwen2ForCausalLM.from_pretrained(path)
-    policy_loss(reference, trees, advantages, mode="linear")[0].backward()
+    policy_loss(reference, trees, advantages, mode="padded")[0].backward()
     for rank_grads in grads:
         assert rank_grads.keys() == dict(reference.named_parameters()).keys()
         for name, param in reference.named_parameters():

@@ -26,8 +26,8 @@ from arbor.config import (
 from arbor.data import DataError
 from arbor.engines.server import free_port
 from arbor.learner import Learner
-from arbor.logprobs import sft_loss
 from arbor.metrics import read_metrics
+from arbor.packed_loss import sft_loss
 from arbor.sft import (
     SftExample,
     _default_distributed_env,
@@ -214,7 +214,7 @@ def test_tree_sft_gradients_equal_linear_sft(seed, normalize):
     trees = [e.tree for e in examples]
     if not any(tree.num_trainable(leaf) for tree in trees for leaf in tree.leaves()):
         return  # nothing trained: no gradient to compare
-    loss = sft_loss(reference, trees, [e.weights for e in examples], normalize=normalize, mode="linear")
+    loss = sft_loss(reference, trees, [e.weights for e in examples], normalize=normalize, mode="padded")
     loss.backward()
     assert metrics["sft/loss"] == pytest.approx(loss.item(), rel=1e-9, abs=1e-12)
     # Every token is forwarded at least once; a tree split over packs repeats its root-path

@@ -56,7 +56,7 @@ def test_two_zero3_ranks_under_ray_with_arbor_serve(run_inputs, tmp_path):
 
     def check(ctx, step, metrics):
         versions = ctx.run_async(ctx.client.get_weight_version())
-        checksum = ctx.learners.call("state_checksum")
+        checksum = ctx.learners.state_checksum()
         seen.append((step, versions, checksum, metrics))
 
     history = train(cfg, after_step=check)

@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from arbor.loss import policy_loss
+from arbor.packed_loss import policy_loss
 from arbor.tree import RolloutTree
 
 VOCAB = 48
@@ -94,7 +94,7 @@ def test_tree_equals_linear_float64(seed, kind, normalize, kl, entropy_coef, per
     kw = dict(normalize=normalize, entropy_coef=entropy_coef, clip_low=0.2, clip_high=0.28)
     if kl:
         kw.update(kl_coef=0.1, kl_estimator=kl, ref_model=tiny(kind, torch.float64, seed + 100))
-    lin_loss, lin_grads, lin_m = loss_and_grads(model, trees, advantages, mode="linear", **kw)
+    lin_loss, lin_grads, lin_m = loss_and_grads(model, trees, advantages, mode="padded", **kw)
     tree_loss, tree_grads, tree_m = loss_and_grads(
         model, trees, advantages, mode="tree", pack_tokens=budget(trees, slack), attention=attention, **kw
     )
@@ -123,7 +123,7 @@ def test_tree_equals_linear_in_low_precision(normalize, dtype, seed, loss_rtol, 
     trees = [random_tree(rng, i) for i in range(3)]
     advantages = random_advantages(rng, trees, per_token=False)
     model = tiny("qwen2", dtype, seed)
-    lin_loss, lin_grads, lin_m = loss_and_grads(model, trees, advantages, mode="linear", normalize=normalize)
+    lin_loss, lin_grads, lin_m = loss_and_grads(model, trees, advantages, mode="padded", normalize=normalize)
     tree_loss, tree_grads, tree_m = loss_and_grads(model, trees, advantages, mode="tree", normalize=normalize,
                                                    pack_tokens=budget(trees, 3))
     # Probabilities are formed in float32 whatever the model's dtype (arbor.lm_head).
@@ -149,17 +149,27 @@ def test_kl_without_reference_is_an_error():
         policy_loss(tiny("qwen2", torch.float64), [tree], [[1.0]], kl_coef=0.1)
 
 
+def test_the_padded_reference_is_named_padded():
+    """``mode="linear"`` named it before the trainer's loss.mode: linear (packed chains) took the
+    word: asking for it says both names."""
+    tree = RolloutTree.from_sequences([1], [[2]], logprobs=[[-1.0]])
+    with pytest.raises(ValueError, match="'padded'.*loss.mode: linear"):
+        policy_loss(tiny("qwen2", torch.float64), [tree], [[1.0]], mode="linear")
+    with pytest.raises(ValueError, match="mode must be 'tree' or 'padded'"):
+        policy_loss(tiny("qwen2", torch.float64), [tree], [[1.0]], mode="dense")
+
+
 def test_learner_style_accumulation_over_packs_and_ranks():
     # The learner calls backward pack by pack with one global denominator, packs spread
     # over ranks: the accumulated gradients equal one linear step over the whole batch.
-    from arbor.loss import pack_loss
+    from arbor.packed_loss import pack_loss
     from arbor.packing import assign_to_ranks, loss_denominator, pack_trees
 
     rng = random.Random(11)
     trees = [random_tree(rng, i) for i in range(4)]
     advantages = random_advantages(rng, trees, per_token=True)
     model = tiny("llama", torch.float64, 11)
-    lin_loss, lin_grads, _ = loss_and_grads(model, trees, advantages, mode="linear", normalize="sequence")
+    lin_loss, lin_grads, _ = loss_and_grads(model, trees, advantages, mode="padded", normalize="sequence")
     packs = pack_trees(trees, advantages, pack_tokens=budget(trees, 1), normalize="sequence")
     assert len(packs) > 2  # the budget forces several packs
     denominator = loss_denominator(trees, "sequence")
@@ -195,7 +205,7 @@ def test_empty_nodes_tree_equals_linear_float64(seed):
     advantages = random_advantages(rng, trees, per_token=bool(seed % 2))
     model = tiny("qwen2", torch.float64, seed)
     kw = dict(normalize=["token", "sequence"][seed % 2], entropy_coef=0.01)
-    lin_loss, lin_grads, lin_m = loss_and_grads(model, trees, advantages, mode="linear", **kw)
+    lin_loss, lin_grads, lin_m = loss_and_grads(model, trees, advantages, mode="padded", **kw)
     slack = None if seed < 3 else seed - 3  # one pack, or partitioned trees
     tree_loss, tree_grads, tree_m = loss_and_grads(
         model, trees, advantages, mode="tree", pack_tokens=budget(trees, slack),

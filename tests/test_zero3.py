@@ -21,7 +21,7 @@ import os, sys, torch
 sys.path.insert(0, {tests!r})
 from test_learner import batch, config
 from arbor.learner import Learner, additive_sums, load_policy
-from arbor.loss import pack_loss
+from arbor.packed_loss import pack_loss
 from arbor.packing import assign_to_ranks, loss_denominator, pack_trees
 from arbor.weight_sync import gathered_buckets, gathered_parameters
 

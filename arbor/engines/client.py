@@ -230,8 +230,6 @@ class SGLangClient:
         Blocks on the servers until the learner opens its side of the group too: run the
         learner's ``open_group(..., rank=0)`` concurrently with this call.
         """
-        from arbor.engines.distributed import rank_layout
-
         world_size, offsets = rank_layout(tp_sizes or [1] * len(self.urls))
         if len(offsets) != len(self.urls):
             raise ValueError(f"{len(offsets)} tp_sizes for {len(self.urls)} servers")
@@ -450,6 +448,22 @@ async def _with_retries(
                 ) from exc
             await asyncio.sleep(backoff_s * 2**tries)
     raise AssertionError("unreachable")
+
+
+def rank_layout(tp_sizes: list[int]) -> tuple[int, list[int]]:
+    """(world_size, rank_offset of each engine) of a weight-update group: the learner is rank 0,
+    then every TP rank of every engine (:mod:`arbor.engines.distributed` builds the group).
+
+    >>> rank_layout([2, 1, 4])
+    (8, [1, 3, 4])
+    """
+    if not tp_sizes or any(size < 1 for size in tp_sizes):
+        raise ValueError(f"every engine needs tp_size >= 1, got {tp_sizes}")
+    offsets, next_rank = [], 1
+    for size in tp_sizes:
+        offsets.append(next_rank)
+        next_rank += size
+    return next_rank, offsets
 
 
 def generate_payload(request: GenerateRequest) -> dict[str, Any]:

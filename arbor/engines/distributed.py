@@ -1,7 +1,7 @@
 """Learner -> engine weight transfer over a torch.distributed group, built as SGLang builds it.
 
 The learner is rank 0 and broadcasts; every tensor-parallel rank of every engine is a rank
-of its own (:func:`rank_layout`). Both ends make the group exactly as SGLang 0.5's
+of its own (:func:`~arbor.engines.client.rank_layout`). Both ends make the group exactly as SGLang 0.5's
 ``init_custom_process_group`` does (behind ``/init_weights_update_group``): a TCP
 rendezvous at ``master_address:master_port``, ``PrefixStore(group_name, store)``, then
 torch's ``_new_process_group_helper`` with the announced backend (NCCL when the tensors
@@ -25,7 +25,7 @@ from __future__ import annotations
 import asyncio
 import datetime
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -37,26 +37,10 @@ from torch.distributed.distributed_c10d import (
     rendezvous,
 )
 
-if TYPE_CHECKING:
-    from arbor.engines.client import SGLangClient
+from arbor.engines.client import SGLangClient, rank_layout
 
 DEFAULT_GROUP = "weight_update_group"
 FLATTENED = "flattened_bucket"  # SGLang's load_format for one broadcast per bucket
-
-
-def rank_layout(tp_sizes: list[int]) -> tuple[int, list[int]]:
-    """(world_size, rank_offset of each engine): the learner is rank 0, then every TP rank.
-
-    >>> rank_layout([2, 1, 4])
-    (8, [1, 3, 4])
-    """
-    if not tp_sizes or any(size < 1 for size in tp_sizes):
-        raise ValueError(f"every engine needs tp_size >= 1, got {tp_sizes}")
-    offsets, next_rank = [], 1
-    for size in tp_sizes:
-        offsets.append(next_rank)
-        next_rank += size
-    return next_rank, offsets
 
 
 def open_group(

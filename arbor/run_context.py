@@ -1,0 +1,209 @@
+"""The pieces one ``arbor train`` run holds, declared in one record, and their start and stop.
+
+    with start_run(cfg) as ctx:          # Ray, engines, learner ranks, reward pool, TensorBoard
+        batch = phases.collect_rollouts(ctx.sampling, ctx.rewards, ctx.stream, ctx.log, cfg, step)
+        ctx.save_checkpoint(step)
+    # everything started is stopped again, in reverse order, also after an error
+
+:func:`start_run` refuses an output directory holding another run (unless ``run.resume``),
+saves the resolved config, loads the problems and resumes from the latest checkpoint. The
+phases (:mod:`arbor.phases`) never see this record: the trainer hands each the pieces it uses.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Coroutine, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+from arbor import checkpoint
+from arbor.agents import fitting_problems, rollout_agent
+from arbor.config import Config, save_config
+from arbor.data import ProblemStream, load_problems, stop_token_ids
+from arbor.engine_recovery import EngineRecovery
+from arbor.engines.client import SGLangClient
+from arbor.metrics import MetricsLog
+from arbor.orchestration import EngineGroup, LearnerGroup, Placement, start_ray
+from arbor.phases import Sampling
+from arbor.rewards import RewardPool
+
+T = TypeVar("T")
+
+
+@dataclass
+class RunContext:
+    """Everything one run holds: config, data, engines, learners, rewards, metrics."""
+
+    cfg: Config
+    sampling: Sampling  # the engine client with the tokenizer, agent and prompt format
+    stream: ProblemStream  # training problems, batch after batch (its cursor is checkpointed)
+    eval_problems: list[dict]  # eval.path (or data.eval_path) when run.eval_every; else empty
+    data_metrics: dict[str, float]  # problems skipped at start-up (data/skipped_long_prompts, ...)
+    log: MetricsLog
+    rewards: RewardPool
+    placement: Placement
+    engines: EngineGroup
+    learners: LearnerGroup
+    recovery: EngineRecovery  # restarts a dead engine with the run's weights
+    schedule_steps: int  # run.steps the LR schedule spans (kept from the first run on resume)
+    start_step: int = 0  # the last step done before this process started (0: a fresh run)
+
+    @property
+    def client(self) -> SGLangClient:
+        return self.sampling.client
+
+    def run_async(self, coroutine: Coroutine[Any, Any, T]) -> T:
+        """Run a coroutine on the engine client from this synchronous loop."""
+        return self.sampling.run(coroutine)
+
+    @contextmanager
+    def engines_released(self) -> Iterator[None]:
+        """With ``ray.colocate``, the engines free their memory while the learners train."""
+        if not self.cfg.ray.colocate:
+            yield
+            return
+        self.run_async(self.client.release_memory_occupation())
+        try:
+            yield
+        finally:
+            self.run_async(self.client.resume_memory_occupation())
+
+    def output_dir(self, name: str) -> str:
+        return str(Path(self.cfg.run.output_dir) / name)
+
+    def save_trees(self, step: int, trees: list) -> None:
+        """A few trees of the step as JSON lines, for ``arbor view`` (trained ones first: their
+        leaves disagree, which is what is worth looking at)."""
+        path = Path(self.output_dir("trees")) / f"step-{step:06d}.jsonl"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("".join(t.to_json() + "\n" for t in trees[:4]))
+
+    def save_checkpoint(self, step: int) -> None:
+        self.log.status(f"saving checkpoint of step {step}…")
+        directory = checkpoint.step_dir(self.cfg.run.output_dir, step)
+        self.learners.save(str(directory / "learner"))
+        checkpoint.write_driver_state(directory, {"step": step, "stream": self.stream.state_dict(),
+                                                  "schedule_steps": self.schedule_steps})
+        checkpoint.mark_latest(self.cfg.run.output_dir, step, keep=self.cfg.run.keep_checkpoints)
+
+    def resume(self, directory: Path) -> None:
+        """Continue from a checkpoint: learner state, data cursor, RNG, engine weights."""
+        state = checkpoint.read_driver_state(directory)
+        self.learners.load(str(directory / "learner"))
+        self.stream.load_state_dict(state["stream"])
+        self.start_step = int(state["step"])
+        self.learners.push_weights(self.engines.urls, str(self.start_step))
+        self.run_async(self.client.flush_cache())
+        print(f"arbor train: resumed from {directory} (step {self.start_step})", flush=True)
+
+    def export_hf(self) -> None:
+        """The final policy as an HF directory (safetensors + tokenizer): ``<output_dir>/hf``."""
+        self.log.status("exporting the policy…")
+        self.learners.export_hf(self.output_dir("hf"))
+
+
+def updates_per_step(cfg: Config) -> int:
+    """Optimizer updates of one RL step: ``algorithm.ppo_epochs`` × ``algorithm.minibatches``."""
+    return cfg.algorithm.ppo_epochs * cfg.algorithm.minibatches
+
+
+@contextmanager
+def start_run(cfg: Config) -> Iterator[RunContext]:
+    """Start everything ``cfg`` runs on, yield it as a :class:`RunContext`, stop it all after."""
+    closers: list[Callable[[], Any]] = []  # stopped in reverse order
+    try:
+        ctx = _start(cfg, closers)
+    except BaseException:
+        _close(closers)
+        raise
+    try:
+        yield ctx
+    finally:
+        _close(closers)
+
+
+def _start(cfg: Config, closers: list[Callable[[], Any]]) -> RunContext:
+    from transformers import AutoTokenizer
+
+    from arbor.plugins import default_search_dirs
+    from arbor.rewards import RewardTerm
+
+    out = Path(cfg.run.output_dir)
+    previous = checkpoint.latest_checkpoint(out)
+    if previous is not None and not cfg.run.resume:
+        raise SystemExit(
+            f"arbor train: {out} already holds a run (checkpoint {previous.name}); set "
+            "run.resume=true to continue it, or choose another run.output_dir"
+        )
+    out.mkdir(parents=True, exist_ok=True)
+    save_config(cfg, out / "config.yaml")
+    search = default_search_dirs(cfg.source)  # where rewards/ and agents/ specs resolve
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model.path, trust_remote_code=cfg.model.trust_remote_code)
+    eos_token_ids = stop_token_ids(tokenizer, cfg.model.path, cfg.model.trust_remote_code)
+    agent = rollout_agent(cfg.rollout, search)  # multi-turn episodes, or None
+    data_metrics: dict[str, float] = {}
+
+    def fitting(problems: list[dict], source: str, metric: str) -> list[dict]:
+        """The problems whose prompt fits data.max_prompt_tokens; the others are counted in ``metric``."""
+        kept, skipped = fitting_problems(problems, agent, tokenizer, cfg.data, cfg.model.chat_template, source)
+        data_metrics[metric] = float(len(skipped))
+        return kept
+
+    problems = fitting(load_problems(cfg.data.train_path, cfg.data), "data.train_path", "data/skipped_long_prompts")
+    stream = ProblemStream(problems, cfg.run.seed, cfg.data.shuffle)
+    eval_problems: list[dict] = []
+    eval_path = cfg.eval.path or cfg.data.eval_path
+    if eval_path and cfg.run.eval_every:
+        eval_problems = fitting(load_problems(eval_path, cfg.data), "eval.path" if cfg.eval.path else "data.eval_path",
+                                "data/skipped_long_eval_prompts")
+    log = MetricsLog(cfg.run, cfg.run.steps)
+    closers.append(log.close)
+    rewards = RewardPool([RewardTerm(t.fn, t.weight) for t in cfg.reward.functions],
+                         workers=cfg.reward.workers, timeout_s=cfg.reward.timeout_s, search_dirs=search)
+    closers.append(rewards.close)
+    log.status("starting Ray, engines and learner ranks…")
+    start_ray(cfg.ray, needs_cpus=cfg.learner.num_ranks + cfg.engine.num_engines)
+    placement = Placement(cfg)
+    closers.append(placement.remove)
+    engines = EngineGroup(cfg, placement, str(out / "logs"))
+    closers.append(engines.shutdown)
+    client = SGLangClient(engines.urls, timeout_s=cfg.engine.request_timeout_s,
+                          max_retries=cfg.engine.max_retries, api_key=cfg.engine.api_key)
+    # A resumed run keeps the schedule's original horizon (README: run.resume).
+    schedule_steps = cfg.run.steps if previous is None else checkpoint.schedule_horizon(previous, cfg.run.steps)
+    if schedule_steps != cfg.run.steps and cfg.optim.schedule != "constant":
+        print(f"arbor train: run.steps is {cfg.run.steps}, but the {cfg.optim.schedule} learning-rate schedule "
+              f"keeps the horizon of {schedule_steps} steps it started with (past it: optim.min_lr_ratio)")
+    learners = LearnerGroup(cfg, placement, total_steps=schedule_steps * updates_per_step(cfg))
+    closers.append(learners.shutdown)
+    # A server that dies mid-step is restarted with the run's weights; its requests are sent again.
+    recovery = EngineRecovery(engines, learners, cfg.engine.max_restarts, cfg.learner.weight_sync, cfg.run.output_dir)
+    client.recover = recovery.recover
+    ctx = RunContext(
+        cfg=cfg, sampling=Sampling(client, tokenizer, agent, eos_token_ids, cfg.data, cfg.model.chat_template),
+        stream=stream, eval_problems=eval_problems, data_metrics=data_metrics, log=log, rewards=rewards,
+        placement=placement, engines=engines, learners=learners, recovery=recovery, schedule_steps=schedule_steps,
+    )
+    if previous is not None:
+        ctx.resume(previous)
+    elif cfg.run.resume:
+        print(f"arbor train: run.resume=true but {out} has no checkpoint yet: starting at step 1")
+    le = cfg.learner
+    print(
+        f"arbor train: {cfg.run.name}, steps {ctx.start_step + 1}..{cfg.run.steps} -> {out}; "
+        f"engines {', '.join(engines.urls)}; {le.num_ranks} learner rank(s), "
+        + (f"DeepSpeed ZeRO-{le.zero_stage}" if le.backend == "deepspeed" else "plain torch"),
+        flush=True,
+    )
+    return ctx
+
+
+def _close(closers: list[Callable[[], Any]]) -> None:
+    while closers:
+        try:
+            closers.pop()()
+        except Exception as e:  # keep closing the rest
+            print(f"arbor train: while shutting down: {e!r}", file=sys.stderr)

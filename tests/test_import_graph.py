@@ -1,0 +1,82 @@
+"""arbor's modules import one another without a cycle (STYLE.md rule 13).
+
+Every import counts, also one inside a function or under ``if TYPE_CHECKING:``: a cycle
+moved out of sight is still a cycle (the reader, and the next refactor, meet it). The
+graph is read from the source with ``ast``, so nothing is imported to check it.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ARBOR = Path(__file__).resolve().parents[1] / "arbor"
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(ARBOR.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imported_modules(path: Path, modules: set[str]) -> set[str]:
+    """The arbor modules ``path`` imports (``from arbor.x import y`` names ``arbor.x.y`` if that is a module)."""
+    name = module_name(path)
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative: from .x import y
+                anchor = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
+                base = f"{anchor}.{base}" if base else anchor
+            found |= {f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base for alias in node.names}
+    return {m for m in found if m in modules and m != name}
+
+
+def import_graph() -> dict[str, set[str]]:
+    paths = sorted(ARBOR.rglob("*.py"))
+    modules = {module_name(p) for p in paths}
+    return {module_name(p): imported_modules(p, modules) for p in paths}
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle as a path ``[a, b, ..., a]``, or None (depth-first, three colours)."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                return path[path.index(nxt):] + [nxt]
+            if nxt not in state and (cycle := visit(nxt)):
+                return cycle
+        path.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (cycle := visit(node)):
+            return cycle
+    return None
+
+
+def test_find_cycle_finds_one_and_only_one():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": set()}) is None
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"a"}}) == ["a", "a"]
+
+
+def test_the_graph_sees_every_kind_of_import():
+    graph = import_graph()
+    assert "arbor.phases" in graph["arbor.trainer"]  # from arbor import phases
+    assert "arbor.engines.client" in graph["arbor.phases"]  # from arbor.engines.client import ...
+    assert "arbor.learner" in graph["arbor.orchestration"]  # inside a function
+
+
+def test_no_import_cycle_among_arbors_modules():
+    cycle = find_cycle(import_graph())
+    assert cycle is None, "import cycle: " + " -> ".join(cycle or [])
