@@ -106,7 +106,8 @@ def run_arm(config: str, arm: str, seed: int, budget_s: float, evals: int, out: 
         tokens[0] += metrics["rollout/tokens_computed"] + metrics.get("train/tokens", 0.0)
         done = curve.train_s >= budget_s
         if done or curve.train_s >= next_eval[0]:
-            accuracy = phases.evaluate(ctx, ctx.eval_problems)["eval/accuracy"]
+            accuracy = phases.evaluate(ctx.sampling, ctx.rewards, ctx.eval_problems, cfg.eval, cfg.rollout,
+                                       cfg.run.seed, ctx.log.status)["eval/accuracy"]
             curve.points.append((step, curve.train_s, tokens[0], accuracy))
             print(f"{arm} seed {seed}: step {step}, {curve.train_s:.0f} s, {tokens[0]:.3g} tokens: "
                   f"greedy accuracy {accuracy:.3f}", flush=True)

@@ -48,7 +48,8 @@ class GradientProbe:
         packs = pack_trees(trees, advantages, pack_tokens=20)
         mine = [packs[i] for i in assign_to_ranks(packs, 2)[self.rank]]
         learner = self.worker.learner
-        learner.backward(mine, loss_denominator(trees, "token"))
+        denominator = loss_denominator(trees, "token")
+        learner.backward(mine, lambda model, pack: learner.policy_pack_loss(model, pack, denominator))
         # Collective under ZeRO-3 (gathers the gradient partitions): both ranks, same order.
         return {name: safe_get_full_grad(p).detach().cpu().clone() for name, p in learner.model.named_parameters()}
 

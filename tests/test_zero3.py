@@ -17,10 +17,11 @@ from arbor.config import load_config
 from arbor.zero3 import SafetensorsReader, checkpoint_files, copy_flat_range
 
 RANK_SCRIPT = """
-import os, sys, torch
+import dataclasses, functools, os, sys, torch
 sys.path.insert(0, {tests!r})
 from test_learner import batch, config
-from arbor.learner import Learner, additive_sums, load_policy
+from arbor.learner import Learner, load_policy
+from arbor.loss import LossStats
 from arbor.packed_loss import pack_loss
 from arbor.packing import assign_to_ranks, loss_denominator, pack_trees
 from arbor.weight_sync import gathered_buckets, gathered_parameters
@@ -42,7 +43,8 @@ def first_step(dtype, ref=None):
     whole = load_policy(cfg.model, getattr(torch, dtype))  # the whole model on this rank, as before
     today = Learner(cfg.model, cfg.learner, cfg.optim, cfg.loss, total_steps=10, model=whole)
     weights = [sharded.full_state_dict(), today.full_state_dict()]
-    losses = [additive_sums(learner.backward(mine, denominator), denominator, cfg.loss)
+    losses = [dataclasses.asdict(sum(learner.backward(mine, functools.partial(learner.policy_pack_loss,
+                                                                              denominator=denominator)), LossStats()))
               for learner in (sharded, today)]
     return sharded, cfg, weights, losses
 
@@ -55,7 +57,7 @@ whole_ref = load_policy(cfg.model, torch.float32, cfg.model.ref_path).eval()
 kl = []
 for ref_model in (sharded.ref_model, whole_ref):
     with torch.no_grad():
-        kl.append([float(pack_loss(sharded.engine, pack, denominator, kl_coef=0.5, ref_model=ref_model)[1].kl_lin)
+        kl.append([float(pack_loss(sharded.engine, pack, denominator, kl_coef=0.5, ref_model=ref_model)[1].stats.kl_lin)
                    for pack in mine])
 out["kl"] = kl
 out["ref_numel"] = sum(p.ds_tensor.numel() for p in sharded.ref_model.parameters())
