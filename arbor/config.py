@@ -249,7 +249,7 @@ class RunConfig:
     tensorboard: bool = True
     # torch threads of each CPU process (the engine server, each learner rank); 0: the machine's
     # cores (the engine all of them, each learner rank its share). Set 1 where other jobs share
-    # the cores: OpenMP threads waiting for a busy core slowed SmolLM2's decoding ~20x here.
+    # the cores: OpenMP threads waiting for a busy core slowed SmolLM2 decoding over 10x here.
     cpu_threads: int = 0
 
 
