@@ -344,3 +344,24 @@ def test_padded_token_logprobs_index_each_leafs_tokens(random_model):
     assert index == [(0, 0, [0, 1, 2]), (0, 1, [3, 4, 5, 6]), (0, 2, [7])]
     assert logp.shape == entropy.shape == (8,)
     assert torch.allclose(logp[[0, 1]], logp[[3, 4]])  # the shared segment a, scored twice
+
+
+def test_pack_loss_defaults_leave_the_kl_out_and_estimate_it_with_k3(random_model, uniform_model):
+    # The learner names every setting, but pack_loss's own defaults are public API: a
+    # reference alone (kl_coef unset) costs nothing, not even its forward; with a
+    # coefficient the KL is k3.
+    from arbor.packed_loss import pack_loss
+    from arbor.packing import loss_denominator, pack_trees
+
+    tree = forked_tree(1.5)
+    (pack,) = pack_trees([tree], [[1.0, 0.0, -1.0]])
+    denominator = loss_denominator([tree], "token")
+    plain, _ = pack_loss(random_model, pack, denominator)
+    with_ref, sums = pack_loss(random_model, pack, denominator, ref_model=uniform_model)
+    assert with_ref.item() == pytest.approx(plain.item(), rel=1e-12)
+    assert sums.stats.kl_lin == 0.0
+    kw = dict(ref_model=uniform_model, kl_coef=0.5)
+    k3 = pack_loss(random_model, pack, denominator, kl_estimator="k3", **kw)[0].item()
+    k1 = pack_loss(random_model, pack, denominator, kl_estimator="k1", **kw)[0].item()
+    assert pack_loss(random_model, pack, denominator, **kw)[0].item() == pytest.approx(k3, rel=1e-12)
+    assert k1 != pytest.approx(k3, rel=1e-6)
