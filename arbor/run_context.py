@@ -26,7 +26,7 @@ from arbor.data import ProblemStream, load_problems, stop_token_ids
 from arbor.engine_recovery import EngineRecovery
 from arbor.engines.client import SGLangClient
 from arbor.metrics import MetricsLog
-from arbor.orchestration import EngineGroup, LearnerGroup, Placement, start_ray
+from arbor.orchestration import EngineGroup, LearnerGroup, Placement, start_groups, start_ray
 from arbor.phases import Sampling
 from arbor.rewards import RewardPool
 from arbor.startup import StartupClock
@@ -184,12 +184,15 @@ def _start(cfg: Config, closers: list[Callable[[], Any]], clock: StartupClock) -
     if schedule_steps != cfg.run.steps and cfg.optim.schedule != "constant":
         print(f"arbor train: run.steps is {cfg.run.steps}, but the {cfg.optim.schedule} learning-rate schedule "
               f"keeps the horizon of {schedule_steps} steps it started with (past it: optim.min_lr_ratio)")
-    with clock.phase("engines"):
-        engines = EngineGroup(cfg, placement, str(out / "logs"))
-        closers.append(engines.shutdown)
-    with clock.phase("learners"):
-        learners = LearnerGroup(cfg, placement, total_steps=schedule_steps * updates_per_step(cfg))
-        closers.append(learners.shutdown)
+    # Engines and learner ranks start together (model load and DeepSpeed init overlap); both
+    # are stopped when either fails.
+    clock.begin("engines")
+    engines = EngineGroup(cfg, placement, str(out / "logs"), wait=False)
+    closers.append(engines.shutdown)
+    clock.begin("learners")
+    learners = LearnerGroup(cfg, placement, total_steps=schedule_steps * updates_per_step(cfg), wait=False)
+    closers.append(learners.shutdown)
+    start_groups(engines, learners, clock)
     client = SGLangClient(engines.urls, timeout_s=cfg.engine.request_timeout_s,
                           max_retries=cfg.engine.max_retries, api_key=cfg.engine.api_key)
     # A server that dies mid-step is restarted with the run's weights; its requests are sent again.
