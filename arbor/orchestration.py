@@ -541,6 +541,7 @@ class EngineGroup:
             os.environ[API_KEY_ENV] = cfg.engine.api_key
         self.workers: list[Any] = []
         self.starting: list[Any] = []  # ref i: engine i's URLs, once its server is healthy
+        self.startup_timeout_s = cfg.engine.startup_timeout_s
         self.urls: list[str] = []
         if cfg.engine.kind == "external":
             from arbor.engines.launch import launch_engines
@@ -576,9 +577,13 @@ class EngineGroup:
         os.environ.pop(API_KEY_ENV, None)
         if self._env_key is not None:
             os.environ[API_KEY_ENV] = self._env_key
+        # An engine still starting (a learner rank failed meanwhile) runs shutdown only after its
+        # start: wait that long, since killing the actor first would orphan its server process.
+        _, starting = ray.wait(self.starting, num_returns=len(self.starting), timeout=0)
+        grace_s = 60 + (self.startup_timeout_s if starting else 0)
         for w in self.workers:
             try:
-                ray.get(w.shutdown.remote(), timeout=60)
+                ray.get(w.shutdown.remote(), timeout=grace_s)
             except ray.exceptions.RayActorError:
                 pass  # it died (a failed start already stopped its server): nothing left to stop
             finally:
