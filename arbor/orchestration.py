@@ -579,7 +579,7 @@ class EngineGroup:
             os.environ[API_KEY_ENV] = self._env_key
         # An engine still starting (a learner rank failed meanwhile) runs shutdown only after its
         # start: wait that long, since killing the actor first would orphan its server process.
-        _, starting = ray.wait(self.starting, num_returns=len(self.starting), timeout=0)
+        starting = self.starting and ray.wait(self.starting, num_returns=len(self.starting), timeout=0)[1]
         grace_s = 60 + (self.startup_timeout_s if starting else 0)
         for w in self.workers:
             try:
