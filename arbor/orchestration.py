@@ -1,9 +1,10 @@
 """Ray placement: learner ranks and rollout engines as actors, on one machine or a cluster.
 
-    ray_session = start_ray(cfg.ray, needs=cfg.learner.num_ranks + cfg.engine.num_engines)
+    start_ray(cfg.ray, needs_cpus=cfg.learner.num_ranks + cfg.engine.num_engines)
     placement = Placement(cfg)                      # one placement group for the whole run
-    engines = EngineGroup(cfg, placement)          # engines[i] on its bundle; .urls
-    learners = LearnerGroup(cfg, placement, total_steps=cfg.run.steps)
+    engines = EngineGroup(cfg, placement, log_dir, wait=False)           # engines[i] on its bundle
+    learners = LearnerGroup(cfg, placement, total_steps=cfg.run.steps, wait=False)
+    start_groups(engines, learners, clock)         # both start at once; engines.urls once healthy
     results = learners.step(packs_per_rank, denominator)  # one update on every rank
     learners.push_weights(engines.urls, version="3")    # ZeRO-3 gather → engines
 
@@ -12,6 +13,11 @@ address and a free port there) before DeepSpeed initialises: NCCL on GPUs, gloo 
 Engines are actors that own a server process (SGLang on GPUs, ``arbor serve`` else) on
 their node; ``engine.kind: external`` adopts running servers instead. Reward checks run
 in the driver's process pool (:class:`arbor.rewards.RewardPool`).
+
+Start-up on one machine: engines and learner ranks start at once (the engines' model load
+overlaps DeepSpeed's init; the first failure of either stops both), this module imports
+neither torch nor transformers (an engine actor imports it before it launches its server),
+and Ray prestarts no idle workers (:func:`start_ray`).
 
 Placement: one bundle per learner rank, then one per engine; ``ray.colocate`` puts
 engine i on learner bundle i's GPU (the trainer releases the engine's memory during
@@ -23,17 +29,20 @@ from __future__ import annotations
 import asyncio
 import functools
 import os
-from collections.abc import Coroutine, Sequence
-from typing import Any, TypeVar
+from collections.abc import Callable, Coroutine, Sequence
+from typing import TYPE_CHECKING, Any, TypeVar
 
-import torch
-
-from arbor import checkpoint
 from arbor.config import Config, RayConfig
 from arbor.engines.auth import API_KEY_ENV, run_api_key
-from arbor.engines.server import free_port
-from arbor.learner import StepResult
-from arbor.packing import PackedBatch
+from arbor.engines.launch import free_port
+from arbor.startup import StartupClock
+
+if TYPE_CHECKING:
+    from arbor.learner import StepResult
+    from arbor.packing import PackedBatch
+
+# Nothing here imports torch, transformers or DeepSpeed at module level: an engine actor
+# imports this module before it starts its server, which would wait for them for nothing.
 
 # Environment every actor needs: no Ray auth token files, CPU DeepSpeed where no CUDA.
 _ACTOR_ENV = ("RAY_AUTH_MODE", "DS_ACCELERATOR", "HF_HUB_OFFLINE", "PYTHONPATH", "TRANSFORMERS_OFFLINE", "PYTHONWARNINGS")
@@ -42,6 +51,8 @@ T = TypeVar("T")
 
 def uses_gpu(cfg: Config) -> bool:
     if cfg.learner.device == "auto":
+        import torch
+
         return torch.cuda.is_available()
     return cfg.learner.device == "cuda"
 
@@ -71,6 +82,8 @@ def start_ray(ray_cfg: RayConfig, needs_cpus: int) -> None:
             )
         ray.shutdown()
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    import torch
+
     if not torch.cuda.is_available():
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     env = {k: os.environ[k] for k in _ACTOR_ENV if k in os.environ}
@@ -86,8 +99,12 @@ def start_ray(ray_cfg: RayConfig, needs_cpus: int) -> None:
     # Actors ask for one logical CPU each; a small machine still runs them all (they take
     # turns: rollout, then training).
     cpus = ray_cfg.num_cpus or max(os.cpu_count() or 1, needs_cpus)
+    # Ray would prestart one idle worker per CPU for the first driver; they lack the job's
+    # runtime_env, so no actor of ours can use them (checked on Ray 2.60: each actor gets a
+    # fresh worker) and on a small machine they only take CPU from the start-up.
     ray.init(num_cpus=cpus, num_gpus=ray_cfg.num_gpus, include_dashboard=False,
-             runtime_env=runtime_env, log_to_driver=True, configure_logging=False)
+             runtime_env=runtime_env, log_to_driver=True, configure_logging=False,
+             _system_config={"prestart_worker_first_driver": False})
     _started_here = True
 
 
@@ -181,6 +198,8 @@ class LearnerWorker:
 
     def setup(self, master: tuple[str, int], total_steps: int) -> None:
         """Join the learner group and build the model, DeepSpeed engine and optimizer."""
+        import torch
+
         cfg = self.cfg
         os.environ.update(
             RANK=str(self.rank), WORLD_SIZE=str(cfg.learner.num_ranks), LOCAL_RANK="0",
@@ -301,7 +320,8 @@ class LearnerGroup:
     ranks may be blocked in a collective with it, so results are awaited as they come.
     """
 
-    def __init__(self, cfg: Config, placement: Placement, total_steps: int) -> None:
+    def __init__(self, cfg: Config, placement: Placement, total_steps: int, wait: bool = True) -> None:
+        """Start the ranks; with ``wait=False`` return at once (:func:`start_groups` awaits ``starting``)."""
         import ray
 
         actor = ray.remote(LearnerWorker)
@@ -310,9 +330,12 @@ class LearnerGroup:
             for rank in range(cfg.learner.num_ranks)
         ]
         self.output_dir = cfg.run.output_dir
-        master = self.results([self.workers[0].address.remote()])[0]
-        self.results([w.setup.remote(master, total_steps) for w in self.workers])
+        # Rank 0's address reaches every setup as a ref: Ray resolves it, nothing blocks here.
+        master = self.workers[0].address.remote()
+        self.starting = [w.setup.remote(master, total_steps) for w in self.workers]  # ref r: rank r is set up
         self.weight_version: str | None = None  # what the engines serve; None: model.path's weights
+        if wait:
+            self.wait_started()
 
     @property
     def world_size(self) -> int:
@@ -322,19 +345,20 @@ class LearnerGroup:
         """``ray.get(refs)`` (ref r from rank r), or LearnerFailedError as soon as a rank is lost."""
         import ray
 
-        pending = list(refs)
-        while pending:
-            ready, pending = ray.wait(pending, num_returns=1)
-            try:
-                ray.get(ready[0])
-            except ray.exceptions.RayActorError as e:
-                rank = refs.index(ready[0])
-                cause = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-                raise LearnerFailedError(
-                    f"learner rank {rank} died ({type(e).__name__}: {cause}); the run stops. "
-                    f"{checkpoint.resume_hint(self.output_dir)}"
-                ) from e
-        return ray.get(refs)
+        return gather(refs, ray.exceptions.RayActorError, self._lost)
+
+    def _lost(self, rank: int, e: Exception) -> LearnerFailedError:
+        from arbor import checkpoint
+
+        cause = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        return LearnerFailedError(
+            f"learner rank {rank} died ({type(e).__name__}: {cause}); the run stops. "
+            f"{checkpoint.resume_hint(self.output_dir)}"
+        )
+
+    def wait_started(self) -> None:
+        """Wait until every rank is set up (after ``wait=False``)."""
+        self.results(self.starting)
 
     def step(
         self, packs_per_rank: Sequence[Sequence[PackedBatch]], denominator: float, filler: PackedBatch | None = None
@@ -380,6 +404,47 @@ class LearnerGroup:
         for w in self.workers:
             ray.kill(w)
         self.workers = []
+
+
+def gather(refs: list[Any], catch: type[Exception], failure: Callable[[int, Exception], Exception]) -> list[Any]:
+    """``ray.get(refs)``, awaited as they come: the first ref that fails with ``catch`` raises
+    ``failure(its index, the error)`` at once, whatever the others are still doing."""
+    import ray
+
+    pending = list(refs)
+    while pending:
+        ready, pending = ray.wait(pending, num_returns=1)
+        try:
+            ray.get(ready[0])
+        except catch as e:
+            raise failure(refs.index(ready[0]), e) from e
+    return ray.get(refs)
+
+
+def start_groups(engines: EngineGroup, learners: LearnerGroup, clock: StartupClock) -> None:
+    """Wait for engines and learner ranks started with ``wait=False``: one machine loads the
+    engines' model and initialises DeepSpeed at once. The first failure of either group raises
+    at once (the caller stops both); ``clock`` gets the phases ``engines`` and ``learners``."""
+    import ray
+
+    groups = {"engines": engines, "learners": learners}
+    pending = [*engines.starting, *learners.starting]
+    for name, group in groups.items():
+        if not group.starting:  # external engines: nothing to wait for
+            group.wait_started()
+            clock.end(name)
+    while pending:
+        ready, pending = ray.wait(pending, num_returns=1)
+        name = "engines" if ready[0] in engines.starting else "learners"
+        group = groups[name]
+        try:
+            ray.get(ready[0])
+            done = not any(ref in pending for ref in group.starting)
+        except ray.exceptions.RayError:
+            done = True  # the group's own wait raises, naming the engine or rank
+        if done:
+            group.wait_started()
+            clock.end(name)
 
 
 def cpu_threads(cfg: Config, sharers: int) -> int:
@@ -428,6 +493,16 @@ class EngineWorker:
         self.handle.shutdown()
 
 
+def _not_started(index: int, e: Exception) -> Exception:
+    from arbor.engines.launch import EngineLaunchError
+
+    # Ray's message holds the actor's whole traceback; the launcher's own error (exit code, log tail) says it all.
+    message = str(e)
+    launch_error = message.rfind(f"{EngineLaunchError.__name__}: ")
+    reason = message[launch_error + len(EngineLaunchError.__name__) + 2:] if launch_error >= 0 else message
+    return EngineLaunchError(f"engine {index} did not start: {reason}")
+
+
 def engine_args(cfg: Config) -> list[str]:
     """Server flags from the config (the embedded server's cache bound, SGLang's memory)."""
     from arbor.engines.launch import sglang_available, sglang_flags
@@ -456,7 +531,8 @@ class EngineGroup:
     :meth:`shutdown`, so a later run in this process settles its own).
     """
 
-    def __init__(self, cfg: Config, placement: Placement, log_dir: str) -> None:
+    def __init__(self, cfg: Config, placement: Placement, log_dir: str, wait: bool = True) -> None:
+        """Start the engines; with ``wait=False`` return at once and fill ``urls`` in :meth:`started`."""
         import ray
 
         self._env_key = os.environ.get(API_KEY_ENV)
@@ -464,6 +540,9 @@ class EngineGroup:
         if cfg.engine.api_key:
             os.environ[API_KEY_ENV] = cfg.engine.api_key
         self.workers: list[Any] = []
+        self.starting: list[Any] = []  # ref i: engine i's URLs, once its server is healthy
+        self.startup_timeout_s = cfg.engine.startup_timeout_s
+        self.urls: list[str] = []
         if cfg.engine.kind == "external":
             from arbor.engines.launch import launch_engines
 
@@ -477,7 +556,16 @@ class EngineGroup:
             )
             for i in range(cfg.engine.num_engines)
         ]
-        self.urls = [u for urls in ray.get([w.urls.remote() for w in self.workers]) for u in urls]
+        self.starting = [w.urls.remote() for w in self.workers]
+        if wait:
+            self.wait_started()
+
+    def wait_started(self) -> None:
+        """Wait until every engine is healthy and take their URLs (after ``wait=False``);
+        :class:`EngineLaunchError` names the first engine that failed, with its log's tail."""
+        import ray
+
+        self.urls = [u for urls in gather(self.starting, ray.exceptions.RayError, _not_started) for u in urls]
 
     def worker(self, url: str) -> Any:
         """The actor owning the server at ``url`` (one server per actor); None for external engines."""
@@ -489,9 +577,15 @@ class EngineGroup:
         os.environ.pop(API_KEY_ENV, None)
         if self._env_key is not None:
             os.environ[API_KEY_ENV] = self._env_key
+        # An engine still starting (a learner rank failed meanwhile) runs shutdown only after its
+        # start: wait that long, since killing the actor first would orphan its server process.
+        starting = self.starting and ray.wait(self.starting, num_returns=len(self.starting), timeout=0)[1]
+        grace_s = 60 + (self.startup_timeout_s if starting else 0)
         for w in self.workers:
             try:
-                ray.get(w.shutdown.remote(), timeout=60)
+                ray.get(w.shutdown.remote(), timeout=grace_s)
+            except ray.exceptions.RayActorError:
+                pass  # it died (a failed start already stopped its server): nothing left to stop
             finally:
                 ray.kill(w)
         self.workers = []

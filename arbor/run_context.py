@@ -26,9 +26,10 @@ from arbor.data import ProblemStream, load_problems, stop_token_ids
 from arbor.engine_recovery import EngineRecovery
 from arbor.engines.client import SGLangClient
 from arbor.metrics import MetricsLog
-from arbor.orchestration import EngineGroup, LearnerGroup, Placement, start_ray
+from arbor.orchestration import EngineGroup, LearnerGroup, Placement, start_groups, start_ray
 from arbor.phases import Sampling
 from arbor.rewards import RewardPool
+from arbor.startup import StartupClock
 
 T = TypeVar("T")
 
@@ -49,6 +50,7 @@ class RunContext:
     learners: LearnerGroup
     recovery: EngineRecovery  # restarts a dead engine with the run's weights
     schedule_steps: int  # run.steps the LR schedule spans (kept from the first run on resume)
+    startup: StartupClock  # seconds per start-up phase (printed once everything is up)
     start_step: int = 0  # the last step done before this process started (0: a fresh run)
 
     @property
@@ -111,11 +113,14 @@ def updates_per_step(cfg: Config) -> int:
 
 
 @contextmanager
-def start_run(cfg: Config) -> Iterator[RunContext]:
-    """Start everything ``cfg`` runs on, yield it as a :class:`RunContext`, stop it all after."""
+def start_run(cfg: Config, clock: StartupClock | None = None) -> Iterator[RunContext]:
+    """Start everything ``cfg`` runs on, yield it as a :class:`RunContext`, stop it all after.
+
+    ``clock`` times the start-up phases (default: one started now); ``ctx.startup`` holds it.
+    """
     closers: list[Callable[[], Any]] = []  # stopped in reverse order
     try:
-        ctx = _start(cfg, closers)
+        ctx = _start(cfg, closers, clock or StartupClock())
     except BaseException:
         _close(closers)
         raise
@@ -125,7 +130,7 @@ def start_run(cfg: Config) -> Iterator[RunContext]:
         _close(closers)
 
 
-def _start(cfg: Config, closers: list[Callable[[], Any]]) -> RunContext:
+def _start(cfg: Config, closers: list[Callable[[], Any]], clock: StartupClock) -> RunContext:
     from transformers import AutoTokenizer
 
     from arbor.plugins import default_search_dirs
@@ -141,8 +146,9 @@ def _start(cfg: Config, closers: list[Callable[[], Any]]) -> RunContext:
     out.mkdir(parents=True, exist_ok=True)
     save_config(cfg, out / "config.yaml")
     search = default_search_dirs(cfg.source)  # where rewards/ and agents/ specs resolve
-    tokenizer = AutoTokenizer.from_pretrained(cfg.model.path, trust_remote_code=cfg.model.trust_remote_code)
-    eos_token_ids = stop_token_ids(tokenizer, cfg.model.path, cfg.model.trust_remote_code)
+    with clock.phase("tokenizer"):
+        tokenizer = AutoTokenizer.from_pretrained(cfg.model.path, trust_remote_code=cfg.model.trust_remote_code)
+        eos_token_ids = stop_token_ids(tokenizer, cfg.model.path, cfg.model.trust_remote_code)
     agent = rollout_agent(cfg.rollout, search)  # multi-turn episodes, or None
     data_metrics: dict[str, float] = {}
 
@@ -152,33 +158,43 @@ def _start(cfg: Config, closers: list[Callable[[], Any]]) -> RunContext:
         data_metrics[metric] = float(len(skipped))
         return kept
 
-    problems = fitting(load_problems(cfg.data.train_path, cfg.data), "data.train_path", "data/skipped_long_prompts")
-    stream = ProblemStream(problems, cfg.run.seed, cfg.data.shuffle)
-    eval_problems: list[dict] = []
-    eval_path = cfg.eval.path or cfg.data.eval_path
-    if eval_path and cfg.run.eval_every:
-        eval_problems = fitting(load_problems(eval_path, cfg.data), "eval.path" if cfg.eval.path else "data.eval_path",
-                                "data/skipped_long_eval_prompts")
-    log = MetricsLog(cfg.run, cfg.run.steps)
-    closers.append(log.close)
-    rewards = RewardPool([RewardTerm(t.fn, t.weight) for t in cfg.reward.functions],
-                         workers=cfg.reward.workers, timeout_s=cfg.reward.timeout_s, search_dirs=search)
-    closers.append(rewards.close)
+    with clock.phase("data"):
+        problems = fitting(load_problems(cfg.data.train_path, cfg.data), "data.train_path", "data/skipped_long_prompts")
+        stream = ProblemStream(problems, cfg.run.seed, cfg.data.shuffle)
+        eval_problems: list[dict] = []
+        eval_path = cfg.eval.path or cfg.data.eval_path
+        if eval_path and cfg.run.eval_every:
+            eval_problems = fitting(load_problems(eval_path, cfg.data),
+                                    "eval.path" if cfg.eval.path else "data.eval_path", "data/skipped_long_eval_prompts")
+    with clock.phase("metrics"):
+        log = MetricsLog(cfg.run, cfg.run.steps)
+        closers.append(log.close)
+    with clock.phase("rewards"):
+        rewards = RewardPool([RewardTerm(t.fn, t.weight) for t in cfg.reward.functions],
+                             workers=cfg.reward.workers, timeout_s=cfg.reward.timeout_s, search_dirs=search)
+        closers.append(rewards.close)
     log.status("starting Ray, engines and learner ranks…")
-    start_ray(cfg.ray, needs_cpus=cfg.learner.num_ranks + cfg.engine.num_engines)
-    placement = Placement(cfg)
-    closers.append(placement.remove)
-    engines = EngineGroup(cfg, placement, str(out / "logs"))
-    closers.append(engines.shutdown)
-    client = SGLangClient(engines.urls, timeout_s=cfg.engine.request_timeout_s,
-                          max_retries=cfg.engine.max_retries, api_key=cfg.engine.api_key)
+    with clock.phase("ray"):
+        start_ray(cfg.ray, needs_cpus=cfg.learner.num_ranks + cfg.engine.num_engines)
+    with clock.phase("placement"):
+        placement = Placement(cfg)
+        closers.append(placement.remove)
     # A resumed run keeps the schedule's original horizon (README: run.resume).
     schedule_steps = cfg.run.steps if previous is None else checkpoint.schedule_horizon(previous, cfg.run.steps)
     if schedule_steps != cfg.run.steps and cfg.optim.schedule != "constant":
         print(f"arbor train: run.steps is {cfg.run.steps}, but the {cfg.optim.schedule} learning-rate schedule "
               f"keeps the horizon of {schedule_steps} steps it started with (past it: optim.min_lr_ratio)")
-    learners = LearnerGroup(cfg, placement, total_steps=schedule_steps * updates_per_step(cfg))
+    # Engines and learner ranks start together (model load and DeepSpeed init overlap); both
+    # are stopped when either fails.
+    clock.begin("engines")
+    engines = EngineGroup(cfg, placement, str(out / "logs"), wait=False)
+    closers.append(engines.shutdown)
+    clock.begin("learners")
+    learners = LearnerGroup(cfg, placement, total_steps=schedule_steps * updates_per_step(cfg), wait=False)
     closers.append(learners.shutdown)
+    start_groups(engines, learners, clock)
+    client = SGLangClient(engines.urls, timeout_s=cfg.engine.request_timeout_s,
+                          max_retries=cfg.engine.max_retries, api_key=cfg.engine.api_key)
     # A server that dies mid-step is restarted with the run's weights; its requests are sent again.
     recovery = EngineRecovery(engines, learners, cfg.engine.max_restarts, cfg.learner.weight_sync, cfg.run.output_dir)
     client.recover = recovery.recover
@@ -186,16 +202,19 @@ def _start(cfg: Config, closers: list[Callable[[], Any]]) -> RunContext:
         cfg=cfg, sampling=Sampling(client, tokenizer, agent, eos_token_ids, cfg.data, cfg.model.chat_template),
         stream=stream, eval_problems=eval_problems, data_metrics=data_metrics, log=log, rewards=rewards,
         placement=placement, engines=engines, learners=learners, recovery=recovery, schedule_steps=schedule_steps,
+        startup=clock,
     )
     if previous is not None:
-        ctx.resume(previous)
+        with clock.phase("resume"):
+            ctx.resume(previous)
     elif cfg.run.resume:
         print(f"arbor train: run.resume=true but {out} has no checkpoint yet: starting at step 1")
     le = cfg.learner
     print(
         f"arbor train: {cfg.run.name}, steps {ctx.start_step + 1}..{cfg.run.steps} -> {out}; "
         f"engines {', '.join(engines.urls)}; {le.num_ranks} learner rank(s), "
-        + (f"DeepSpeed ZeRO-{le.zero_stage}" if le.backend == "deepspeed" else "plain torch"),
+        + (f"DeepSpeed ZeRO-{le.zero_stage}" if le.backend == "deepspeed" else "plain torch")
+        + f"; {clock.summary()}",
         flush=True,
     )
     return ctx

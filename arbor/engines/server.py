@@ -32,7 +32,6 @@ import argparse
 import asyncio
 import json
 import os
-import socket
 import sys
 import threading
 import time
@@ -49,6 +48,7 @@ from arbor.engines.auth import (
     unprotected_warning,
 )
 from arbor.engines.distributed import DEFAULT_GROUP, WeightUpdateGroup
+from arbor.engines.launch import free_port
 from arbor.engines.local import EngineReleased, LocalEngine
 from arbor.engines.types import GenerateOutput, GenerateRequest, SamplingParams
 
@@ -369,12 +369,6 @@ def build_app(
 
     app.add_routes(routes)
     return app
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
 
 
 def load_engine(args: argparse.Namespace) -> tuple[LocalEngine, Any]:

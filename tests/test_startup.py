@@ -1,0 +1,111 @@
+"""Start-up: the phase clock, engines and learner ranks started at once, and a failed start stopping all."""
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+from tiny_model import build_tiny_model_dir
+
+from arbor.config import load_config
+from arbor.engines.launch import EngineLaunchError
+from arbor.run_context import start_run
+from arbor.startup import StartupClock
+
+TESTS = Path(__file__).resolve().parent
+
+
+def test_the_clock_times_phases_and_joins_overlapping_ones():
+    clock = StartupClock(origin=100.0)
+    times = iter([100.0, 101.0, 101.5, 102.0, 104.0, 105.0, 105.0])
+    clock.now = lambda: next(times) - clock.origin  # a hand-driven clock: offsets 0, 1, 1.5, 2, 4, 5
+    with clock.phase("ray"):  # 0 -> 1
+        pass
+    clock.begin("engines")  # 1.5
+    clock.begin("learners")  # 2
+    clock.end("engines")  # 4
+    clock.end("learners")  # 5
+    assert clock.seconds() == {"ray": 1.0, "engines": 2.5, "learners": 3.0}
+    assert clock.summary() == "started in 5.0 s: ray 1.0, engines 2.5 | learners 3.0"
+
+
+def test_a_phase_that_raises_is_still_timed_and_an_unfinished_one_is_left_out():
+    clock = StartupClock()
+    with pytest.raises(ValueError), clock.phase("tokenizer"):
+        raise ValueError("no tokenizer")
+    clock.begin("engines")
+    assert list(clock.seconds()) == ["tokenizer"]
+    assert "engines" not in clock.summary()
+
+
+def test_importing_orchestration_imports_no_torch_transformers_or_deepspeed():
+    """An engine actor imports arbor.orchestration before it launches its server: it must not
+    wait for the learner's libraries first."""
+    code = ("import sys, arbor.orchestration, arbor.engines.launch; "
+            "print([m for m in ('torch', 'transformers', 'deepspeed') if m in sys.modules])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=TESTS.parent).stdout
+    assert out.strip() == "[]"
+
+
+@pytest.fixture(scope="module")
+def run_inputs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("startup")
+    model = build_tiny_model_dir(root / "model")
+    data = root / "train.jsonl"
+    data.write_text("".join(json.dumps({"id": f"p{i}", "prompt": f"q{i} " * 3, "answer": "1"}) + "\n" for i in range(4)))
+    return model, data
+
+
+def config(model, data, out, *overrides):
+    return load_config(None, [
+        f"model.path={model}", "model.chat_template=true", f"data.train_path={data}", "data.max_prompt_tokens=64",
+        "engine.kind=embedded", f"reward.functions=[{{fn: {TESTS}/reward_fixtures.py:one}}]", "reward.workers=1",
+        "learner.backend=deepspeed", "learner.zero_stage=3", "learner.device=cpu", "learner.dtype=float32",
+        f"run.output_dir={out}", "run.tensorboard=false", *overrides,
+    ])
+
+
+def actor_processes() -> list[psutil.Process]:
+    """This test's engine and learner actors still alive (Ray's workers are our descendants)."""
+    found = []
+    for process in psutil.Process().children(recursive=True):
+        try:
+            if process.cmdline()[:1] in (["ray::EngineWorker"], ["ray::LearnerWorker"]) and process.is_running() \
+                    and process.status() != psutil.STATUS_ZOMBIE:
+                found.append(process)
+        except psutil.Error:
+            continue  # exited while we looked
+    return found
+
+
+def test_engines_and_learners_start_at_once_and_both_serve(run_inputs, tmp_path):
+    model, data = run_inputs
+    with start_run(config(model, data, tmp_path / "out")) as ctx:
+        engines_start, engines_end = ctx.startup.spans["engines"]
+        learners_start, learners_end = ctx.startup.spans["learners"]
+        assert learners_start < engines_end and engines_start < learners_end  # the two overlapped
+        assert ctx.run_async(ctx.client.get_weight_version())  # the engine answers
+        assert ctx.learners.state_checksum()[0] > 0  # the rank holds its model
+
+
+def test_an_engine_that_fails_while_learners_start_stops_everything_naming_it(run_inputs, tmp_path):
+    import ray
+
+    model, data = run_inputs
+    cfg = config(model, data, tmp_path / "out", "engine.extra_args=[--no-such-flag]")
+    with pytest.raises(EngineLaunchError) as info, start_run(cfg):
+        pass
+    message = str(info.value)
+    assert message.startswith("engine 0 did not start: embedded engine http://")
+    assert "exited with code 2" in message and "--no-such-flag" in message  # the server's log tail
+    assert "Traceback" not in message  # Ray's traceback of the actor is not the reason
+    deadline = time.monotonic() + 60
+    while actor_processes() and time.monotonic() < deadline:  # killed actors take a moment to exit
+        time.sleep(0.5)
+    assert actor_processes() == []
+    # The placement group is gone: every CPU is free again for the next run.
+    assert ray.available_resources().get("CPU") == ray.cluster_resources().get("CPU")
