@@ -29,10 +29,15 @@ Writes ``curves.csv`` (arm, seed, step, train_s, tokens, accuracy), ``accuracy_v
 and ``accuracy_vs_tokens.png`` into ``--out``, then
 ``RESULT time_to_acc_ratio=<GRPO seconds / TreePO seconds to reach the lower of the two
 final accuracies> final_acc_tree=... final_acc_grpo=... step_speedup=<GRPO / TreePO seconds
-per RL step>``, each the mean over seeds, and a ``SPREAD`` line with every seed's values.
+per RL step>``, each the mean over seeds, a ``SPREAD`` line with every seed's values, and
+before it ``TRAIN_REWARD reward_time_ratio=...``: the same ratio asked of the training
+reward (the sampled leaves' accuracy at temperature 1, averaged over a sixth of the budget),
+which every step measures, where the greedy evals are few and noisy (±0.03 on 200 problems).
+``--tree-override KEY=VALUE`` changes the tree arm only: ``--tree-override rollout.width=16``
+gives the tree the compute of the GRPO arm's 8 answers rather than their number.
 Wall time: per arm and seed, start-up (~20 s quiet) + the budget + 7 greedy evals of the 200
-held-out problems; the defaults (2 seeds x 2 arms x 200 s) come to ~20 min on a quiet 2-core
-machine (an estimate: not timed quiet yet). Timings only mean something on a quiet machine:
+held-out problems; the defaults (2 seeds x 2 arms x 200 s) took 17 min on a quiet 2-core
+machine (``--budget-s 60 --evals 12 --seeds 3``: 11 min). Timings only mean something on a quiet machine:
 on a loaded one the reward pool's math-verify calls time out (scored 0) and start-up alone
 takes minutes.
 """
@@ -70,6 +75,7 @@ class Curve:
     arm: str
     seed: int
     points: list[tuple[int, float, float, float]] = field(default_factory=list)  # (step, train_s, tokens, accuracy)
+    rewards: list[tuple[float, float]] = field(default_factory=list)  # (train_s, reward/mean) after each step
     steps: int = 0
     train_s: float = 0.0  # training seconds over all steps (eval excluded)
 
@@ -87,12 +93,13 @@ class BudgetSpent(Exception):
 
 
 def run_arm(config: str, arm: str, seed: int, budget_s: float, evals: int, out: Path, overrides: list[str]) -> Curve:
-    """Train one arm with :func:`arbor.trainer.train` until ``budget_s`` training seconds."""
+    """Train one arm with :func:`arbor.trainer.train` until ``budget_s`` training seconds;
+    ``overrides`` come after the arm's own settings (``--tree-override`` may change them)."""
     from arbor.trainer import train
 
     output_dir = out / f"{arm}-seed{seed}"
     cfg = load_config(config, [
-        *overrides, *ARMS[arm], f"run.seed={seed}", f"run.output_dir={output_dir}", f"run.name=bench-{arm}",
+        *ARMS[arm], *overrides, f"run.seed={seed}", f"run.output_dir={output_dir}", f"run.name=bench-{arm}",
         f"run.steps={NO_STEP_LIMIT}", f"run.eval_every={NO_STEP_LIMIT}",  # the trainer evaluates the start only
         "run.save_every=0", "run.save_trees_every=0", "run.tensorboard=false", "run.log_every=10",
     ])
@@ -104,6 +111,7 @@ def run_arm(config: str, arm: str, seed: int, budget_s: float, evals: int, out: 
         curve.steps = step
         curve.train_s += metrics["time/step_s"] - metrics.get("time/eval_s", 0.0)
         tokens[0] += metrics["rollout/tokens_computed"] + metrics.get("train/tokens", 0.0)
+        curve.rewards.append((curve.train_s, metrics["reward/mean"]))
         done = curve.train_s >= budget_s
         if done or curve.train_s >= next_eval[0]:
             accuracy = phases.evaluate(ctx.sampling, ctx.rewards, ctx.eval_problems, cfg.eval, cfg.rollout,
@@ -141,7 +149,24 @@ def time_to_accuracy(points: list[tuple[int, float, float, float]], target: floa
     return math.inf
 
 
-def seed_figures(tree: Curve, grpo: Curve) -> dict[str, float]:
+def trailing_means(rewards: list[tuple[float, float]], window_s: float) -> list[tuple[int, float, float, float]]:
+    """The training reward (the mean over a step's sampled leaves: the policy's accuracy at
+    temperature 1) averaged over the steps that ended in the last ``window_s`` seconds, from
+    the first step past one window on; as ``(0, train_s, 0, mean)`` points for
+    :func:`time_to_accuracy`.
+
+    >>> trailing_means([(1.0, 0.1), (2.0, 0.3), (3.0, 0.5), (4.0, 0.9)], 2.0)
+    [(0, 2.0, 0, 0.2), (0, 3.0, 0, 0.4), (0, 4.0, 0, 0.7)]
+    """
+    means = []
+    for seconds, _ in rewards:
+        if seconds >= window_s:
+            inside = [r for s, r in rewards if seconds - window_s < s <= seconds]
+            means.append((0, seconds, 0, round(sum(inside) / len(inside), 12)))
+    return means
+
+
+def seed_figures(tree: Curve, grpo: Curve, window_s: float = 10.0) -> dict[str, float]:
     """One seed's figures. The target is the lower final accuracy; it must lie above the
     start (both arms start from the same model), else neither learned and the ratio is nan."""
     target = min(tree.final_accuracy, grpo.final_accuracy)
@@ -149,7 +174,13 @@ def seed_figures(tree: Curve, grpo: Curve) -> dict[str, float]:
     ratio = math.nan
     if target > start:
         ratio = time_to_accuracy(grpo.points, target) / time_to_accuracy(tree.points, target)
-    return {"time_to_acc_ratio": ratio, "final_acc_tree": tree.final_accuracy, "final_acc_grpo": grpo.final_accuracy,
+    # The same question of the training reward (sampled, not greedy), smoothed over window_s.
+    tree_r, grpo_r = trailing_means(tree.rewards, window_s), trailing_means(grpo.rewards, window_s)
+    reward_ratio = math.nan
+    if tree_r and grpo_r and min(tree_r[-1][3], grpo_r[-1][3]) > max(tree_r[0][3], grpo_r[0][3]):
+        reward_target = min(tree_r[-1][3], grpo_r[-1][3])
+        reward_ratio = time_to_accuracy(grpo_r, reward_target) / time_to_accuracy(tree_r, reward_target)
+    return {"time_to_acc_ratio": ratio, "reward_time_ratio": reward_ratio, "final_acc_tree": tree.final_accuracy, "final_acc_grpo": grpo.final_accuracy,
             "step_speedup": grpo.seconds_per_step / tree.seconds_per_step, "target": target, "start": start}
 
 
@@ -194,6 +225,9 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, default=2, help="run.seed 0..N-1, each trained by both arms")
     parser.add_argument("--evals", type=int, default=6, help="greedy evals per run after the start one")
     parser.add_argument("--out", default=str(REPO / "runs" / "bench_learning"))
+    parser.add_argument("--tree-override", action="append", default=[], metavar="KEY=VALUE",
+                        help="for the tree arm only (repeatable), e.g. rollout.width=16: a tree at the compute "
+                             "of the GRPO arm's group rather than at its width")
     parser.add_argument("overrides", nargs="*", help="section.key=value for both arms, e.g. data.prompts_per_step=4")
     args = parser.parse_args()
 
@@ -203,9 +237,10 @@ def main() -> None:
     curves, figures = [], []
     for seed in range(args.seeds):
         # Arms alternate so a machine that slows down over the session hurts both alike.
-        pair = {arm: run_arm(args.config, arm, seed, args.budget_s, args.evals, out, args.overrides) for arm in ARMS}
+        pair = {arm: run_arm(args.config, arm, seed, args.budget_s, args.evals, out,
+                             args.overrides + (args.tree_override if arm == "tree" else [])) for arm in ARMS}
         curves += pair.values()
-        figures.append(seed_figures(pair["tree"], pair["grpo"]))
+        figures.append(seed_figures(pair["tree"], pair["grpo"], window_s=args.budget_s / 6))
         f = figures[-1]
         print(f"seed {seed}: tree {pair['tree'].steps} steps ({pair['tree'].seconds_per_step:.1f} s each), "
               f"grpo {pair['grpo'].steps} steps ({pair['grpo'].seconds_per_step:.1f} s each); start accuracy "
@@ -215,7 +250,9 @@ def main() -> None:
     print(f"wrote {out / 'curves.csv'}, {', '.join(map(str, paths))} ({time.monotonic() - t0:.0f} s in all)")
     keys = ("time_to_acc_ratio", "final_acc_tree", "final_acc_grpo", "step_speedup")
     mean = {k: sum(f[k] for f in figures) / len(figures) for k in keys}  # nan if any seed's ratio is nan
-    print("SPREAD " + " ".join(f"{k}=" + ",".join(f"{f[k]:.3f}" for f in figures) for k in keys))
+    print("SPREAD " + " ".join(f"{k}=" + ",".join(f"{f[k]:.3f}" for f in figures) for k in (*keys, "reward_time_ratio")))
+    # Not part of RESULT (its fields are fixed): the training reward's answer to the same question.
+    print(f"TRAIN_REWARD reward_time_ratio={sum(f['reward_time_ratio'] for f in figures) / len(figures):.3f}")
     print("RESULT " + " ".join(f"{k}={mean[k]:.3f}" for k in keys), flush=True)
 
 

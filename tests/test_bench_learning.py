@@ -45,7 +45,7 @@ def test_seed_figures_take_the_lower_final_accuracy_as_the_target():
 def test_smoke_run_trains_both_arms_and_writes_csv_plots_and_result(tmp_path):
     run = subprocess.run(
         [sys.executable, str(REPO / "scripts/bench_learning.py"), "--budget-s", "1", "--seeds", "1", "--evals", "1",
-         "--out", str(tmp_path), "data.prompts_per_step=2", "eval.max_problems=4", "algorithm.dynamic_sampling=false",
+         "--out", str(tmp_path), "--tree-override", "rollout.width=4", "data.prompts_per_step=2", "eval.max_problems=4", "algorithm.dynamic_sampling=false",
          "rollout.segment_tokens=8", "rollout.max_depth=2", "eval.max_response_tokens=16",
          "reward.workers=1"],
         capture_output=True, text=True, timeout=600, cwd=REPO,
@@ -69,3 +69,23 @@ def test_smoke_run_trains_both_arms_and_writes_csv_plots_and_result(tmp_path):
     grpo_cfg = (tmp_path / "grpo-seed0" / "config.yaml").read_text()
     assert "mode: independent" in grpo_cfg and "advantage: grpo" in grpo_cfg and "mode: linear" in grpo_cfg
     assert "mode: tree" in tree_cfg and "advantage: treepo" in tree_cfg
+    # --tree-override reaches the tree arm only (cot.yaml's width is 8).
+    assert "width: 4" in tree_cfg and "width: 8" in grpo_cfg
+
+
+def test_trailing_means_and_the_training_reward_ratio_by_hand():
+    script = _script()
+    rewards = [(1.0, 0.1), (2.0, 0.3), (3.0, 0.5), (4.0, 0.9)]
+    # Window 2 s: at 2 s the steps ending in (0, 2] -> 0.2; at 3 s (1, 3] -> 0.4; at 4 s (2, 4] -> 0.7.
+    assert script.trailing_means(rewards, 2.0) == [(0, 2.0, 0, 0.2), (0, 3.0, 0, 0.4), (0, 4.0, 0, 0.7)]
+    assert script.trailing_means(rewards, 5.0) == []  # no step past one window yet
+    tree = script.Curve("tree", 0, [(0, 0.0, 0, 0.2), (4, 4.0, 0, 0.5)], rewards=rewards, steps=4, train_s=4.0)
+    # GRPO's smoothed reward: 0.2 at 2 s, 0.3 at 4 s, 0.6 at 6 s (one step every 2 s).
+    grpo = script.Curve("grpo", 0, [(0, 0.0, 0, 0.2), (3, 6.0, 0, 0.5)],
+                        rewards=[(2.0, 0.2), (4.0, 0.3), (6.0, 0.6)], steps=3, train_s=6.0)
+    figures = script.seed_figures(tree, grpo, window_s=2.0)
+    # Target: the lower final smoothed reward, 0.6 (GRPO), reached by GRPO at 6 s and by the
+    # tree at 3 + (0.6 - 0.4) / (0.7 - 0.4) = 3.667 s: ratio 6 / 3.667 = 1.636.
+    assert math.isclose(figures["reward_time_ratio"], 6.0 / (3.0 + 0.2 / 0.3))
+    # No smoothed point (window longer than either run): no ratio.
+    assert math.isnan(script.seed_figures(tree, grpo, window_s=10.0)["reward_time_ratio"])
