@@ -195,8 +195,11 @@ class LearnerWorker:
         self.learner = Learner(cfg.model, cfg.learner, cfg.optim, cfg.loss, total_steps=total_steps,
                                temperature=cfg.rollout.temperature)
 
-    def step(self, packs: Sequence[PackedBatch], denominator: float, filler: PackedBatch | None = None) -> StepResult:
-        return self.learner.step(packs, denominator, filler)
+    def step(
+        self, packs: Sequence[PackedBatch], denominator: float, filler: PackedBatch | None = None,
+        behaviour_cap: float | None = None,
+    ) -> StepResult:
+        return self.learner.step(packs, denominator, filler, behaviour_cap)
 
     def push_weights(self, urls: list[str], version: str) -> None:
         """Gather the parameters (collective) and, on rank 0, send them to every engine.
@@ -337,11 +340,13 @@ class LearnerGroup:
         return ray.get(refs)
 
     def step(
-        self, packs_per_rank: Sequence[Sequence[PackedBatch]], denominator: float, filler: PackedBatch | None = None
+        self, packs_per_rank: Sequence[Sequence[PackedBatch]], denominator: float, filler: PackedBatch | None = None,
+        behaviour_cap: float | None = None,
     ) -> list[StepResult]:
-        """One update: rank r trains ``packs_per_rank[r]``; a rank without packs runs ``filler`` at zero loss."""
+        """One update: rank r trains ``packs_per_rank[r]``; a rank without packs runs ``filler`` at zero loss.
+        ``behaviour_cap``: off-policy batches' decoupled objective (None: on-policy PPO)."""
         return self.results([
-            w.step.remote(list(p), denominator, None if p else filler)
+            w.step.remote(list(p), denominator, None if p else filler, behaviour_cap)
             for w, p in zip(self.workers, packs_per_rank)
         ])
 
