@@ -388,7 +388,13 @@ class LearnerGroup:
 
 
 def cpu_threads(cfg: Config, sharers: int) -> int:
-    """Torch threads for a CPU process: ``run.cpu_threads``, or the cores split ``sharers`` ways."""
+    """Torch threads for a CPU process: ``run.cpu_threads``, or the cores split ``sharers`` ways.
+
+    Asynchronous runs (``algorithm.max_staleness`` ≥ 1) sample while they train: every engine
+    and learner rank is busy at once, so they split the cores between all of them (OpenMP
+    threads waiting for a busy core slow decoding tenfold: ``run.cpu_threads``)."""
+    if cfg.algorithm.max_staleness:
+        sharers = cfg.learner.num_ranks + cfg.engine.num_engines
     return cfg.run.cpu_threads or max(1, (os.cpu_count() or 1) // sharers)
 
 
