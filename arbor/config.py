@@ -117,6 +117,11 @@ class EngineConfig:
     # with). Unset: $ARBOR_ENGINE_API_KEY, else a fresh key per run for engines arbor starts.
     # Never written out (dump_config drops it) nor shown in a repr.
     api_key: str | None = field(default=None, repr=False)
+    # With algorithm.max_staleness ≥ 1 weights change while trees are sampled. false: a
+    # segment in flight finishes under the weights it started with (tagged with their
+    # version); true: such a segment is dropped and sampled again from its parent (its path's
+    # last finished segment) under the new weights. A path may mix versions either way.
+    partial_rollouts: bool = False
 
 
 @dataclass
@@ -145,6 +150,10 @@ class AlgorithmConfig:
     max_refill_rounds: int = 3  # extra sampling rounds to refill a filtered batch
     ppo_epochs: int = 1
     minibatches: int = 1  # optimizer steps per epoch over one rollout batch
+    # Asynchronous RL: the engines sample the next steps' trees while the learner trains, on
+    # weights at most this many updates old (older trees are dropped and counted); the loss
+    # is then AReaL's decoupled objective (loss.behaviour_cap). 0: sample, then train (on-policy).
+    max_staleness: int = 0
 
 
 @dataclass
@@ -159,6 +168,9 @@ class LossConfig:
     kl_coef: float = 0.0
     kl_estimator: Literal["k1", "k3"] = "k3"
     entropy_coef: float = 0.0
+    # algorithm.max_staleness ≥ 1: the cap C of the behaviour weight π_prox/π_behav in the
+    # decoupled objective (truncated importance sampling; 2 as in Yao et al. 2025).
+    behaviour_cap: float = 2.0
 
 
 @dataclass
@@ -500,6 +512,18 @@ def validate(cfg: Config, where: Callable[[str], str] | None = None) -> None:
     need(lo.kl_coef >= 0, "loss.kl_coef", "must be ≥ 0")
     need(a.ppo_epochs >= 1, "algorithm.ppo_epochs", "must be ≥ 1")
     need(a.minibatches >= 1, "algorithm.minibatches", "must be ≥ 1")
+    need(a.max_staleness >= 0, "algorithm.max_staleness", f"must be ≥ 0 (0: on-policy), got {a.max_staleness}")
+    need(lo.behaviour_cap > 0, "loss.behaviour_cap", f"must be > 0, got {lo.behaviour_cap}")
+    # The engines keep sampling while the learners train: they cannot give their memory up.
+    need(not (a.max_staleness and cfg.ray.colocate), "algorithm.max_staleness",
+         "must be 0 with ray.colocate (colocated engines release their memory while the learners train, "
+         "so they cannot sample meanwhile)")
+    # The decoupled objective's proximal policy is the one before each tree's single update.
+    need(not (a.max_staleness and a.ppo_epochs > 1), "algorithm.max_staleness",
+         f"must be 0 with algorithm.ppo_epochs > 1 (got {a.ppo_epochs}): the off-policy objective takes "
+         "the policy before a tree's one update as its proximal policy")
+    need(not (e.partial_rollouts and not a.max_staleness), "engine.partial_rollouts",
+         "needs algorithm.max_staleness ≥ 1 (on-policy runs never change weights while sampling)")
     need(
         a.minibatches <= cfg.data.prompts_per_step,
         "algorithm.minibatches",

@@ -234,14 +234,17 @@ class Learner:
                 loss.backward()
         return records
 
-    def policy_pack_loss(self, model: Any, pack: PackedBatch, denominator: float) -> tuple[torch.Tensor, LossStats]:
+    def policy_pack_loss(
+        self, model: Any, pack: PackedBatch, denominator: float, behaviour_cap: float | None = None
+    ) -> tuple[torch.Tensor, LossStats]:
         """:func:`~arbor.packed_loss.pack_loss` with this learner's loss settings (``loss.*``);
-        the pack's metric sums as plain floats (its graph is not kept past the backward)."""
+        the pack's metric sums as plain floats (its graph is not kept past the backward).
+        ``behaviour_cap``: the decoupled off-policy objective's cap (None: on-policy PPO)."""
         loss, sums = pack_loss(
             model, pack, denominator, clip_low=self.loss_cfg.clip_low, clip_high=self.loss_cfg.clip_high,
             kl_coef=self.loss_cfg.kl_coef, kl_estimator=self.loss_cfg.kl_estimator,
             entropy_coef=self.loss_cfg.entropy_coef, ref_model=self.ref_model, attention=self.attention,
-            temperature=self.temperature, chunk_tokens=self.cfg.logit_chunk_tokens,
+            temperature=self.temperature, chunk_tokens=self.cfg.logit_chunk_tokens, behaviour_cap=behaviour_cap,
         )
         return loss, sums.stats
 
@@ -270,10 +273,15 @@ class Learner:
         self.steps += 1
         return grad_norm
 
-    def step(self, packs: Sequence[PackedBatch], denominator: float, filler: PackedBatch | None = None) -> StepResult:
+    def step(
+        self, packs: Sequence[PackedBatch], denominator: float, filler: PackedBatch | None = None,
+        behaviour_cap: float | None = None,
+    ) -> StepResult:
         """One optimizer update over ``packs``: the policy loss's sums of this rank's tokens
-        (add them over ranks), the gradient norm and the learning rate it used."""
-        records = self.backward(packs, functools.partial(self.policy_pack_loss, denominator=denominator), filler)
+        (add them over ranks), the gradient norm and the learning rate it used.
+        ``behaviour_cap``: off-policy batches' decoupled objective (:meth:`policy_pack_loss`)."""
+        loss_of = functools.partial(self.policy_pack_loss, denominator=denominator, behaviour_cap=behaviour_cap)
+        records = self.backward(packs, loss_of, filler)
         stats = sum(records, LossStats())
         lr = self.current_lr()  # the rate this update uses
         return StepResult(stats=stats, grad_norm=self.optimizer_step(), lr=lr)

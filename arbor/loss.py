@@ -12,6 +12,15 @@ own sequence). Packed (:mod:`arbor.packing`) each token appears once and carries
 through it, Σ w_b·max(A,0) and Σ w_b·min(A,0) (w_b = 1 or 1/T_b): because r is the same for
 every leaf through the token, Σ_b min(r A_b, clip(r) A_b) = pos·min(r, clip r) + neg·max(r, clip r).
 
+Off-policy batches (``algorithm.max_staleness`` ≥ 1: trees sampled by weights up to k
+updates old) use AReaL's decoupled PPO objective (Fu et al. 2025, "AReaL: A Large-Scale
+Asynchronous Reinforcement Learning System for Language Reasoning", arXiv 2505.24298, §5.2):
+the trust region is taken around a *proximal* policy π_prox, and the behaviour gap is an
+importance weight w = π_prox/π_behav, here truncated at ``behaviour_cap`` C (truncated
+importance sampling, Yao et al. 2025, "Your Efficient RL Framework Secretly Brings You
+Off-Policy RL Training"): o_t = min(w, C)·min(u·A, clip(u)·A), u = π_θ/π_prox
+(:func:`decoupled_objective`).
+
 The model forwards that produce ``logp`` and the per-token columns live beside the packing:
 :mod:`arbor.logprobs` (log-probs of packed trees or padded sequences) and
 :mod:`arbor.packed_loss` (``policy_loss``, ``pack_loss``, the SFT loss). This module imports
@@ -20,6 +29,7 @@ torch only.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, fields
 from typing import Literal
 
@@ -43,6 +53,32 @@ def clipped_objective(
     return adv_pos * torch.minimum(ratio, clipped) + adv_neg * torch.maximum(ratio, clipped), ratio
 
 
+def decoupled_objective(
+    logp: torch.Tensor,  # [M] learner log-probabilities (with graph)
+    prox_logp: torch.Tensor,  # [M] proximal policy's log-probabilities (no graph)
+    old_logp: torch.Tensor,  # [M] behaviour log-probabilities (the engine's, per token)
+    adv_pos: torch.Tensor,  # [M]
+    adv_neg: torch.Tensor,  # [M]
+    clip_low: float,
+    clip_high: float,
+    behaviour_cap: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """AReaL's decoupled PPO surrogate per token, with a truncated behaviour weight; [M] each.
+
+    Returns ``(objective, u, w)``: objective = w·Σ_b min(u·A_b, clip(u)·A_b) with u = π_θ/π_prox
+    (the clipped ratio, as in PPO but around the proximal policy) and w = min(π_prox/π_behav, C)
+    (no gradient). Tokens of one path may come from different weight versions (partial
+    rollouts): ``old_logp`` is per token, so each token is weighted by its own sampler.
+
+    >>> lp = torch.log(torch.tensor([0.5]))
+    >>> decoupled_objective(lp, lp, torch.log(torch.tensor([0.25])), torch.ones(1), torch.zeros(1), 0.2, 0.28, 2.0)[0]
+    tensor([2.])
+    """
+    weight = torch.exp(prox_logp - old_logp).clamp(max=behaviour_cap).detach()
+    objective, ratio = clipped_objective(logp, prox_logp.detach(), adv_pos, adv_neg, clip_low, clip_high)
+    return weight * objective, ratio, weight
+
+
 def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: KLEstimator) -> torch.Tensor:
     """Per-token KL(π‖π_ref) estimate, [M]: k1 = log r, k3 = r⁻¹ − 1 + log r (Schulman), r = π/π_ref."""
     log_ratio = logp - ref_logp
@@ -64,6 +100,8 @@ class LossStats:
     entropy_lin: float = 0.0  # Σ_lin entropy
     gap: float = 0.0  # Σ_lin |logp_engine − logp_learner|
     kl_lin: float = 0.0  # Σ_lin KL to the reference
+    behaviour_weight: float = 0.0  # Σ_lin min(π_prox/π_behav, C) (decoupled objective only)
+    truncated: float = 0.0  # linearised tokens whose behaviour weight hit the cap C
     tokens: float = 0.0  # unique trained tokens
     linearised_tokens: float = 0.0  # Σ_i T_i of these tokens
 
@@ -74,7 +112,9 @@ class LossStats:
         """``loss``, ``clip_fraction``, ``approx_kl``, ``entropy``, ``logprob_gap``, ``kl`` (per
         linearised token), ``tokens``, ``linearised_tokens`` (README: Metrics, ``train/*``)."""
         n = max(self.linearised_tokens, 1.0)
-        return {
+        # Only off-policy runs (the decoupled objective) have behaviour weights to report.
+        decoupled = {"behaviour_weight": self.behaviour_weight / n, "truncated_fraction": self.truncated / n}
+        return ({} if not self.behaviour_weight else decoupled) | {
             "loss": self.loss,
             "clip_fraction": self.clipped / n,
             "approx_kl": self.approx_kl / n,
@@ -115,9 +155,20 @@ def token_sums(
     clip_low: float,
     clip_high: float,
     kl_estimator: KLEstimator,
+    prox_logp: torch.Tensor | None = None,  # [M] or None
+    behaviour_cap: float = math.inf,
 ) -> LossSums:
-    """Loss and metric sums of M trained tokens, each standing for ``leaf_count`` linear tokens."""
-    objective, ratio = clipped_objective(logp, old_logp, adv_pos, adv_neg, clip_low, clip_high)
+    """Loss and metric sums of M trained tokens, each standing for ``leaf_count`` linear tokens.
+
+    ``prox_logp`` None: PPO's clipped surrogate against the behaviour log-probs (on-policy
+    runs); given: :func:`decoupled_objective` around it, behaviour weights capped at ``behaviour_cap``.
+    """
+    behaviour = None
+    if prox_logp is None:
+        objective, ratio = clipped_objective(logp, old_logp, adv_pos, adv_neg, clip_low, clip_high)
+    else:
+        objective, ratio, behaviour = decoupled_objective(logp, prox_logp, old_logp, adv_pos, adv_neg,
+                                                          clip_low, clip_high, behaviour_cap)
     kl = kl_penalty(logp, ref_logp, kl_estimator) if ref_logp is not None else torch.zeros_like(logp)
     with torch.no_grad():
         diff = logp - old_logp
@@ -132,6 +183,9 @@ def token_sums(
             tokens=int(logp.numel()),
             linearised_tokens=float(lin.sum()),
         )
+        if behaviour is not None:
+            stats.behaviour_weight = float((lin * behaviour).sum())
+            stats.truncated = float((lin * (behaviour >= behaviour_cap)).sum())
     return LossSums(objective=objective.sum(), kl=(weight * kl).sum(), entropy=(weight * entropy).sum(), stats=stats)
 
 

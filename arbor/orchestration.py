@@ -214,8 +214,11 @@ class LearnerWorker:
         self.learner = Learner(cfg.model, cfg.learner, cfg.optim, cfg.loss, total_steps=total_steps,
                                temperature=cfg.rollout.temperature)
 
-    def step(self, packs: Sequence[PackedBatch], denominator: float, filler: PackedBatch | None = None) -> StepResult:
-        return self.learner.step(packs, denominator, filler)
+    def step(
+        self, packs: Sequence[PackedBatch], denominator: float, filler: PackedBatch | None = None,
+        behaviour_cap: float | None = None,
+    ) -> StepResult:
+        return self.learner.step(packs, denominator, filler, behaviour_cap)
 
     def push_weights(self, urls: list[str], version: str) -> None:
         """Gather the parameters (collective) and, on rank 0, send them to every engine.
@@ -361,11 +364,13 @@ class LearnerGroup:
         self.results(self.starting)
 
     def step(
-        self, packs_per_rank: Sequence[Sequence[PackedBatch]], denominator: float, filler: PackedBatch | None = None
+        self, packs_per_rank: Sequence[Sequence[PackedBatch]], denominator: float, filler: PackedBatch | None = None,
+        behaviour_cap: float | None = None,
     ) -> list[StepResult]:
-        """One update: rank r trains ``packs_per_rank[r]``; a rank without packs runs ``filler`` at zero loss."""
+        """One update: rank r trains ``packs_per_rank[r]``; a rank without packs runs ``filler`` at zero loss.
+        ``behaviour_cap``: off-policy batches' decoupled objective (None: on-policy PPO)."""
         return self.results([
-            w.step.remote(list(p), denominator, None if p else filler)
+            w.step.remote(list(p), denominator, None if p else filler, behaviour_cap)
             for w, p in zip(self.workers, packs_per_rank)
         ])
 
@@ -448,7 +453,13 @@ def start_groups(engines: EngineGroup, learners: LearnerGroup, clock: StartupClo
 
 
 def cpu_threads(cfg: Config, sharers: int) -> int:
-    """Torch threads for a CPU process: ``run.cpu_threads``, or the cores split ``sharers`` ways."""
+    """Torch threads for a CPU process: ``run.cpu_threads``, or the cores split ``sharers`` ways.
+
+    Asynchronous runs (``algorithm.max_staleness`` ≥ 1) sample while they train: every engine
+    and learner rank is busy at once, so they split the cores between all of them (OpenMP
+    threads waiting for a busy core slow decoding tenfold: ``run.cpu_threads``)."""
+    if cfg.algorithm.max_staleness:
+        sharers = cfg.learner.num_ranks + cfg.engine.num_engines
     return cfg.run.cpu_threads or max(1, (os.cpu_count() or 1) // sharers)
 
 

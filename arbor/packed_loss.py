@@ -65,9 +65,16 @@ def pack_loss(
     attention: Attention = "auto",
     temperature: float = 1.0,
     chunk_tokens: int = 0,
+    behaviour_cap: float | None = None,
 ) -> tuple[torch.Tensor, LossSums]:
     """One pack's share of the loss (already divided by the global ``denominator``), and its
     sums (``sums.stats.loss`` is this loss's value).
+
+    ``behaviour_cap`` None: PPO against the behaviour log-probs (on-policy). Given (off-policy,
+    ``algorithm.max_staleness`` ≥ 1): AReaL's decoupled objective (:func:`arbor.loss.decoupled_objective`)
+    with the proximal policy = these weights before this update, i.e. this forward's log-probs
+    without their graph: exact for one update per batch (``algorithm.ppo_epochs`` 1), where it
+    reduces to the truncated-IS policy gradient min(π_θ/π_behav, C)·A·∇log π_θ.
 
     Log-probs are those of softmax(logits / ``temperature``), the distribution the engine
     sampled from and reported; they and every per-token weight are float32 or wider
@@ -89,6 +96,7 @@ def pack_loss(
         logp, entropy, field(pack.old_logprobs), ref_logp, field(pack.weight), field(pack.adv_pos),
         field(pack.adv_neg), field(pack.leaf_count), field(pack.n_pos), field(pack.n_neg),
         clip_low=clip_low, clip_high=clip_high, kl_estimator=kl_estimator,
+        **({} if behaviour_cap is None else {"prox_logp": logp.detach(), "behaviour_cap": behaviour_cap}),
     )
     loss = combine(sums, denominator, kl_coef, entropy_coef)
     sums.stats.loss = float(loss.detach())

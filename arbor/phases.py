@@ -18,8 +18,9 @@ import asyncio
 import logging
 import random
 from collections.abc import Callable, Coroutine
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from arbor.advantage import compute_advantages, dynamic_sampling_filter
 from arbor.agents import Agent, Render, episode_inputs, tool_turns
@@ -29,7 +30,6 @@ from arbor.data import ProblemStream
 from arbor.engine_recovery import EngineRecovery
 from arbor.engines.client import SGLangClient
 from arbor.loss import LossStats
-from arbor.metrics import MetricsLog
 from arbor.orchestration import EngineGroup, LearnerGroup, closing
 from arbor.packing import assign_to_ranks, loss_denominator, pack_trees
 from arbor.rewards import RewardPool, check_failure_fraction, failed_checks
@@ -66,6 +66,9 @@ class Sampling:
     eos_token_ids: list[int]  # every id that ends a model turn (arbor.data.stop_token_ids)
     data_cfg: DataConfig  # the prompt format: system prompt, suffix, max_prompt_tokens
     chat_template: bool  # model.chat_template
+    # engine.partial_rollouts: is a segment of this weight version overtaken by an update
+    # (sampled again)? None: segments finish under the weights they started with.
+    is_stale: Callable[[str], bool] | None = None
 
     def run(self, coroutine: Coroutine[Any, Any, T]) -> T:
         """Run a coroutine on the engine client from the synchronous loop."""
@@ -84,8 +87,17 @@ def step_seed(seed: int, step: int, round_: int = 0) -> int:
     return (seed * 1_000_003 + step * 1_009 + round_) % (2**31)
 
 
+class PhaseLog(Protocol):
+    """What :func:`collect_rollouts` needs of a log: phase timing and progress lines
+    (:class:`~arbor.metrics.MetricsLog`; the asynchronous producer keeps its own)."""
+
+    def phase(self, name: str) -> AbstractContextManager[None]: ...
+
+    def status(self, text: str) -> None: ...
+
+
 def collect_rollouts(
-    sampling: Sampling, rewards: RewardPool, stream: ProblemStream, log: MetricsLog, cfg: Config, step: int
+    sampling: Sampling, rewards: RewardPool, stream: ProblemStream, log: PhaseLog, cfg: Config, step: int
 ) -> Batch:
     """Sample ``data.prompts_per_step`` trees, score them; refill what dynamic sampling drops.
 
@@ -130,7 +142,7 @@ def sample(
     return sampling.run(sample_trees(
         sampling.client, problems, prompts, rollout_cfg, eos_token_ids=sampling.eos_token_ids, seed=seed,
         is_final_answer=lambda ids: has_final_answer(sampling.decode(ids)), decode=sampling.decode,
-        on_progress=progress, agent=sampling.agent, render=render,
+        on_progress=progress, agent=sampling.agent, render=render, is_stale=sampling.is_stale,
     ))
 
 
@@ -165,11 +177,13 @@ def batch_advantages(trees: list[RolloutTree], algorithm: AlgorithmConfig) -> li
 
 def train_on_batch(
     learners: LearnerGroup, trees: list[RolloutTree], advantages: list, step: int, algorithm: AlgorithmConfig,
-    loss_cfg: LossConfig, *, pack_tokens: int, seed: int,
+    loss_cfg: LossConfig, *, pack_tokens: int, seed: int, behaviour_cap: float | None = None,
 ) -> dict[str, float]:
     """``ppo_epochs`` × ``minibatches`` learner updates over the batch; loss metrics.
 
-    ``pack_tokens``: ``learner.pack_tokens``; ``seed``: ``run.seed`` (the epochs' shuffles).
+    ``pack_tokens``: ``learner.pack_tokens``; ``seed``: ``run.seed`` (the epochs' shuffles);
+    ``behaviour_cap``: ``loss.behaviour_cap`` for off-policy batches (the decoupled objective),
+    None on-policy.
     """
     stats, norms, lrs = LossStats(), [], []
     order = list(range(len(trees)))
@@ -187,7 +201,7 @@ def train_on_batch(
             packs = pack_trees(sub_trees, sub_adv, pack_tokens=pack_tokens, normalize=loss_cfg.normalize)
             per_rank = [[packs[i] for i in r] for r in assign_to_ranks(packs, learners.world_size)]
             denominator = loss_denominator(sub_trees, loss_cfg.normalize)
-            results = learners.step(per_rank, denominator, filler=packs[0])
+            results = learners.step(per_rank, denominator, filler=packs[0], behaviour_cap=behaviour_cap)
             stats = sum((r.stats for r in results), stats)
             norms.append(results[0].grad_norm)  # the same on every rank
             lrs.append(results[0].lr)

@@ -35,6 +35,7 @@ import math
 import multiprocessing as mp
 import signal
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Callable, Sequence
@@ -272,6 +273,9 @@ class RewardPool:
         self._ctx = mp.get_context("spawn")
         self._startup_deaths = 0  # workers that died while starting since one was last ready
         self._workers = [self._start_worker() for _ in range(workers)]
+        # One batch at a time: asynchronous runs score rollouts in a producer thread while
+        # the trainer's thread scores evals (algorithm.max_staleness ≥ 1).
+        self._busy = threading.Lock()
 
     def _start_worker(self) -> _Worker:
         parent, child = self._ctx.Pipe()
@@ -297,6 +301,10 @@ class RewardPool:
         ``on_progress(done, total)`` is called as results come in. Raises
         :class:`RewardError` when a reward function fails on an item.
         """
+        with self._busy:
+            return self._score(items, on_progress)
+
+    def _score(self, items: Sequence[Item], on_progress: Callable[[int, int], None] | None) -> ScoreResult:
         if not self._workers:
             raise RuntimeError("RewardPool is closed")
         for w in list(self._workers):

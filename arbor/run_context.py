@@ -83,11 +83,14 @@ class RunContext:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text("".join(t.to_json() + "\n" for t in trees[:4]))
 
-    def save_checkpoint(self, step: int) -> None:
+    def save_checkpoint(self, step: int, stream_state: dict[str, int] | None = None) -> None:
+        """Learner state, problem cursor (``stream_state``, default the stream's own: an
+        asynchronous run gives the cursor before its first untrained batch) and step."""
         self.log.status(f"saving checkpoint of step {step}…")
         directory = checkpoint.step_dir(self.cfg.run.output_dir, step)
         self.learners.save(str(directory / "learner"))
-        checkpoint.write_driver_state(directory, {"step": step, "stream": self.stream.state_dict(),
+        stream_state = self.stream.state_dict() if stream_state is None else stream_state
+        checkpoint.write_driver_state(directory, {"step": step, "stream": stream_state,
                                                   "schedule_steps": self.schedule_steps})
         checkpoint.mark_latest(self.cfg.run.output_dir, step, keep=self.cfg.run.keep_checkpoints)
 

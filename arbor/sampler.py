@@ -97,6 +97,7 @@ class SampleStats:
     tool_turns: int = 0  # agent turns appended (multi-turn episodes)
     tool_errors: int = 0  # agent messages marked error=True (a tool timed out, raised, ...)
     agent_timeouts: int = 0  # agent.step calls past rollout.agent_timeout_s (episode ended)
+    resampled: int = 0  # segments overtaken by a weight update in flight and sampled again (partial rollouts)
     finish_reasons: dict[str, int] = field(default_factory=dict)  # leaf reason → count
     shortfall_reason: str | None = None
 
@@ -126,8 +127,15 @@ async def sample_trees(
     on_progress: Callable[[int, RolloutTree, SampleStats], None] | None = None,
     agent: Agent | None = None,
     render: Callable[[list[Message]], list[int]] | None = None,
+    is_stale: Callable[[str], bool] | None = None,
 ) -> tuple[list[RolloutTree], list[SampleStats]]:
     """One tree per prompt, sampled concurrently; returns ``(trees, stats)`` in prompt order.
+
+    ``is_stale(weight_version)`` (partial rollouts, ``engine.partial_rollouts``): whether a
+    segment that comes back sampled by that version was overtaken by a weight update while
+    in flight; such a request is sent again from the same parent (its path's last finished
+    segment) under the new weights, and counted in ``stats.resampled``. None: every segment
+    is kept, tagged with the version that sampled it.
 
     ``eos_token_ids`` are sent as stop tokens (SGLang also stops on the model's own EOS).
     ``is_final_answer(response_ids)`` says whether a response holds a final answer;
@@ -152,7 +160,7 @@ async def sample_trees(
 
     async def one(index: int) -> tuple[RolloutTree, SampleStats]:
         sampler = _TreeSampler(
-            engine, cfg, index, list(eos_token_ids), seed, is_final_answer, decode, agent, render
+            engine, cfg, index, list(eos_token_ids), seed, is_final_answer, decode, agent, render, is_stale
         )
         tree = RolloutTree(list(prompts[index]), problems[index])
         stats = await sampler.run(tree)
@@ -183,8 +191,10 @@ class _TreeSampler:
         decode: Callable[[list[int]], str] | None,
         agent: Agent | None = None,
         render: Callable[[list[Message]], list[int]] | None = None,
+        is_stale: Callable[[str], bool] | None = None,
     ) -> None:
         self.engine, self.cfg, self.index = engine, cfg, index
+        self.is_stale = is_stale
         self.agent, self.render = agent, render
         self.tool_messages: dict[int, list[Message]] = {}  # tool node id → the agent's messages
         self.stop_ids, self.seed = stop_ids, seed
@@ -261,6 +271,8 @@ class _TreeSampler:
             input_ids = tree.prompt_ids + _response_upto(tree, path.node)
             requests.append(GenerateRequest(input_ids, sampling, f"tree-{self.index}"))
         results = await _generate_all(self.engine, requests)
+        if self.is_stale is not None:
+            results = await self._resample_stale(requests, results)
         self.stats.rounds += 1
         self.stats.requests += len(requests)
         survivors: list[_Path] = []
@@ -291,6 +303,21 @@ class _TreeSampler:
                 else:
                     ended += 1
         return survivors, ended
+
+    async def _resample_stale(
+        self, requests: list[GenerateRequest], results: list[list[GenerateOutput]]
+    ) -> list[list[GenerateOutput]]:
+        """Send again every request whose segments a weight update overtook in flight (partial
+        rollouts), until none is: the path goes on from its parent under the new weights."""
+        assert self.is_stale is not None
+        while True:
+            stale = [i for i, outs in enumerate(results) if any(self.is_stale(o.weight_version) for o in outs)]
+            if not stale:
+                return results
+            self.stats.resampled += sum(requests[i].sampling.n for i in stale)
+            again = await _generate_all(self.engine, [requests[i] for i in stale])
+            for i, outs in zip(stale, again):
+                results[i] = outs
 
     async def _agent_step(self, tree: RolloutTree, node: Node) -> list[Message] | None:
         """``agent.step`` after the model turn ending at ``node``, given ``agent_timeout_s``.

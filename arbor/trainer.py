@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from collections.abc import Callable
 
 from arbor import phases
+from arbor.async_rollouts import busy_metrics, producer_for
 from arbor.config import Config
 from arbor.engine_recovery import EngineFailedError
 from arbor.orchestration import LearnerFailedError
@@ -25,10 +27,13 @@ from arbor.run_context import RunContext, start_run
 def train(cfg: Config, after_step: Callable[[RunContext, int, dict], None] | None = None) -> list[dict[str, float]]:
     """Run (or resume) ``cfg``; returns the metrics of the steps this call ran.
 
-    ``after_step(ctx, step, metrics)`` is called after each step (notebooks, tests).
+    ``after_step(ctx, step, metrics)`` is called after each step (notebooks, tests). With
+    ``algorithm.max_staleness`` ≥ 1 a producer thread samples ahead (:mod:`arbor.async_rollouts`)
+    and the loss is the decoupled off-policy objective (``loss.behaviour_cap``).
     """
     history = []
-    with start_run(cfg) as ctx:
+    with start_run(cfg) as ctx, producer_for(cfg, ctx.sampling, ctx.rewards, ctx.stream,
+                                             ctx.start_step + 1) as producer:
 
         def evaluate() -> dict[str, float]:
             with ctx.log.phase("eval"):
@@ -37,30 +42,43 @@ def train(cfg: Config, after_step: Callable[[RunContext, int, dict], None] | Non
 
         if ctx.start_step == 0 and cfg.run.eval_every and ctx.eval_problems:
             ctx.log.write(0, evaluate())  # where the policy starts
+        behaviour_cap = cfg.loss.behaviour_cap if producer else None  # None: on-policy PPO
         for step in range(ctx.start_step + 1, cfg.run.steps + 1):
-            # times its "rollout" and "reward" phases
-            batch = phases.collect_rollouts(ctx.sampling, ctx.rewards, ctx.stream, ctx.log, cfg, step)
-            metrics = phases.rollout_metrics(batch)
+            started = time.perf_counter()
+            if producer is None:
+                # times its "rollout" and "reward" phases
+                batch = phases.collect_rollouts(ctx.sampling, ctx.rewards, ctx.stream, ctx.log, cfg, step)
+                metrics = phases.rollout_metrics(batch)
+            else:  # sampled while the last steps trained; trees over the staleness bound dropped
+                with ctx.log.phase("wait"):
+                    taken = producer.take(step)
+                batch, metrics = taken.batch, phases.rollout_metrics(taken.batch) | taken.metrics
             if batch.trees:  # else every prompt's leaves scored the same: nothing to learn
                 with ctx.log.phase("advantage"):
                     advantages = phases.batch_advantages(batch.trees, cfg.algorithm)
                 with ctx.log.phase("train"), ctx.engines_released():
                     metrics |= phases.train_on_batch(ctx.learners, batch.trees, advantages, step, cfg.algorithm,
-                                                     cfg.loss, pack_tokens=cfg.learner.pack_tokens, seed=cfg.run.seed)
+                                                     cfg.loss, pack_tokens=cfg.learner.pack_tokens, seed=cfg.run.seed,
+                                                     behaviour_cap=behaviour_cap)
                 with ctx.log.phase("sync"):
                     metrics |= phases.sync_weights(ctx.learners, ctx.engines, ctx.recovery, ctx.sampling, cfg.rollout,
                                                    str(step), probe=batch.trees[:2])
+            if producer is not None:
+                producer.step_done(step, pushed=bool(batch.trees))  # the next batch may start sampling
             if cfg.run.eval_every and step % cfg.run.eval_every == 0 and ctx.eval_problems:
                 metrics |= evaluate()
             metrics |= ctx.recovery.step_metrics()  # engine/restarts
             metrics |= phases.throughput_metrics(batch, sum(ctx.log.phases.values()))
+            engine_s = producer.engine_seconds() if producer else ctx.log.phases.get("rollout", 0.0)
+            metrics |= busy_metrics(engine_s, ctx.log.phases.get("train", 0.0), time.perf_counter() - started)
             history.append(ctx.log.write(step, metrics | ctx.data_metrics))
             if after_step is not None:
                 after_step(ctx, step, history[-1])
             if cfg.run.save_trees_every and step % cfg.run.save_trees_every == 0:
                 ctx.save_trees(step, batch.trees + [t for t in batch.sampled if t not in batch.trees])
             if step == cfg.run.steps or (cfg.run.save_every and step % cfg.run.save_every == 0):
-                ctx.save_checkpoint(step)
+                # An asynchronous run keeps no samples in flight: their problems come again on resume.
+                ctx.save_checkpoint(step, stream_state=producer.stream_state(step + 1) if producer else None)
         ctx.export_hf()
     return history
 

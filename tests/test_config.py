@@ -167,3 +167,19 @@ def test_cpu_threads_names_the_key_and_sets_each_process_share(tmp_path, monkeyp
     assert (cpu_threads(cfg, sharers=1), cpu_threads(cfg, sharers=2), cpu_threads(cfg, sharers=16)) == (8, 4, 1)
     cfg.run.cpu_threads = 1  # a shared machine: one thread each, however many cores
     assert (cpu_threads(cfg, sharers=1), cpu_threads(cfg, sharers=2)) == (1, 1)
+
+
+def test_max_staleness_refuses_what_cannot_overlap():
+    """Asynchronous runs: the error names both keys of each impossible combination."""
+    assert load_config(None, []).algorithm.max_staleness == 0  # on-policy by default
+    assert load_config(None, ["algorithm.max_staleness=2", "engine.partial_rollouts=true"]).engine.partial_rollouts
+    with pytest.raises(ConfigError, match=r"algorithm.max_staleness must be 0 with ray.colocate"):
+        load_config(None, ["algorithm.max_staleness=1", "ray.colocate=true"])
+    with pytest.raises(ConfigError, match=r"algorithm.max_staleness must be 0 with algorithm.ppo_epochs > 1 \(got 2\)"):
+        load_config(None, ["algorithm.max_staleness=1", "algorithm.ppo_epochs=2"])
+    with pytest.raises(ConfigError, match=r"algorithm.max_staleness must be ≥ 0 \(0: on-policy\), got -1"):
+        load_config(None, ["algorithm.max_staleness=-1"])
+    with pytest.raises(ConfigError, match=r"engine.partial_rollouts needs algorithm.max_staleness ≥ 1"):
+        load_config(None, ["engine.partial_rollouts=true"])
+    with pytest.raises(ConfigError, match=r"loss.behaviour_cap must be > 0, got 0"):
+        load_config(None, ["loss.behaviour_cap=0"])

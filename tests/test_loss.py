@@ -365,3 +365,51 @@ def test_pack_loss_defaults_leave_the_kl_out_and_estimate_it_with_k3(random_mode
     k1 = pack_loss(random_model, pack, denominator, kl_estimator="k1", **kw)[0].item()
     assert pack_loss(random_model, pack, denominator, **kw)[0].item() == pytest.approx(k3, rel=1e-12)
     assert k1 != pytest.approx(k3, rel=1e-6)
+
+
+def test_decoupled_objective_hand_numbers():
+    """AReaL's decoupled PPO with the proximal policy = the current one (one update per batch):
+    u = π_θ/π_prox = 1, so o_t = min(π_prox/π_behav, C)·A per token; C = 2.
+
+    One path whose segments came from two weight versions (per-token behaviour log-probs):
+      token 0 (version 1): π 0.6, π_behav 0.5 → w = 1.2;          A = +1 → o = +1.2, ∂o/∂logp = 1.2
+      token 1 (version 2): π 0.6, π_behav 0.2 → w = 3 → capped 2; A = −1 → o = −2.0, ∂o/∂logp = −2
+      token 2 (version 2): π 0.45, π_behav 0.9 → w = 0.5;         A = +2 → o = +1.0, ∂o/∂logp = 1.0
+    PPO against π_behav instead would give 1.2, −1·max(3, 1.28) = −3, 2·min(0.5, 0.8) = 1.0.
+    """
+    from arbor.loss import decoupled_objective
+
+    logp = torch.log(t(0.6, 0.6, 0.45)).requires_grad_()
+    behaviour = torch.log(t(0.5, 0.2, 0.9))
+    pos, neg = t(1.0, 0.0, 2.0), t(0.0, -1.0, 0.0)
+    obj, u, w = decoupled_objective(logp, logp.detach(), behaviour, pos, neg, 0.2, 0.28, 2.0)
+    assert obj.tolist() == pytest.approx([1.2, -2.0, 1.0])
+    assert u.tolist() == pytest.approx([1.0, 1.0, 1.0]) and w.tolist() == pytest.approx([1.2, 2.0, 0.5])
+    obj.sum().backward()
+    assert logp.grad.tolist() == pytest.approx([1.2, -2.0, 1.0])
+    ppo, _ = clipped_objective(logp.detach(), behaviour, pos, neg, 0.2, 0.28)
+    assert ppo.tolist() == pytest.approx([1.2, -3.0, 1.0])
+    # The metric sums: mean behaviour weight (1.2 + 2 + 0.5)/3, one token in three truncated.
+    ones, zeros = t(1.0, 1.0, 1.0), t(0.0, 0.0, 0.0)
+    sums = token_sums(logp.detach(), zeros, behaviour, None, ones, pos, neg, ones, t(1.0, 0.0, 1.0),
+                      t(0.0, 1.0, 0.0), clip_low=0.2, clip_high=0.28, kl_estimator="k3",
+                      prox_logp=logp.detach(), behaviour_cap=2.0)
+    assert sums.objective.item() == pytest.approx(0.2)
+    metrics = sums.stats.metrics()
+    assert metrics["behaviour_weight"] == pytest.approx(3.7 / 3) and metrics["truncated_fraction"] == pytest.approx(1 / 3)
+    # On-policy sums report no behaviour weights (max_staleness 0 logs what it logged before).
+    on_policy = token_sums(logp.detach(), zeros, behaviour, None, ones, pos, neg, ones, t(1.0, 0.0, 1.0),
+                           t(0.0, 1.0, 0.0), clip_low=0.2, clip_high=0.28, kl_estimator="k3")
+    assert "behaviour_weight" not in on_policy.stats.metrics()
+    assert on_policy.objective.item() == pytest.approx(-0.8)
+
+
+def test_decoupled_objective_clips_around_the_proximal_policy():
+    # π_θ 0.6, π_prox 0.4, π_behav 0.4: w = 1, u = 1.5 > 1.28: A = +1 → 1.28, no gradient (clipped).
+    from arbor.loss import decoupled_objective
+
+    logp = torch.log(t(0.6)).requires_grad_()
+    obj, u, w = decoupled_objective(logp, torch.log(t(0.4)), torch.log(t(0.4)), t(1.0), t(0.0), 0.2, 0.28, 2.0)
+    obj.sum().backward()
+    assert obj.item() == pytest.approx(1.28) and u.item() == pytest.approx(1.5) and w.item() == pytest.approx(1.0)
+    assert logp.grad.item() == 0.0

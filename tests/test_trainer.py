@@ -1,4 +1,5 @@
-"""The RL loop end to end on CPU: Ray-placed learner ranks, `arbor serve`, rewards, checkpoints."""
+"""The RL loop end to end on CPU: Ray-placed learner ranks, `arbor serve`, rewards, checkpoints;
+synchronous, and asynchronous (``algorithm.max_staleness``)."""
 
 import json
 from pathlib import Path
@@ -8,9 +9,11 @@ import torch
 from safetensors.torch import load_file
 from tiny_model import build_tiny_model_dir
 
+from arbor import checkpoint
 from arbor.config import load_config
 from arbor.metrics import read_metrics
 from arbor.trainer import train
+from arbor.tree import RolloutTree
 
 REWARD = '''
 import os
@@ -340,3 +343,37 @@ def test_a_too_small_local_ray_instance_is_restarted_or_refused():
         assert ray.is_initialized()  # the user's instance was left alone and ray.cluster_resources()["CPU"] == 1
     finally:
         ray.shutdown()
+
+
+def test_async_run_keeps_the_staleness_bound_and_resumes_without_samples_in_flight(run_inputs, tmp_path):
+    root, model, data = run_inputs
+    out = tmp_path / "async"
+    cfg = config(root, model, data, out, "learner.backend=torch", "learner.zero_stage=0", "run.steps=3",
+                 "algorithm.max_staleness=1", "run.save_trees_every=1")
+    seen = {}
+
+    def kill(ctx, step, metrics):
+        seen[step] = metrics
+        if step == 2:  # step 2 ran but was never checkpointed; batch 3 was being sampled
+            raise Killed
+
+    with pytest.raises(Killed):
+        train(cfg, after_step=kill)
+    for metrics in seen.values():
+        assert metrics["async/dropped"] == 0 and 0 <= metrics["async/staleness_mean"] <= 1
+        assert 0 <= metrics["async/engine_busy"] <= 1 and 0 < metrics["async/learner_busy"] <= 1
+        assert metrics["train/behaviour_weight"] > 0  # the decoupled objective trained it
+    assert seen[1]["async/staleness_mean"] == 0  # the first batch was sampled by the weights that train it
+    # The checkpoint of step 1 points at the problems of batch 2, though the producer had gone past them.
+    state = checkpoint.read_driver_state(checkpoint.latest_checkpoint(out))
+    assert state["step"] == 1 and state["stream"] == {"epoch": 0, "cursor": 2}
+    trees = [RolloutTree.from_json(line) for line in (out / "trees" / "step-000001.jsonl").read_text().splitlines()]
+    assert {n.weight_version for t in trees for n in t.nodes()} == {"default"}  # sampled before any push
+
+    cfg.run.resume = True
+    resumed = train(cfg)
+    assert len(resumed) == 2 and all(m["async/staleness_mean"] <= 1 for m in resumed)
+    logged = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert logged == [1, 2, 2, 3]  # step 2 redone after the kill
+    state = checkpoint.read_driver_state(checkpoint.latest_checkpoint(out))
+    assert state["step"] == 3 and state["stream"] == {"epoch": 0, "cursor": 6}
