@@ -111,8 +111,9 @@ def test_resume_after_a_kill_repeats_the_next_step(run_inputs, tmp_path):
     cfg.run.resume = True
     resumed = train(cfg)
     assert len(resumed) == 1
-    expected = {k: v for k, v in killed.items() if not k.startswith(("time/", "throughput/"))}
-    got = {k: v for k, v in resumed[0].items() if not k.startswith(("time/", "throughput/"))}
+    timing = ("time/", "throughput/", "async/engine_busy", "async/learner_busy")  # wall-clock shares differ
+    expected = {k: v for k, v in killed.items() if not k.startswith(timing)}
+    got = {k: v for k, v in resumed[0].items() if not k.startswith(timing)}
     assert got.keys() == expected.keys() and "train/loss" in got
     for key, value in expected.items():
         tolerance = 1e-4 if key == "sync/logprob_gap" else 1e-5  # the probe gap is ~1e-7 noise
