@@ -365,3 +365,29 @@ def test_pack_loss_defaults_leave_the_kl_out_and_estimate_it_with_k3(random_mode
     k1 = pack_loss(random_model, pack, denominator, kl_estimator="k1", **kw)[0].item()
     assert pack_loss(random_model, pack, denominator, **kw)[0].item() == pytest.approx(k3, rel=1e-12)
     assert k1 != pytest.approx(k3, rel=1e-6)
+
+
+def test_the_named_attention_reaches_every_forward(random_model, uniform_model):
+    # "dense" runs a forward with a [1, 1, L, L] attention_mask; "auto" would run "blocks" on
+    # the CPU (an arbor_blocks argument) with the same numbers, so only the call tells them apart.
+    from arbor.logprobs import tree_logprobs
+    from arbor.packed_loss import policy_loss, sft_loss
+
+    seen = []
+
+    def record(name):
+        def hook(module, args, kwargs):
+            seen.append((name, sorted(k for k in ("attention_mask", "arbor_blocks") if kwargs.get(k) is not None)))
+        return hook
+
+    hooks = [m.register_forward_pre_hook(record(name), with_kwargs=True)
+             for name, m in (("policy", random_model), ("reference", uniform_model))]
+    try:
+        tree = forked_tree(1.0)
+        policy_loss(random_model, [tree], [[1.0, 0.0, -1.0]], ref_model=uniform_model, kl_coef=0.5, attention="dense")
+        tree_logprobs(random_model, [tree], attention="dense")
+        sft_loss(random_model, [tree], attention="dense")
+    finally:
+        for h in hooks:
+            h.remove()
+    assert seen == [("policy", ["attention_mask"]), ("reference", ["attention_mask"])] + [("policy", ["attention_mask"])] * 2

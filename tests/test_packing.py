@@ -189,6 +189,31 @@ def test_attention_cost_and_rank_assignment_by_hand():
         assign_to_ranks(packs, 0)
 
 
+def _one_pack(count: int, length: int) -> PackedBatch:
+    """``count`` sequences of a 1-token prompt and ``length`` − 1 response tokens, in one pack."""
+    trees = [RolloutTree.from_sequences([1], [[2] * (length - 1)], logprobs=[[-1.0] * (length - 1)])
+             for _ in range(count)]
+    (pack,) = pack_trees(trees, [[0.0]] * count)
+    return pack
+
+
+@pytest.mark.parametrize("first, second", [
+    # 5 sequences of 7 tokens: 64·35 + 5·28 = 2380; one 30-token chain: 64·30 + 465 = 2385.
+    # The chain goes first, by 5: with 65 per token (a tie, lower index first) or attention
+    # subtracted (2100 vs 1455) the 5 sequences would.
+    ((5, 7), (1, 30)),
+    # A 10-token chain: 64·10 + 55 = 695; 6 sequences of 2 tokens: 64·12 + 18 = 786. Tokens
+    # outweigh attention pairs: with tokens / 64 (55.2 vs 18.2) the chain would go first.
+    ((1, 10), (6, 2)),
+])
+def test_rank_cost_weighs_64_per_token_against_attention_pairs(first, second):
+    # Pack 1 costs more than pack 0 and goes first, onto rank 0; pack 0 to rank 1; pack 2
+    # (2 tokens, 64·2 + 3 = 131) to the less loaded rank 1. Swapped, it would be [[0], [1, 2]].
+    packs = [_one_pack(*first), _one_pack(*second), _one_pack(1, 2)]
+    assert [p.num_tokens * 64 + p.attention_cost() for p in packs][2] == 131
+    assert assign_to_ranks(packs, 2) == [[1], [0, 2]]
+
+
 def test_packed_origin_and_blocks_must_line_up():
     (pack,) = pack_trees([fork_tree()], [[1.0, -2.0]])
     fields = {k: getattr(pack, k) for k in pack.__dataclass_fields__}
