@@ -62,31 +62,36 @@ _ROOT_OFFSET = ("the root path's log-prob 1.0 for 0.0: every path compared in a 
 _NO_REASON = "the '?' key of a leaf without a finish reason: every sampled leaf gets one (_add, tool turns, timeouts)"
 _SHORTFALL = ("unreachable: sampling stops short of width only through the fallback, which "
               "sets its own shortfall reason (_reasons itself is tested directly)")
-_CHUNKS = "the LM head in chunks or whole: the same log-probs (chunking saves memory; tests/test_lm_head.py pins that no [tokens, vocab] logits appear)"
+_ON_CPU = "a .to(device) the CPU tests cannot see: model, pack and targets are all on the CPU already"
 _ZEROS = ("the prompt's zero weights in float32 for float64: torch.cat promotes them to the "
           "float64 of the node weights beside them, and 0 is exact in both")
-_ROOT_ENTRY = ("the root's entry in _node_weights' 'no leaves' branch (every other node has a leaf below "
-               "it): never read, _serialise gives the prompt zero weights of its own")
-_NO_LEAVES = ("below.get(node.id, None) for []: only the root has no entry, and None is as falsy as []")
+_NO_LEAVES = ("unreachable: tree.nodes() leaves out the root and every other node has a leaf below it "
+              "(a node without children is one), so each has an entry in `below`: _node_weights never "
+              "takes its 'no leaves' branch, nor .get's default")
 EQUIVALENT: dict[str, str] = {
-    "arbor.packing.x__node_weights__mutmut_58": _ROOT_ENTRY,
-    "arbor.packing.x__node_weights__mutmut_59": _ROOT_ENTRY,
-    "arbor.packing.x__node_weights__mutmut_60": _ROOT_ENTRY,
-    "arbor.packing.x__node_weights__mutmut_61": _ROOT_ENTRY,
-    "arbor.packing.x__node_weights__mutmut_62": _ROOT_ENTRY,
-    "arbor.packing.x__node_weights__mutmut_63": _ROOT_ENTRY,
-    "arbor.packing.x__node_weights__mutmut_64": _ROOT_ENTRY,
-    "arbor.packing.x__node_weights__mutmut_65": _ROOT_ENTRY,
-    "arbor.packing.x__node_weights__mutmut_66": _ROOT_ENTRY,
-    "arbor.packing.x__node_weights__mutmut_67": _ROOT_ENTRY,
-    "arbor.packing.x__node_weights__mutmut_68": _ROOT_ENTRY,
-    "arbor.packing.x__node_weights__mutmut_69": _ROOT_ENTRY,
     "arbor.packing.x__node_weights__mutmut_53": _NO_LEAVES,
     "arbor.packing.x__node_weights__mutmut_55": _NO_LEAVES,
+    "arbor.packing.x__node_weights__mutmut_58": _NO_LEAVES,
+    "arbor.packing.x__node_weights__mutmut_59": _NO_LEAVES,
+    "arbor.packing.x__node_weights__mutmut_60": _NO_LEAVES,
+    "arbor.packing.x__node_weights__mutmut_61": _NO_LEAVES,
+    "arbor.packing.x__node_weights__mutmut_62": _NO_LEAVES,
+    "arbor.packing.x__node_weights__mutmut_63": _NO_LEAVES,
+    "arbor.packing.x__node_weights__mutmut_64": _NO_LEAVES,
+    "arbor.packing.x__node_weights__mutmut_65": _NO_LEAVES,
+    "arbor.packing.x__node_weights__mutmut_66": _NO_LEAVES,
+    "arbor.packing.x__node_weights__mutmut_67": _NO_LEAVES,
+    "arbor.packing.x__node_weights__mutmut_68": _NO_LEAVES,
+    "arbor.packing.x__node_weights__mutmut_69": _NO_LEAVES,
+    "arbor.packing.x__node_weights__mutmut_70": _NO_LEAVES,
+    "arbor.packing.x__node_weights__mutmut_71": _NO_LEAVES,
+    "arbor.packing.x__node_weights__mutmut_72": _NO_LEAVES,
+    "arbor.packing.x__node_weights__mutmut_73": _NO_LEAVES,
+    "arbor.packing.x__node_weights__mutmut_74": _NO_LEAVES,
+    "arbor.packing.x__node_weights__mutmut_75": _NO_LEAVES,
+    "arbor.packing.x__node_weights__mutmut_76": _NO_LEAVES,
     "arbor.packing.x__serialise__mutmut_20": _ZEROS,
     "arbor.packing.x__serialise__mutmut_22": _ZEROS,
-    "arbor.packing.x_pack_trees__mutmut_1":
-        "default pack_tokens 16385 for 16384: only a tree of exactly 16 385 tokens tells them apart",
     "arbor.rewards.xǁRewardPoolǁ_collect_finished__mutmut_27":
         "break for continue after keeping a finished result: a worker left busy is restarted at "
         "the start of the next batch anyway (score's first loop)",
@@ -95,22 +100,14 @@ EQUIVALENT: dict[str, str] = {
     "arbor.rewards.xǁRewardPoolǁ_collect_finished__mutmut_8":
         "poll(1) for poll(0) when a batch stops: waits up to 1 s more for a busy worker's "
         "answer before restarting it; the same results unless a check ends within that second",
-    "arbor.loss.x_pack_token_logprobs__mutmut_4": _CHUNKS,
-    "arbor.loss.x_pack_token_logprobs__mutmut_9": _CHUNKS,
-    "arbor.loss.x_pack_token_logprobs__mutmut_10": _CHUNKS,
-    "arbor.loss.x_pack_token_logprobs__mutmut_14": _CHUNKS,
-    "arbor.loss.x_policy_loss__mutmut_15": _CHUNKS,
-    "arbor.loss.x_linear_token_logprobs__mutmut_47":
-        "no attention mask on right-padded sequences: causal attention never lets a real token "
-        "see the padding after it, so its logits are the same",
-    "arbor.loss.x_pack_loss__mutmut_28":
-        "the attention implementation not passed on: 'auto' instead, the same log-probs",
-    "arbor.loss.x_policy_loss__mutmut_107":
+    "arbor.packed_loss.x_policy_loss__mutmut_107":
         "'or' for 'and' in the no-trees assert: total and all_sums are None together or not at all",
-    "arbor.loss.x_pack_token_logprobs__mutmut_7":
-        "targets .to(None) for .to(the model's device): a no-op where model and pack are on the CPU",
-    "arbor.loss.x_pack_token_logprobs__mutmut_29":
-        "packed_logits' own default attention is 'auto', the value passed",
+    "arbor.packed_loss.x_pack_loss__mutmut_31": _ON_CPU,
+    "arbor.packed_loss.x_pack_loss__mutmut_33": _ON_CPU,
+    "arbor.logprobs.x_pack_token_logprobs__mutmut_7": _ON_CPU,
+    "arbor.logprobs.x_padded_token_logprobs__mutmut_47":
+        "no attention mask on right-padded sequences: causal attention never lets a real token "
+        "see the padding after it, and the positions count from 0 either way",
     "arbor.sampler.x__in_daemon_thread__mutmut_16": _THREAD_NAME,
     "arbor.sampler.x__in_daemon_thread__mutmut_19": _THREAD_NAME,
     "arbor.sampler.x__in_daemon_thread__mutmut_21": _THREAD_NAME,
@@ -129,8 +126,6 @@ EQUIVALENT: dict[str, str] = {
         "join() without its 5 s limit right after SIGKILL: a killed process exits, join returns",
     "arbor.rewards.xǁRewardPoolǁscore__mutmut_58":
         ">= for > against start_timeout_s: the clock never lands on the exact limit",
-    "arbor.loss.x_policy_loss__mutmut_11":
-        "default pack_tokens 16385 for 16384: only a tree of exactly 16 385 tokens tells them apart",
     "arbor.advantage.x__std__mutmut_3":
         "_std of < 2 values returns 1.0 for 0.0: it only divides R − mean (0 for one leaf) and "
         "V(node) − V(parent) (0 without siblings), so every result is still 0",

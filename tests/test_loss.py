@@ -311,13 +311,17 @@ def test_defaults_of_the_pack_loss_and_the_policy_loss_agree(random_model, unifo
 
 
 def test_policy_loss_errors(uniform_model):
-    from arbor.packed_loss import policy_loss
+    from arbor.packed_loss import policy_loss, sft_loss
 
     tree = forked_tree(1.0)
     with pytest.raises(ValueError, match="^kl_coef > 0 needs a ref_model$"):
         policy_loss(uniform_model, [tree], [[1.0, 0.0, 0.0]], kl_coef=0.1)
     with pytest.raises(ValueError, match="mode must be 'tree' or 'padded', got 'flat'"):
         policy_loss(uniform_model, [tree], [[1.0, 0.0, 0.0]], mode="flat")
+    with pytest.raises(AssertionError, match="^no trees to train on$"):
+        policy_loss(uniform_model, [], [])
+    with pytest.raises(AssertionError, match="^no trees to train on$"):
+        sft_loss(uniform_model, [])
 
 
 def test_pack_token_logprobs_defaults(random_model):
@@ -391,3 +395,68 @@ def test_the_named_attention_reaches_every_forward(random_model, uniform_model):
         for h in hooks:
             h.remove()
     assert seen == [("policy", ["attention_mask"]), ("reference", ["attention_mask"])] + [("policy", ["attention_mask"])] * 2
+
+
+def test_the_lm_head_runs_in_chunks_exactly_when_asked(random_model):
+    # Chunked, the head's own call returns [1, M, 2] scores (log p, entropy), so [M, V]
+    # logits never exist; whole, it returns [1, M, V]. The numbers agree either way, so
+    # only the head's output width tells the memory-saving path from the default.
+    from arbor.logprobs import pack_token_logprobs, tree_logprobs
+    from arbor.packed_loss import pack_loss, policy_loss
+    from arbor.packing import loss_denominator, pack_trees
+
+    widths = []
+    hook = random_model.lm_head.register_forward_hook(lambda m, a, out: widths.append(out.shape[-1]))
+    try:
+        tree, advantages = forked_tree(1.0), [[1.0, 0.0, -1.0]]
+        (pack,) = pack_trees([tree], advantages)
+        select = pack.trained.nonzero()[:, 0]
+        pack_token_logprobs(random_model, pack, select)
+        pack_token_logprobs(random_model, pack, select, chunk_tokens=1)
+        pack_loss(random_model, pack, loss_denominator([tree], "token"))
+        pack_loss(random_model, pack, loss_denominator([tree], "token"), chunk_tokens=1)
+        policy_loss(random_model, [tree], advantages)
+        policy_loss(random_model, [tree], advantages, chunk_tokens=1)
+        tree_logprobs(random_model, [tree])
+        tree_logprobs(random_model, [tree], chunk_tokens=1)
+    finally:
+        hook.remove()
+    assert widths == [V, 2] * 4
+
+
+def test_pack_loss_computes_in_the_dtype_of_the_policy_log_probs(random_model, uniform_model):
+    # A float32 policy: its log-probs are float32, and the float64 pack columns and a float64
+    # reference's log-probs are cast to them, so the loss is float32 like the model's work.
+    import copy
+
+    from arbor.packed_loss import pack_loss
+    from arbor.packing import loss_denominator, pack_trees
+
+    policy = copy.deepcopy(random_model).float()
+    tree = forked_tree(1.5)
+    (pack,) = pack_trees([tree], [[1.0, 0.0, -1.0]])
+    assert pack.weight.dtype == torch.float64
+    loss, _ = pack_loss(policy, pack, loss_denominator([tree], "token"), ref_model=uniform_model, kl_coef=0.5)
+    assert loss.dtype == torch.float32
+
+
+def test_tree_losses_pack_16384_tokens_by_default(monkeypatch, uniform_model):
+    # The default pack budget of policy_loss, sft_loss and tree_logprobs, seen by a spy on
+    # the real pack_trees (a 16 385-token forward to tell 16 384 from 16 385 is too slow here).
+    import arbor.logprobs
+    import arbor.packed_loss
+    from arbor.packing import pack_trees
+
+    budgets = []
+
+    def spy(*args, **kwargs):
+        budgets.append(kwargs["pack_tokens"])
+        return pack_trees(*args, **kwargs)
+
+    monkeypatch.setattr(arbor.packed_loss, "pack_trees", spy)
+    monkeypatch.setattr(arbor.logprobs, "pack_trees", spy)
+    tree = forked_tree(1.0)
+    arbor.packed_loss.policy_loss(uniform_model, [tree], [[1.0, 0.0, -1.0]])
+    arbor.packed_loss.sft_loss(uniform_model, [tree])
+    arbor.logprobs.tree_logprobs(uniform_model, [tree])
+    assert budgets == [16384] * 3

@@ -214,6 +214,23 @@ def test_rank_cost_weighs_64_per_token_against_attention_pairs(first, second):
     assert assign_to_ranks(packs, 2) == [[1], [0, 2]]
 
 
+def test_the_default_budget_is_16384_tokens():
+    # A 1-token prompt and a 16 384-token response: one token over the default budget.
+    tree = RolloutTree.from_sequences([1], [[2] * 16384], logprobs=[[-1.0] * 16384])
+    with pytest.raises(ValueError, match=r"a path of 16385 tokens .* does not fit pack_tokens=16384"):
+        pack_trees([tree], [[0.0]])
+    assert len(pack_trees([tree], [[0.0]], pack_tokens=16385)) == 1
+
+
+def test_sequence_weights_keep_float64_precision():
+    # w = 1/3 for a 3-token leaf: float64's 1/3, not float32's 0.3333333432674408.
+    tree = RolloutTree.from_sequences([1], [[2, 3, 4]], logprobs=[[-1.0] * 3])
+    (pack,) = pack_trees([tree], [[0.5]], normalize="sequence")
+    assert pack.weight.dtype == pack.adv_pos.dtype == torch.float64
+    assert pack.weight.tolist() == [0.0] + [1 / 3] * 3
+    assert pack.adv_pos.tolist() == [0.0] + [(1 / 3) * 0.5] * 3
+
+
 def test_packed_origin_and_blocks_must_line_up():
     (pack,) = pack_trees([fork_tree()], [[1.0, -2.0]])
     fields = {k: getattr(pack, k) for k in pack.__dataclass_fields__}
