@@ -14,8 +14,8 @@ re-tests what changed (delete the folder to start over). Mutants listed in
 :data:`EQUIVALENT` change nothing observable (a log format, a default no caller relies
 on, ...): they are left out of the score, each with the reason.
 
-Ends with ``RESULT module=M killed=K total=T score=S survived=...``. On 2 busy cores a
-module takes 5–20 minutes; run it under ``nice``.
+Ends with ``RESULT module=M killed=K total=T score=S survived=...``. On 2 quiet cores a
+module takes 10–60 minutes; run it under ``nice`` (the README's development section).
 """
 
 from __future__ import annotations

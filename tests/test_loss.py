@@ -82,7 +82,7 @@ def test_sums_add_across_packs():
     a = LossSums(t(1.0)[0], t(0.0)[0], t(2.0)[0], LossStats(loss=0.25, clipped=1, tokens=2, linearised_tokens=3))
     b = LossSums(t(0.5)[0], t(1.0)[0], t(1.0)[0], LossStats(loss=0.5, clipped=2, tokens=1, linearised_tokens=1))
     c = a + b
-    assert (c.objective.item(), c.entropy.item(), c.stats.clipped, c.stats.tokens) == (1.5, 3.0, 3, 3)
+    assert (c.objective.item(), c.kl.item(), c.entropy.item(), c.stats.clipped, c.stats.tokens) == (1.5, 1.0, 3.0, 3, 3)
     # The metrics divide once, after the sums over packs (and ranks): 3 clipped of 4 linearised.
     m = c.stats.metrics()
     assert (m["loss"], m["clip_fraction"], m["tokens"], m["linearised_tokens"]) == (0.75, 3 / 4, 3.0, 4.0)
