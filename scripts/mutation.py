@@ -63,6 +63,8 @@ _NO_REASON = "the '?' key of a leaf without a finish reason: every sampled leaf 
 _SHORTFALL = ("unreachable: sampling stops short of width only through the fallback, which "
               "sets its own shortfall reason (_reasons itself is tested directly)")
 _ON_CPU = "a .to(device) the CPU tests cannot see: model, pack and targets are all on the CPU already"
+_COUNTS = ("a node's leaf count in float32 for float64: a count of leaves (< 2^24) is exact in both, "
+           "and torch.cat promotes it to the float64 of the prompt's zeros that every pack starts with")
 _ZEROS = ("the prompt's zero weights in float32 for float64: torch.cat promotes them to the "
           "float64 of the node weights beside them, and 0 is exact in both")
 _NO_LEAVES = ("unreachable: tree.nodes() leaves out the root and every other node has a leaf below it "
@@ -90,6 +92,8 @@ EQUIVALENT: dict[str, str] = {
     "arbor.packing.x__node_weights__mutmut_74": _NO_LEAVES,
     "arbor.packing.x__node_weights__mutmut_75": _NO_LEAVES,
     "arbor.packing.x__node_weights__mutmut_76": _NO_LEAVES,
+    "arbor.packing.x__node_weights__mutmut_99": _COUNTS,
+    "arbor.packing.x__node_weights__mutmut_102": _COUNTS,
     "arbor.packing.x__serialise__mutmut_20": _ZEROS,
     "arbor.packing.x__serialise__mutmut_22": _ZEROS,
     "arbor.rewards.xǁRewardPoolǁ_collect_finished__mutmut_27":

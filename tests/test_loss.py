@@ -76,6 +76,8 @@ def test_token_sums_and_metrics_by_hand():
     assert (m["tokens"], m["linearised_tokens"]) == (2, 4)
     # loss = (-0.56 + 0 - 0.1 · (3·0.7 + 0.1)) / 4
     assert combine(sums, 4.0, kl_coef=0.5, entropy_coef=0.1).item() == pytest.approx((-0.56 - 0.22) / 4)
+    # A denominator of 1 (one trainable token) divides by exactly 1: the floor only guards 0.
+    assert combine(sums, 1.0, kl_coef=0.0, entropy_coef=0.0).item() == -sums.objective.item()
 
 
 def test_sums_add_across_packs():
