@@ -253,6 +253,17 @@ def test_logprob_gap_counts_differences_of_both_signs():
     assert sums.stats.metrics()["approx_kl"] == pytest.approx(0.02)
 
 
+def test_a_ratio_exactly_on_the_clip_bound_is_not_clipped():
+    # r = exp(0) = 1 exactly, the clip range [1 − 0, 1 + 0]: min(r·A, clip(r)·A) = r·A on
+    # both sides and the gradient still flows, so neither token counts as clipped.
+    sums = token_sums(
+        t(-1.0, -1.0), t(0.0, 0.0), t(-1.0, -1.0), None, weight=t(1.0, 1.0), adv_pos=t(1.0, 0.0),
+        adv_neg=t(0.0, -1.0), leaf_count=t(1.0, 1.0), n_pos=t(1.0, 0.0), n_neg=t(0.0, 1.0),
+        clip_low=0.0, clip_high=0.0, kl_estimator="k3",
+    )
+    assert sums.stats.clipped == 0.0
+
+
 def test_kl_and_entropy_sums_are_weighted_per_token():
     # k1 = logp − ref = (0.1, −0.2); weights (2, 0.5): Σ w·kl = 0.2 − 0.1 = 0.1;
     # leaf counts (3, 1): Σ_lin kl = 0.3 − 0.2 = 0.1 over 4 linearised tokens → 0.025.
