@@ -95,6 +95,12 @@ EQUIVALENT: dict[str, str] = {
     "arbor.packing.x__node_weights__mutmut_99": _COUNTS,
     "arbor.packing.x__node_weights__mutmut_102": _COUNTS,
     "arbor.packing.x__serialise__mutmut_20": _ZEROS,
+    "arbor.packing.x__serialise__mutmut_66":
+        "the prompt's placeholder behaviour log-probs 1.0 for 0.0: prompt tokens are never trained, "
+        "and old_logprobs keeps only trained tokens' values (torch.where(trained, old, 0))",
+    "arbor.packing.x__serialise__mutmut_142":
+        "parents range(start, start + n + 1) for + n - 1: the list is cut to its first n entries, "
+        "the same ones",
     "arbor.packing.x__serialise__mutmut_22": _ZEROS,
     "arbor.rewards.xǁRewardPoolǁ_collect_finished__mutmut_27":
         "break for continue after keeping a finished result: a worker left busy is restarted at "

@@ -88,7 +88,9 @@ def test_missing_logprobs_named():
     tree = RolloutTree.from_sequences([1], [[2, 3]], problem={"id": "nolp"})
     with pytest.raises(ValueError, match="problem 'nolp': node .* no logprobs"):
         pack_trees([tree], [[1.0]])
-    assert pack_trees([tree], [[1.0]], require_logprobs=False)[0].trained.sum() == 2
+    (pack,) = pack_trees([tree], [[1.0]], require_logprobs=False)
+    assert pack.trained.sum() == 2
+    assert pack.old_logprobs.tolist() == [0.0] * 3  # unknown behaviour log-probs read 0
 
 
 def test_assign_to_ranks_balances_cost():
@@ -229,6 +231,35 @@ def test_sequence_weights_keep_float64_precision():
     assert pack.weight.dtype == pack.adv_pos.dtype == torch.float64
     assert pack.weight.tolist() == [0.0] + [1 / 3] * 3
     assert pack.adv_pos.tolist() == [0.0] + [(1 / 3) * 0.5] * 3
+
+
+def test_a_second_tree_in_a_pack_sees_only_its_own_prompt():
+    # Tree 1 takes packed indices 0-1 (a block of its own); tree 2's prompt 2-3, its children
+    # [7] at 4 and [8] at 5. [8] does not follow [7]: a block whose context is tree 2's prompt.
+    first = RolloutTree.from_sequences([1], [[2]], logprobs=[[-1.0]])
+    second = RolloutTree.from_sequences([5, 6], [[7], [8]], logprobs=[[-1.0], [-1.0]])
+    (pack,) = pack_trees([first, second], [[0.0], [0.0, 0.0]])
+    assert [(b.start, b.end, b.context.tolist()) for b in pack.blocks] == [(0, 2, []), (2, 5, []), (5, 6, [2, 3])]
+    # Without a prompt the context is empty, and still an index tensor.
+    bare = RolloutTree.from_sequences([], [[7], [8]], logprobs=[[-1.0], [-1.0]])
+    (pack,) = pack_trees([bare], [[0.0, 0.0]])
+    assert [(b.context.tolist(), b.context.dtype) for b in pack.blocks] == [([], torch.long)] * 2
+
+
+def test_context_copies_in_other_packs_carry_no_weight():
+    # The deep tree split under a budget of 12: a and b reappear as context of c1 and c2, and
+    # train only where they are owned, so the packs' weights and advantages add up to the
+    # unsplit pack's.
+    tree = RolloutTree([1, 2, 3], problem={"id": "deep"})
+    a = tree.add_segment(tree.root, [4] * 3, logprobs=[-1.0] * 3)
+    b = tree.add_segment(a, [5] * 3, logprobs=[-1.0] * 3)
+    for k in range(2):
+        tree.add_segment(b, [6 + k] * 3, logprobs=[-1.0] * 3)
+    (whole,) = pack_trees([tree], [[1.0, -0.5]])
+    split = pack_trees([tree], [[1.0, -0.5]], pack_tokens=12)
+    assert len(split) > 1
+    for name in ("weight", "adv_pos", "adv_neg", "leaf_count", "n_pos", "n_neg"):
+        assert sum(getattr(p, name).sum().item() for p in split) == getattr(whole, name).sum().item(), name
 
 
 def test_packed_origin_and_blocks_must_line_up():
