@@ -62,7 +62,7 @@ _ROOT_OFFSET = ("the root path's log-prob 1.0 for 0.0: every path compared in a 
 _NO_REASON = "the '?' key of a leaf without a finish reason: every sampled leaf gets one (_add, tool turns, timeouts)"
 _SHORTFALL = ("unreachable: sampling stops short of width only through the fallback, which "
               "sets its own shortfall reason (_reasons itself is tested directly)")
-_ON_CPU = "a .to(device) the CPU tests cannot see: model, pack and targets are all on the CPU already"
+_ON_CPU = "a device argument the CPU tests cannot see: the model and every tensor are on the CPU already"
 _COUNTS = ("a node's leaf count in float32 for float64: a count of leaves (< 2^24) is exact in both, "
            "and torch.cat promotes it to the float64 of the prompt's zeros that every pack starts with")
 _ZEROS = ("the prompt's zero weights in float32 for float64: torch.cat promotes them to the "
@@ -114,6 +114,8 @@ EQUIVALENT: dict[str, str] = {
         "'or' for 'and' in the no-trees assert: total and all_sums are None together or not at all",
     "arbor.packed_loss.x_pack_loss__mutmut_31": _ON_CPU,
     "arbor.packed_loss.x_pack_loss__mutmut_33": _ON_CPU,
+    "arbor.packed_loss.x__padded_sums__mutmut_85": _ON_CPU,
+    "arbor.packed_loss.x_sft_loss__mutmut_54": _ON_CPU,
     "arbor.logprobs.x_pack_token_logprobs__mutmut_7": _ON_CPU,
     "arbor.logprobs.x_padded_token_logprobs__mutmut_47":
         "no attention mask on right-padded sequences: causal attention never lets a real token "
