@@ -65,6 +65,8 @@ _SHORTFALL = ("unreachable: sampling stops short of width only through the fallb
 _ON_CPU = "a device argument the CPU tests cannot see: the model and every tensor are on the CPU already"
 _COUNTS = ("a node's leaf count in float32 for float64: a count of leaves (< 2^24) is exact in both, "
            "and torch.cat promotes it to the float64 of the prompt's zeros that every pack starts with")
+_INFERRED = ("a packed column's dtype left to torch.tensor: it infers int64 from Python ints and bool "
+             "from bools, the dtypes named (a pack is never empty: it holds a trained token)")
 _ZEROS = ("the prompt's zero weights in float32 for float64: torch.cat promotes them to the "
           "float64 of the node weights beside them, and 0 is exact in both")
 _NO_LEAVES = ("unreachable: tree.nodes() leaves out the root and every other node has a leaf below it "
@@ -98,6 +100,18 @@ EQUIVALENT: dict[str, str] = {
     "arbor.packing.x__serialise__mutmut_66":
         "the prompt's placeholder behaviour log-probs 1.0 for 0.0: prompt tokens are never trained, "
         "and old_logprobs keeps only trained tokens' values (torch.where(trained, old, 0))",
+    "arbor.packing.x__serialise__mutmut_252": _INFERRED,
+    "arbor.packing.x__serialise__mutmut_254": _INFERRED,
+    "arbor.packing.x__serialise__mutmut_277": _INFERRED,
+    "arbor.packing.x__serialise__mutmut_279": _INFERRED,
+    "arbor.packing.x__serialise__mutmut_283": _INFERRED,
+    "arbor.packing.x__serialise__mutmut_285": _INFERRED,
+    "arbor.packing.x__serialise__mutmut_289": _INFERRED,
+    "arbor.packing.x__serialise__mutmut_291": _INFERRED,
+    "arbor.packing.x__serialise__mutmut_295": _INFERRED,
+    "arbor.packing.x__serialise__mutmut_297": _INFERRED,
+    "arbor.packing.x__serialise__mutmut_301": _INFERRED,
+    "arbor.packing.x__serialise__mutmut_303": _INFERRED,
     "arbor.packing.x__serialise__mutmut_142":
         "parents range(start, start + n + 1) for + n - 1: the list is cut to its first n entries, "
         "the same ones",

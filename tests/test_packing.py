@@ -262,6 +262,29 @@ def test_context_copies_in_other_packs_carry_no_weight():
         assert sum(getattr(p, name).sum().item() for p in split) == getattr(whole, name).sum().item(), name
 
 
+def test_a_subtree_that_exactly_fills_a_fresh_pack_moves_whole():
+    # prompt 1; x [2]; y [3] → z1 [4, 4], z2 [5, 5]. Budget 6: x's pack holds 2 tokens; y's
+    # subtree with the prompt is exactly 6, so it goes whole to a second pack (split, y and
+    # z1 would join x's pack and z2 follow alone: [5, 4]).
+    tree = RolloutTree([1])
+    tree.add_segment(tree.root, [2], logprobs=[-1.0])
+    y = tree.add_segment(tree.root, [3], logprobs=[-1.0])
+    tree.add_segment(y, [4, 4], logprobs=[-1.0] * 2)
+    tree.add_segment(y, [5, 5], logprobs=[-1.0] * 2)
+    assert [p.input_ids.tolist() for p in pack_trees([tree], [[0.0] * 3], pack_tokens=6)] == [
+        [1, 2], [1, 3, 4, 4, 5, 5]]
+
+
+def test_the_first_node_over_the_budget_is_named():
+    # prompt 1 + a [2, 2, 2] fill a budget of 4 exactly (a trains alone); a's child b makes
+    # the path 5 tokens: b (node 2) is the one named, with the budget.
+    tree = RolloutTree([1])
+    a = tree.add_segment(tree.root, [2] * 3, logprobs=[-1.0] * 3)
+    tree.add_segment(a, [3], logprobs=[-1.0])
+    with pytest.raises(ValueError, match=r"a path of 5 tokens \(prompt 1 \+ response 4, node 2\) does not fit pack_tokens=4"):
+        pack_trees([tree], [[0.0]], pack_tokens=4)
+
+
 def test_packed_origin_and_blocks_must_line_up():
     (pack,) = pack_trees([fork_tree()], [[1.0, -2.0]])
     fields = {k: getattr(pack, k) for k in pack.__dataclass_fields__}
