@@ -17,6 +17,16 @@ def fork_tree() -> RolloutTree:
     return tree
 
 
+def deep_tree() -> RolloutTree:
+    """prompt [1, 2, 3]; a [4] * 3 → b [5] * 3 → c1 [6] * 3, c2 [7] * 3 (problem 'deep')."""
+    tree = RolloutTree([1, 2, 3], problem={"id": "deep"})
+    a = tree.add_segment(tree.root, [4] * 3, logprobs=[-1.0] * 3)
+    b = tree.add_segment(a, [5] * 3, logprobs=[-1.0] * 3)
+    for k in range(2):
+        tree.add_segment(b, [6 + k] * 3, logprobs=[-1.0] * 3)
+    return tree
+
+
 def test_layout_by_hand():
     (pack,) = pack_trees([fork_tree()], [[1.0, -2.0]])
     assert pack.input_ids.tolist() == [1, 2, 3, 4, 5, 6, 7]
@@ -250,11 +260,7 @@ def test_context_copies_in_other_packs_carry_no_weight():
     # The deep tree split under a budget of 12: a and b reappear as context of c1 and c2, and
     # train only where they are owned, so the packs' weights and advantages add up to the
     # unsplit pack's.
-    tree = RolloutTree([1, 2, 3], problem={"id": "deep"})
-    a = tree.add_segment(tree.root, [4] * 3, logprobs=[-1.0] * 3)
-    b = tree.add_segment(a, [5] * 3, logprobs=[-1.0] * 3)
-    for k in range(2):
-        tree.add_segment(b, [6 + k] * 3, logprobs=[-1.0] * 3)
+    tree = deep_tree()
     (whole,) = pack_trees([tree], [[1.0, -0.5]])
     split = pack_trees([tree], [[1.0, -0.5]], pack_tokens=12)
     assert len(split) > 1
@@ -298,11 +304,7 @@ def test_partitioning_counts_the_context_of_every_level():
     # prompt 3, a 3 → b 3 → c1 3, c2 3; budget 12. a + subtree (15) and b + its subtree with
     # context (6 + 9) do not fit: a and b train alone, c1 and c2 follow with context [a, b]
     # (9 + 3 = 12, exactly the budget). No pack may exceed 12 tokens.
-    tree = RolloutTree([1, 2, 3], problem={"id": "deep"})
-    a = tree.add_segment(tree.root, [4] * 3, logprobs=[-1.0] * 3)
-    b = tree.add_segment(a, [5] * 3, logprobs=[-1.0] * 3)
-    for k in range(2):
-        tree.add_segment(b, [6 + k] * 3, logprobs=[-1.0] * 3)
+    tree = deep_tree()
     packs = pack_trees([tree], [[1.0, 1.0]], pack_tokens=12)
     assert all(p.num_tokens <= 12 for p in packs)
     assert sum(int(p.trained.sum()) for p in packs) == 12
