@@ -291,6 +291,35 @@ def test_the_first_node_over_the_budget_is_named():
         pack_trees([tree], [[0.0]], pack_tokens=4)
 
 
+def test_packs_fill_exactly_to_the_budget_across_trees_and_units():
+    # Four 4-token trees (prompt 1 + 3), budget 8: two per pack, the third opens a pack that
+    # the fourth fills exactly.
+    trees = [RolloutTree.from_sequences([1], [[2] * 3], logprobs=[[-1.0] * 3]) for _ in range(4)]
+    assert [p.num_tokens for p in pack_trees(trees, [[0.0]] * 4, pack_tokens=8)] == [8, 8]
+    # One tree split into units, budget 5: prompt + a (2 tokens), b joins with its 3 new
+    # tokens (exactly 5); c opens a second pack with its context: [1, 2, 4, 4, 4].
+    tree = RolloutTree([1])
+    a = tree.add_segment(tree.root, [2], logprobs=[-1.0])
+    tree.add_segment(a, [3] * 3, logprobs=[-1.0] * 3)
+    tree.add_segment(a, [4] * 3, logprobs=[-1.0] * 3)
+    packs = pack_trees([tree], [[0.0, 0.0]], pack_tokens=5)
+    assert [p.input_ids.tolist() for p in packs] == [[1, 2, 3, 3, 3], [1, 2, 4, 4, 4]]
+
+
+def test_pack_trees_defaults_and_loss_weights():
+    tree = RolloutTree.from_sequences([1], [[2, 3]], logprobs=[[-1.0, -1.0]])
+    # No advantages: 0 for every leaf (tree_logprobs and SFT packs).
+    (pack,) = pack_trees([tree])
+    assert pack.adv_pos.tolist() == pack.adv_neg.tolist() == [0.0] * 3
+    # loss_weights scale each leaf's weight (SFT example weights).
+    (pack,) = pack_trees([tree], [[0.0]], loss_weights=[[2.5]])
+    assert pack.weight.tolist() == [0.0, 2.5, 2.5]
+    with pytest.raises(ValueError, match="^1 advantage lists for 2 trees$"):
+        pack_trees([tree, tree], [[0.0]])
+    with pytest.raises(ValueError, match="^1 loss weight lists for 2 trees$"):
+        pack_trees([tree, tree], [[0.0], [0.0]], loss_weights=[[1.0]])
+
+
 def test_packed_origin_and_blocks_must_line_up():
     (pack,) = pack_trees([fork_tree()], [[1.0, -2.0]])
     fields = {k: getattr(pack, k) for k in pack.__dataclass_fields__}
