@@ -1,6 +1,6 @@
 """Mutation testing of one core module against its own tests, with mutmut.
 
-    python scripts/mutation.py advantage            # or packing, loss, sampler, sampler_budget, rewards
+    python scripts/mutation.py advantage            # or packing, loss, packed_loss, logprobs, sampler, ...
     python scripts/mutation.py rewards --show       # also print the diff of every survivor
     python scripts/mutation.py --list               # the modules and the tests each runs
 
@@ -14,8 +14,8 @@ re-tests what changed (delete the folder to start over). Mutants listed in
 :data:`EQUIVALENT` change nothing observable (a log format, a default no caller relies
 on, ...): they are left out of the score, each with the reason.
 
-Ends with ``RESULT module=M killed=K total=T score=S survived=...``. On 2 busy cores a
-module takes 5–20 minutes; run it under ``nice``.
+Ends with ``RESULT module=M killed=K total=T score=S survived=...``. On 2 quiet cores a
+module takes 10–60 minutes; run it under ``nice`` (the README's development section).
 """
 
 from __future__ import annotations
@@ -41,7 +41,16 @@ TESTS: dict[str, list[str]] = {
                 "tests/test_linearise.py::test_per_token_advantages_follow_their_leaf",
                 "tests/test_linearise.py::test_wrong_advantage_count_names_the_problem",
                 "tests/test_linearise.py::test_unique_tokens_of_chains_are_the_linearised_tokens"],
+    # arbor/loss.py: the pure objective (token_sums, combine, ...), pinned by hand-worked numbers.
     "loss": ["tests/test_loss.py"],
+    # arbor/packed_loss.py: the forwards and packing around the objective (policy_loss,
+    # pack_loss, the SFT loss), pinned by hand-worked numbers and tree == padded agreement.
+    "packed_loss": ["tests/test_loss.py", "tests/test_tree_vs_linear.py", "tests/test_logprobs.py",
+                    "tests/test_linearise.py", "tests/test_lm_head.py",
+                    "tests/test_sft.py::test_tree_sft_gradients_equal_linear_sft"],
+    # arbor/logprobs.py: the log-prob forwards of packs and padded sequences.
+    "logprobs": ["tests/test_loss.py", "tests/test_logprobs.py", "tests/test_lm_head.py",
+                 "tests/test_tree_vs_linear.py"],
     "sampler": ["tests/test_sampler.py", "tests/test_sampler_agents.py"],
     "sampler_budget": ["tests/test_sampler.py"],
     "rewards": ["tests/test_rewards.py"],
@@ -53,27 +62,60 @@ _ROOT_OFFSET = ("the root path's log-prob 1.0 for 0.0: every path compared in a 
 _NO_REASON = "the '?' key of a leaf without a finish reason: every sampled leaf gets one (_add, tool turns, timeouts)"
 _SHORTFALL = ("unreachable: sampling stops short of width only through the fallback, which "
               "sets its own shortfall reason (_reasons itself is tested directly)")
-_CHUNKS = "the LM head in chunks or whole: the same log-probs (chunking saves memory; tests/test_lm_head.py pins that no [tokens, vocab] logits appear)"
+_ON_CPU = "a device argument the CPU tests cannot see: the model and every tensor are on the CPU already"
+_COUNTS = ("a node's leaf count in float32 for float64: a count of leaves (< 2^24) is exact in both, "
+           "and torch.cat promotes it to the float64 of the prompt's zeros that every pack starts with")
+_INFERRED = ("a packed column's dtype left to torch.tensor: it infers int64 from Python ints and bool "
+             "from bools, the dtypes named (a pack is never empty: it holds a trained token)")
 _ZEROS = ("the prompt's zero weights in float32 for float64: torch.cat promotes them to the "
           "float64 of the node weights beside them, and 0 is exact in both")
-_NO_LEAVES = ("unreachable: every node of a tree has a leaf below it, so _node_weights never takes its 'no leaves' branch")
+_NO_LEAVES = ("unreachable: tree.nodes() leaves out the root and every other node has a leaf below it "
+              "(a node without children is one), so each has an entry in `below`: _node_weights never "
+              "takes its 'no leaves' branch, nor .get's default")
 EQUIVALENT: dict[str, str] = {
-    "arbor.packing.x__node_weights__mutmut_44": _NO_LEAVES,
-    "arbor.packing.x__node_weights__mutmut_46": _NO_LEAVES,
-    "arbor.packing.x__node_weights__mutmut_49": _NO_LEAVES,
-    "arbor.packing.x__node_weights__mutmut_50": _NO_LEAVES,
-    "arbor.packing.x__node_weights__mutmut_51": _NO_LEAVES,
-    "arbor.packing.x__node_weights__mutmut_52": _NO_LEAVES,
     "arbor.packing.x__node_weights__mutmut_53": _NO_LEAVES,
-    "arbor.packing.x__node_weights__mutmut_54": _NO_LEAVES,
     "arbor.packing.x__node_weights__mutmut_55": _NO_LEAVES,
-    "arbor.packing.x__node_weights__mutmut_56": _NO_LEAVES,
+    "arbor.packing.x__node_weights__mutmut_58": _NO_LEAVES,
+    "arbor.packing.x__node_weights__mutmut_59": _NO_LEAVES,
+    "arbor.packing.x__node_weights__mutmut_60": _NO_LEAVES,
+    "arbor.packing.x__node_weights__mutmut_61": _NO_LEAVES,
+    "arbor.packing.x__node_weights__mutmut_62": _NO_LEAVES,
     "arbor.packing.x__node_weights__mutmut_63": _NO_LEAVES,
     "arbor.packing.x__node_weights__mutmut_64": _NO_LEAVES,
+    "arbor.packing.x__node_weights__mutmut_65": _NO_LEAVES,
+    "arbor.packing.x__node_weights__mutmut_66": _NO_LEAVES,
+    "arbor.packing.x__node_weights__mutmut_67": _NO_LEAVES,
+    "arbor.packing.x__node_weights__mutmut_68": _NO_LEAVES,
+    "arbor.packing.x__node_weights__mutmut_69": _NO_LEAVES,
+    "arbor.packing.x__node_weights__mutmut_70": _NO_LEAVES,
+    "arbor.packing.x__node_weights__mutmut_71": _NO_LEAVES,
+    "arbor.packing.x__node_weights__mutmut_72": _NO_LEAVES,
+    "arbor.packing.x__node_weights__mutmut_73": _NO_LEAVES,
+    "arbor.packing.x__node_weights__mutmut_74": _NO_LEAVES,
+    "arbor.packing.x__node_weights__mutmut_75": _NO_LEAVES,
+    "arbor.packing.x__node_weights__mutmut_76": _NO_LEAVES,
+    "arbor.packing.x__node_weights__mutmut_99": _COUNTS,
+    "arbor.packing.x__node_weights__mutmut_102": _COUNTS,
     "arbor.packing.x__serialise__mutmut_20": _ZEROS,
+    "arbor.packing.x__serialise__mutmut_66":
+        "the prompt's placeholder behaviour log-probs 1.0 for 0.0: prompt tokens are never trained, "
+        "and old_logprobs keeps only trained tokens' values (torch.where(trained, old, 0))",
+    "arbor.packing.x__serialise__mutmut_252": _INFERRED,
+    "arbor.packing.x__serialise__mutmut_254": _INFERRED,
+    "arbor.packing.x__serialise__mutmut_277": _INFERRED,
+    "arbor.packing.x__serialise__mutmut_279": _INFERRED,
+    "arbor.packing.x__serialise__mutmut_283": _INFERRED,
+    "arbor.packing.x__serialise__mutmut_285": _INFERRED,
+    "arbor.packing.x__serialise__mutmut_289": _INFERRED,
+    "arbor.packing.x__serialise__mutmut_291": _INFERRED,
+    "arbor.packing.x__serialise__mutmut_295": _INFERRED,
+    "arbor.packing.x__serialise__mutmut_297": _INFERRED,
+    "arbor.packing.x__serialise__mutmut_301": _INFERRED,
+    "arbor.packing.x__serialise__mutmut_303": _INFERRED,
+    "arbor.packing.x__serialise__mutmut_142":
+        "parents range(start, start + n + 1) for + n - 1: the list is cut to its first n entries, "
+        "the same ones",
     "arbor.packing.x__serialise__mutmut_22": _ZEROS,
-    "arbor.packing.x_pack_trees__mutmut_1":
-        "default pack_tokens 16385 for 16384: only a tree of exactly 16 385 tokens tells them apart",
     "arbor.rewards.xǁRewardPoolǁ_collect_finished__mutmut_27":
         "break for continue after keeping a finished result: a worker left busy is restarted at "
         "the start of the next batch anyway (score's first loop)",
@@ -82,22 +124,16 @@ EQUIVALENT: dict[str, str] = {
     "arbor.rewards.xǁRewardPoolǁ_collect_finished__mutmut_8":
         "poll(1) for poll(0) when a batch stops: waits up to 1 s more for a busy worker's "
         "answer before restarting it; the same results unless a check ends within that second",
-    "arbor.loss.x_pack_token_logprobs__mutmut_4": _CHUNKS,
-    "arbor.loss.x_pack_token_logprobs__mutmut_9": _CHUNKS,
-    "arbor.loss.x_pack_token_logprobs__mutmut_10": _CHUNKS,
-    "arbor.loss.x_pack_token_logprobs__mutmut_14": _CHUNKS,
-    "arbor.loss.x_policy_loss__mutmut_15": _CHUNKS,
-    "arbor.loss.x_linear_token_logprobs__mutmut_47":
-        "no attention mask on right-padded sequences: causal attention never lets a real token "
-        "see the padding after it, so its logits are the same",
-    "arbor.loss.x_pack_loss__mutmut_28":
-        "the attention implementation not passed on: 'auto' instead, the same log-probs",
-    "arbor.loss.x_policy_loss__mutmut_107":
+    "arbor.packed_loss.x_policy_loss__mutmut_107":
         "'or' for 'and' in the no-trees assert: total and all_sums are None together or not at all",
-    "arbor.loss.x_pack_token_logprobs__mutmut_7":
-        "targets .to(None) for .to(the model's device): a no-op where model and pack are on the CPU",
-    "arbor.loss.x_pack_token_logprobs__mutmut_29":
-        "packed_logits' own default attention is 'auto', the value passed",
+    "arbor.packed_loss.x_pack_loss__mutmut_31": _ON_CPU,
+    "arbor.packed_loss.x_pack_loss__mutmut_33": _ON_CPU,
+    "arbor.packed_loss.x__padded_sums__mutmut_85": _ON_CPU,
+    "arbor.packed_loss.x_sft_loss__mutmut_54": _ON_CPU,
+    "arbor.logprobs.x_pack_token_logprobs__mutmut_7": _ON_CPU,
+    "arbor.logprobs.x_padded_token_logprobs__mutmut_47":
+        "no attention mask on right-padded sequences: causal attention never lets a real token "
+        "see the padding after it, and the positions count from 0 either way",
     "arbor.sampler.x__in_daemon_thread__mutmut_16": _THREAD_NAME,
     "arbor.sampler.x__in_daemon_thread__mutmut_19": _THREAD_NAME,
     "arbor.sampler.x__in_daemon_thread__mutmut_21": _THREAD_NAME,
@@ -116,8 +152,6 @@ EQUIVALENT: dict[str, str] = {
         "join() without its 5 s limit right after SIGKILL: a killed process exits, join returns",
     "arbor.rewards.xǁRewardPoolǁscore__mutmut_58":
         ">= for > against start_timeout_s: the clock never lands on the exact limit",
-    "arbor.loss.x_policy_loss__mutmut_11":
-        "default pack_tokens 16385 for 16384: only a tree of exactly 16 385 tokens tells them apart",
     "arbor.advantage.x__std__mutmut_3":
         "_std of < 2 values returns 1.0 for 0.0: it only divides R − mean (0 for one leaf) and "
         "V(node) − V(parent) (0 without siblings), so every result is still 0",
@@ -150,6 +184,11 @@ def _config(module: str) -> str:
         'pytest_add_cli_args = ["-q", "-p", "no:cacheprovider", "-p", "no:randomly"]\n'
         '# torch is not fork-safe once initialised: fork mutants from a clean server\n'
         'process_isolation = "forkserver"\n'
+        "# A mutant's tests are stopped after (their measured time + 20 s) × 3 of wall clock (× 6\n"
+        "# of CPU): mutmut's (time + 1 s) × 15 times out healthy mutants whose quick tests sit\n"
+        "# starved for 15 s under chrt -i 0 on a busy machine; one that hangs costs a minute.\n"
+        "timeout_constant = 20.0\n"
+        "timeout_multiplier = 3.0\n"
         "use_git_change_detection = false\n"
     )
 
@@ -228,14 +267,14 @@ def main() -> int:
                                check=False)
         else:
             subprocess.run(run, cwd=work, env=env, stdout=out, stderr=subprocess.STDOUT, check=False)
-            if again:
-                # mutmut keeps a survivor's verdict until its function changes: tests added
-                # since the last run are tried on the survivors only when they are named.
-                left = [n for n, s in _results(work, env).items()
-                        if n.startswith(prefix) and s not in ("killed", "timeout")]
-                if left:
-                    subprocess.run(run + left, cwd=work, env=env, stdout=out,
-                                   stderr=subprocess.STDOUT, check=False)
+            # mutmut keeps a survivor's verdict until its function changes: tests added since
+            # the last run are tried on the survivors only when they are named. A timeout is
+            # tried once more: a starved run looks like a hang (the report lists those left).
+            left = [n for n, s in _results(work, env).items()
+                    if n.startswith(prefix) and (s == "timeout" or again and s != "killed")]
+            if left:
+                subprocess.run(run + left, cwd=work, env=env, stdout=out,
+                               stderr=subprocess.STDOUT, check=False)
     progress = re.findall(r"(\d+/\d+ +🎉.*?🧙 \d+)", log.read_text())
     print(progress[-1] if progress else f"mutmut printed no progress: see {log}")
     return _report(args.module, work, env, args.show, args.sample)
@@ -260,6 +299,11 @@ def _report(module: str, work: Path, env: dict[str, str], show: bool, sample: in
                        if s not in ("killed", "timeout", "not checked"))
     for name in equivalent:
         print(f"equivalent {name}: {EQUIVALENT[name]}")
+    # A timeout counts as killed (mutmut's rule: the mutant hung or looped), but is listed:
+    # on a starved machine a healthy run can time out too (run the module again to retry).
+    timeouts = sorted(name for name, s in scored.items() if s == "timeout")
+    for name in timeouts:
+        print(f"timeout    {name}")
     for name in survivors:
         print(f"{scored[name]:10} {name}")
         if show:
@@ -267,7 +311,8 @@ def _report(module: str, work: Path, env: dict[str, str], show: bool, sample: in
     total = len(scored) - len(unchecked)
     score = killed / total if total else 1.0
     print(f"RESULT module={module} killed={killed} total={total} score={score:.3f} "
-          f"equivalent={len(equivalent)} survived={len(survivors)} not_checked={len(unchecked)}"
+          f"equivalent={len(equivalent)} survived={len(survivors)} timeout={len(timeouts)} "
+          f"not_checked={len(unchecked)}"
           + (f" sample={sample}" if sample else ""))
     return 0
 

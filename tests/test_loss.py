@@ -76,13 +76,15 @@ def test_token_sums_and_metrics_by_hand():
     assert (m["tokens"], m["linearised_tokens"]) == (2, 4)
     # loss = (-0.56 + 0 - 0.1 · (3·0.7 + 0.1)) / 4
     assert combine(sums, 4.0, kl_coef=0.5, entropy_coef=0.1).item() == pytest.approx((-0.56 - 0.22) / 4)
+    # A denominator of 1 (one trainable token) divides by exactly 1: the floor only guards 0.
+    assert combine(sums, 1.0, kl_coef=0.0, entropy_coef=0.0).item() == -sums.objective.item()
 
 
 def test_sums_add_across_packs():
     a = LossSums(t(1.0)[0], t(0.0)[0], t(2.0)[0], LossStats(loss=0.25, clipped=1, tokens=2, linearised_tokens=3))
     b = LossSums(t(0.5)[0], t(1.0)[0], t(1.0)[0], LossStats(loss=0.5, clipped=2, tokens=1, linearised_tokens=1))
     c = a + b
-    assert (c.objective.item(), c.entropy.item(), c.stats.clipped, c.stats.tokens) == (1.5, 3.0, 3, 3)
+    assert (c.objective.item(), c.kl.item(), c.entropy.item(), c.stats.clipped, c.stats.tokens) == (1.5, 1.0, 3.0, 3, 3)
     # The metrics divide once, after the sums over packs (and ranks): 3 clipped of 4 linearised.
     m = c.stats.metrics()
     assert (m["loss"], m["clip_fraction"], m["tokens"], m["linearised_tokens"]) == (0.75, 3 / 4, 3.0, 4.0)
@@ -251,6 +253,17 @@ def test_logprob_gap_counts_differences_of_both_signs():
     assert sums.stats.metrics()["approx_kl"] == pytest.approx(0.02)
 
 
+def test_a_ratio_exactly_on_the_clip_bound_is_not_clipped():
+    # r = exp(0) = 1 exactly, the clip range [1 − 0, 1 + 0]: min(r·A, clip(r)·A) = r·A on
+    # both sides and the gradient still flows, so neither token counts as clipped.
+    sums = token_sums(
+        t(-1.0, -1.0), t(0.0, 0.0), t(-1.0, -1.0), None, weight=t(1.0, 1.0), adv_pos=t(1.0, 0.0),
+        adv_neg=t(0.0, -1.0), leaf_count=t(1.0, 1.0), n_pos=t(1.0, 0.0), n_neg=t(0.0, 1.0),
+        clip_low=0.0, clip_high=0.0, kl_estimator="k3",
+    )
+    assert sums.stats.clipped == 0.0
+
+
 def test_kl_and_entropy_sums_are_weighted_per_token():
     # k1 = logp − ref = (0.1, −0.2); weights (2, 0.5): Σ w·kl = 0.2 − 0.1 = 0.1;
     # leaf counts (3, 1): Σ_lin kl = 0.3 − 0.2 = 0.1 over 4 linearised tokens → 0.025.
@@ -311,13 +324,17 @@ def test_defaults_of_the_pack_loss_and_the_policy_loss_agree(random_model, unifo
 
 
 def test_policy_loss_errors(uniform_model):
-    from arbor.packed_loss import policy_loss
+    from arbor.packed_loss import policy_loss, sft_loss
 
     tree = forked_tree(1.0)
     with pytest.raises(ValueError, match="^kl_coef > 0 needs a ref_model$"):
         policy_loss(uniform_model, [tree], [[1.0, 0.0, 0.0]], kl_coef=0.1)
     with pytest.raises(ValueError, match="mode must be 'tree' or 'padded', got 'flat'"):
         policy_loss(uniform_model, [tree], [[1.0, 0.0, 0.0]], mode="flat")
+    with pytest.raises(AssertionError, match="^no trees to train on$"):
+        policy_loss(uniform_model, [], [])
+    with pytest.raises(AssertionError, match="^no trees to train on$"):
+        sft_loss(uniform_model, [])
 
 
 def test_pack_token_logprobs_defaults(random_model):
@@ -413,3 +430,94 @@ def test_decoupled_objective_clips_around_the_proximal_policy():
     obj.sum().backward()
     assert obj.item() == pytest.approx(1.28) and u.item() == pytest.approx(1.5) and w.item() == pytest.approx(1.0)
     assert logp.grad.item() == 0.0
+
+
+def test_the_named_attention_reaches_every_forward(random_model, uniform_model):
+    # "dense" runs a forward with a [1, 1, L, L] attention_mask; "auto" would run "blocks" on
+    # the CPU (an arbor_blocks argument) with the same numbers, so only the call tells them apart.
+    from arbor.logprobs import tree_logprobs
+    from arbor.packed_loss import policy_loss, sft_loss
+
+    seen = []
+
+    def record(name):
+        def hook(module, args, kwargs):
+            seen.append((name, sorted(k for k in ("attention_mask", "arbor_blocks") if kwargs.get(k) is not None)))
+        return hook
+
+    hooks = [m.register_forward_pre_hook(record(name), with_kwargs=True)
+             for name, m in (("policy", random_model), ("reference", uniform_model))]
+    try:
+        tree = forked_tree(1.0)
+        policy_loss(random_model, [tree], [[1.0, 0.0, -1.0]], ref_model=uniform_model, kl_coef=0.5, attention="dense")
+        tree_logprobs(random_model, [tree], attention="dense")
+        sft_loss(random_model, [tree], attention="dense")
+    finally:
+        for h in hooks:
+            h.remove()
+    assert seen == [("policy", ["attention_mask"]), ("reference", ["attention_mask"])] + [("policy", ["attention_mask"])] * 2
+
+
+def test_the_lm_head_runs_in_chunks_exactly_when_asked(random_model):
+    # Chunked, the head's own call returns [1, M, 2] scores (log p, entropy), so [M, V]
+    # logits never exist; whole, it returns [1, M, V]. The numbers agree either way, so
+    # only the head's output width tells the memory-saving path from the default.
+    from arbor.logprobs import pack_token_logprobs, tree_logprobs
+    from arbor.packed_loss import pack_loss, policy_loss
+    from arbor.packing import loss_denominator, pack_trees
+
+    widths = []
+    hook = random_model.lm_head.register_forward_hook(lambda m, a, out: widths.append(out.shape[-1]))
+    try:
+        tree, advantages = forked_tree(1.0), [[1.0, 0.0, -1.0]]
+        (pack,) = pack_trees([tree], advantages)
+        select = pack.trained.nonzero()[:, 0]
+        pack_token_logprobs(random_model, pack, select)
+        pack_token_logprobs(random_model, pack, select, chunk_tokens=1)
+        pack_loss(random_model, pack, loss_denominator([tree], "token"))
+        pack_loss(random_model, pack, loss_denominator([tree], "token"), chunk_tokens=1)
+        policy_loss(random_model, [tree], advantages)
+        policy_loss(random_model, [tree], advantages, chunk_tokens=1)
+        tree_logprobs(random_model, [tree])
+        tree_logprobs(random_model, [tree], chunk_tokens=1)
+    finally:
+        hook.remove()
+    assert widths == [V, 2] * 4
+
+
+def test_pack_loss_computes_in_the_dtype_of_the_policy_log_probs(random_model, uniform_model):
+    # A float32 policy: its log-probs are float32, and the float64 pack columns and a float64
+    # reference's log-probs are cast to them, so the loss is float32 like the model's work.
+    import copy
+
+    from arbor.packed_loss import pack_loss
+    from arbor.packing import loss_denominator, pack_trees
+
+    policy = copy.deepcopy(random_model).float()
+    tree = forked_tree(1.5)
+    (pack,) = pack_trees([tree], [[1.0, 0.0, -1.0]])
+    assert pack.weight.dtype == torch.float64
+    loss, _ = pack_loss(policy, pack, loss_denominator([tree], "token"), ref_model=uniform_model, kl_coef=0.5)
+    assert loss.dtype == torch.float32
+
+
+def test_tree_losses_pack_16384_tokens_by_default(monkeypatch, uniform_model):
+    # The default pack budget of policy_loss, sft_loss and tree_logprobs, seen by a spy on
+    # the real pack_trees (a 16 385-token forward to tell 16 384 from 16 385 is too slow here).
+    import arbor.logprobs
+    import arbor.packed_loss
+    from arbor.packing import pack_trees
+
+    budgets = []
+
+    def spy(*args, **kwargs):
+        budgets.append(kwargs["pack_tokens"])
+        return pack_trees(*args, **kwargs)
+
+    monkeypatch.setattr(arbor.packed_loss, "pack_trees", spy)
+    monkeypatch.setattr(arbor.logprobs, "pack_trees", spy)
+    tree = forked_tree(1.0)
+    arbor.packed_loss.policy_loss(uniform_model, [tree], [[1.0, 0.0, -1.0]])
+    arbor.packed_loss.sft_loss(uniform_model, [tree])
+    arbor.logprobs.tree_logprobs(uniform_model, [tree])
+    assert budgets == [16384] * 3

@@ -17,6 +17,16 @@ def fork_tree() -> RolloutTree:
     return tree
 
 
+def deep_tree() -> RolloutTree:
+    """prompt [1, 2, 3]; a [4] * 3 → b [5] * 3 → c1 [6] * 3, c2 [7] * 3 (problem 'deep')."""
+    tree = RolloutTree([1, 2, 3], problem={"id": "deep"})
+    a = tree.add_segment(tree.root, [4] * 3, logprobs=[-1.0] * 3)
+    b = tree.add_segment(a, [5] * 3, logprobs=[-1.0] * 3)
+    for k in range(2):
+        tree.add_segment(b, [6 + k] * 3, logprobs=[-1.0] * 3)
+    return tree
+
+
 def test_layout_by_hand():
     (pack,) = pack_trees([fork_tree()], [[1.0, -2.0]])
     assert pack.input_ids.tolist() == [1, 2, 3, 4, 5, 6, 7]
@@ -88,7 +98,9 @@ def test_missing_logprobs_named():
     tree = RolloutTree.from_sequences([1], [[2, 3]], problem={"id": "nolp"})
     with pytest.raises(ValueError, match="problem 'nolp': node .* no logprobs"):
         pack_trees([tree], [[1.0]])
-    assert pack_trees([tree], [[1.0]], require_logprobs=False)[0].trained.sum() == 2
+    (pack,) = pack_trees([tree], [[1.0]], require_logprobs=False)
+    assert pack.trained.sum() == 2
+    assert pack.old_logprobs.tolist() == [0.0] * 3  # unknown behaviour log-probs read 0
 
 
 def test_assign_to_ranks_balances_cost():
@@ -189,6 +201,125 @@ def test_attention_cost_and_rank_assignment_by_hand():
         assign_to_ranks(packs, 0)
 
 
+def _one_pack(count: int, length: int) -> PackedBatch:
+    """``count`` sequences of a 1-token prompt and ``length`` − 1 response tokens, in one pack."""
+    trees = [RolloutTree.from_sequences([1], [[2] * (length - 1)], logprobs=[[-1.0] * (length - 1)])
+             for _ in range(count)]
+    (pack,) = pack_trees(trees, [[0.0]] * count)
+    return pack
+
+
+@pytest.mark.parametrize("first, second", [
+    # 5 sequences of 7 tokens: 64·35 + 5·28 = 2380; one 30-token chain: 64·30 + 465 = 2385.
+    # The chain goes first, by 5: with 65 per token (a tie, lower index first) or attention
+    # subtracted (2100 vs 1455) the 5 sequences would.
+    ((5, 7), (1, 30)),
+    # A 10-token chain: 64·10 + 55 = 695; 6 sequences of 2 tokens: 64·12 + 18 = 786. Tokens
+    # outweigh attention pairs: with tokens / 64 (55.2 vs 18.2) the chain would go first.
+    ((1, 10), (6, 2)),
+])
+def test_rank_cost_weighs_64_per_token_against_attention_pairs(first, second):
+    # Pack 1 costs more than pack 0 and goes first, onto rank 0; pack 0 to rank 1; pack 2
+    # (2 tokens, 64·2 + 3 = 131) to the less loaded rank 1. Swapped, it would be [[0], [1, 2]].
+    packs = [_one_pack(*first), _one_pack(*second), _one_pack(1, 2)]
+    assert [p.num_tokens * 64 + p.attention_cost() for p in packs][2] == 131
+    assert assign_to_ranks(packs, 2) == [[1], [0, 2]]
+
+
+def test_the_default_budget_is_16384_tokens():
+    # A 1-token prompt and a 16 384-token response: one token over the default budget.
+    tree = RolloutTree.from_sequences([1], [[2] * 16384], logprobs=[[-1.0] * 16384])
+    with pytest.raises(ValueError, match=r"a path of 16385 tokens .* does not fit pack_tokens=16384"):
+        pack_trees([tree], [[0.0]])
+    assert len(pack_trees([tree], [[0.0]], pack_tokens=16385)) == 1
+
+
+def test_sequence_weights_keep_float64_precision():
+    # w = 1/3 for a 3-token leaf: float64's 1/3, not float32's 0.3333333432674408.
+    tree = RolloutTree.from_sequences([1], [[2, 3, 4]], logprobs=[[-1.0] * 3])
+    (pack,) = pack_trees([tree], [[0.5]], normalize="sequence")
+    assert pack.weight.dtype == pack.adv_pos.dtype == torch.float64
+    assert pack.weight.tolist() == [0.0] + [1 / 3] * 3
+    assert pack.adv_pos.tolist() == [0.0] + [(1 / 3) * 0.5] * 3
+
+
+def test_a_second_tree_in_a_pack_sees_only_its_own_prompt():
+    # Tree 1 takes packed indices 0-1 (a block of its own); tree 2's prompt 2-3, its children
+    # [7] at 4 and [8] at 5. [8] does not follow [7]: a block whose context is tree 2's prompt.
+    first = RolloutTree.from_sequences([1], [[2]], logprobs=[[-1.0]])
+    second = RolloutTree.from_sequences([5, 6], [[7], [8]], logprobs=[[-1.0], [-1.0]])
+    (pack,) = pack_trees([first, second], [[0.0], [0.0, 0.0]])
+    assert [(b.start, b.end, b.context.tolist()) for b in pack.blocks] == [(0, 2, []), (2, 5, []), (5, 6, [2, 3])]
+    # Without a prompt the context is empty, and still an index tensor.
+    bare = RolloutTree.from_sequences([], [[7], [8]], logprobs=[[-1.0], [-1.0]])
+    (pack,) = pack_trees([bare], [[0.0, 0.0]])
+    assert [(b.context.tolist(), b.context.dtype) for b in pack.blocks] == [([], torch.long)] * 2
+
+
+def test_context_copies_in_other_packs_carry_no_weight():
+    # The deep tree split under a budget of 12: a and b reappear as context of c1 and c2, and
+    # train only where they are owned, so the packs' weights and advantages add up to the
+    # unsplit pack's.
+    tree = deep_tree()
+    (whole,) = pack_trees([tree], [[1.0, -0.5]])
+    split = pack_trees([tree], [[1.0, -0.5]], pack_tokens=12)
+    assert len(split) > 1
+    for name in ("weight", "adv_pos", "adv_neg", "leaf_count", "n_pos", "n_neg"):
+        assert sum(getattr(p, name).sum().item() for p in split) == getattr(whole, name).sum().item(), name
+
+
+def test_a_subtree_that_exactly_fills_a_fresh_pack_moves_whole():
+    # prompt 1; x [2]; y [3] → z1 [4, 4], z2 [5, 5]. Budget 6: x's pack holds 2 tokens; y's
+    # subtree with the prompt is exactly 6, so it goes whole to a second pack (split, y and
+    # z1 would join x's pack and z2 follow alone: [5, 4]).
+    tree = RolloutTree([1])
+    tree.add_segment(tree.root, [2], logprobs=[-1.0])
+    y = tree.add_segment(tree.root, [3], logprobs=[-1.0])
+    tree.add_segment(y, [4, 4], logprobs=[-1.0] * 2)
+    tree.add_segment(y, [5, 5], logprobs=[-1.0] * 2)
+    assert [p.input_ids.tolist() for p in pack_trees([tree], [[0.0] * 3], pack_tokens=6)] == [
+        [1, 2], [1, 3, 4, 4, 5, 5]]
+
+
+def test_the_first_node_over_the_budget_is_named():
+    # prompt 1 + a [2, 2, 2] fill a budget of 4 exactly (a trains alone); a's child b makes
+    # the path 5 tokens: b (node 2) is the one named, with the budget.
+    tree = RolloutTree([1])
+    a = tree.add_segment(tree.root, [2] * 3, logprobs=[-1.0] * 3)
+    tree.add_segment(a, [3], logprobs=[-1.0])
+    with pytest.raises(ValueError, match=r"a path of 5 tokens \(prompt 1 \+ response 4, node 2\) does not fit pack_tokens=4"):
+        pack_trees([tree], [[0.0]], pack_tokens=4)
+
+
+def test_packs_fill_exactly_to_the_budget_across_trees_and_units():
+    # Four 4-token trees (prompt 1 + 3), budget 8: two per pack, the third opens a pack that
+    # the fourth fills exactly.
+    trees = [RolloutTree.from_sequences([1], [[2] * 3], logprobs=[[-1.0] * 3]) for _ in range(4)]
+    assert [p.num_tokens for p in pack_trees(trees, [[0.0]] * 4, pack_tokens=8)] == [8, 8]
+    # One tree split into units, budget 5: prompt + a (2 tokens), b joins with its 3 new
+    # tokens (exactly 5); c opens a second pack with its context: [1, 2, 4, 4, 4].
+    tree = RolloutTree([1])
+    a = tree.add_segment(tree.root, [2], logprobs=[-1.0])
+    tree.add_segment(a, [3] * 3, logprobs=[-1.0] * 3)
+    tree.add_segment(a, [4] * 3, logprobs=[-1.0] * 3)
+    packs = pack_trees([tree], [[0.0, 0.0]], pack_tokens=5)
+    assert [p.input_ids.tolist() for p in packs] == [[1, 2, 3, 3, 3], [1, 2, 4, 4, 4]]
+
+
+def test_pack_trees_defaults_and_loss_weights():
+    tree = RolloutTree.from_sequences([1], [[2, 3]], logprobs=[[-1.0, -1.0]])
+    # No advantages: 0 for every leaf (tree_logprobs and SFT packs).
+    (pack,) = pack_trees([tree])
+    assert pack.adv_pos.tolist() == pack.adv_neg.tolist() == [0.0] * 3
+    # loss_weights scale each leaf's weight (SFT example weights).
+    (pack,) = pack_trees([tree], [[0.0]], loss_weights=[[2.5]])
+    assert pack.weight.tolist() == [0.0, 2.5, 2.5]
+    with pytest.raises(ValueError, match="^1 advantage lists for 2 trees$"):
+        pack_trees([tree, tree], [[0.0]])
+    with pytest.raises(ValueError, match="^1 loss weight lists for 2 trees$"):
+        pack_trees([tree, tree], [[0.0], [0.0]], loss_weights=[[1.0]])
+
+
 def test_packed_origin_and_blocks_must_line_up():
     (pack,) = pack_trees([fork_tree()], [[1.0, -2.0]])
     fields = {k: getattr(pack, k) for k in pack.__dataclass_fields__}
@@ -202,11 +333,7 @@ def test_partitioning_counts_the_context_of_every_level():
     # prompt 3, a 3 → b 3 → c1 3, c2 3; budget 12. a + subtree (15) and b + its subtree with
     # context (6 + 9) do not fit: a and b train alone, c1 and c2 follow with context [a, b]
     # (9 + 3 = 12, exactly the budget). No pack may exceed 12 tokens.
-    tree = RolloutTree([1, 2, 3], problem={"id": "deep"})
-    a = tree.add_segment(tree.root, [4] * 3, logprobs=[-1.0] * 3)
-    b = tree.add_segment(a, [5] * 3, logprobs=[-1.0] * 3)
-    for k in range(2):
-        tree.add_segment(b, [6 + k] * 3, logprobs=[-1.0] * 3)
+    tree = deep_tree()
     packs = pack_trees([tree], [[1.0, 1.0]], pack_tokens=12)
     assert all(p.num_tokens <= 12 for p in packs)
     assert sum(int(p.trained.sum()) for p in packs) == 12
