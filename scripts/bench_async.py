@@ -77,6 +77,9 @@ def run_arm(config: str, arm: str, seed: int, steps: int, out: Path, overrides: 
     run = Run(arm, seed)
     t0 = time.perf_counter()
     history = train(cfg)
+    import ray
+
+    ray.shutdown()  # each arm starts its own Ray, as a user's run does (else the first arm alone pays ray.init)
     run.wall_s = time.perf_counter() - t0
     elapsed = 0.0
     for step, metrics in enumerate(history, start=1):  # a fresh run: steps 1..steps
