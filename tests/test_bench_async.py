@@ -1,21 +1,15 @@
 """scripts/bench_async.py: its figures by hand, and a smoke run of both arms through the real trainer."""
 
 import csv
-import importlib.util
 import re
 import subprocess
 import sys
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from script_loader import REPO, load_script
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("bench_async", REPO / "scripts/bench_async.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["bench_async"] = module  # its dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
+    return load_script("bench_async")
 
 
 def test_figures_per_seed_and_the_final_eval():

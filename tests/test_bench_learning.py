@@ -1,22 +1,16 @@
 """scripts/bench_learning.py: its figures by hand, and a smoke run of both arms through the real trainer."""
 
 import csv
-import importlib.util
 import math
 import re
 import subprocess
 import sys
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from script_loader import REPO, load_script
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("bench_learning", REPO / "scripts/bench_learning.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["bench_learning"] = module  # its dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
+    return load_script("bench_learning")
 
 
 def test_time_to_accuracy_interpolates_between_evals():
