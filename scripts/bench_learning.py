@@ -92,14 +92,16 @@ class BudgetSpent(Exception):
     """Raised from the trainer's ``after_step`` hook to end a run at its budget."""
 
 
-def run_arm(config: str, arm: str, seed: int, budget_s: float, evals: int, out: Path, overrides: list[str]) -> Curve:
+def run_arm(config: str, arm: str, seed: int, budget_s: float, evals: int, out: Path, overrides: list[str],
+            arm_overrides: tuple[str, ...] = ()) -> Curve:
     """Train one arm with :func:`arbor.trainer.train` until ``budget_s`` training seconds;
-    ``overrides`` come after the arm's own settings (``--tree-override`` may change them)."""
+    ``overrides`` (both arms) come before the arm's own settings, ``arm_overrides``
+    (``--tree-override``) after them."""
     from arbor.trainer import train
 
     output_dir = out / f"{arm}-seed{seed}"
     cfg = load_config(config, [
-        *ARMS[arm], *overrides, f"run.seed={seed}", f"run.output_dir={output_dir}", f"run.name=bench-{arm}",
+        *overrides, *ARMS[arm], *arm_overrides, f"run.seed={seed}", f"run.output_dir={output_dir}", f"run.name=bench-{arm}",
         f"run.steps={NO_STEP_LIMIT}", f"run.eval_every={NO_STEP_LIMIT}",  # the trainer evaluates the start only
         "run.save_every=0", "run.save_trees_every=0", "run.tensorboard=false", "run.log_every=10",
     ])
@@ -237,8 +239,8 @@ def main() -> None:
     curves, figures = [], []
     for seed in range(args.seeds):
         # Arms alternate so a machine that slows down over the session hurts both alike.
-        pair = {arm: run_arm(args.config, arm, seed, args.budget_s, args.evals, out,
-                             args.overrides + (args.tree_override if arm == "tree" else [])) for arm in ARMS}
+        pair = {arm: run_arm(args.config, arm, seed, args.budget_s, args.evals, out, args.overrides,
+                             tuple(args.tree_override) if arm == "tree" else ()) for arm in ARMS}
         curves += pair.values()
         figures.append(seed_figures(pair["tree"], pair["grpo"], window_s=args.budget_s / 6))
         f = figures[-1]
