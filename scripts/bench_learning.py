@@ -29,8 +29,8 @@ Writes ``curves.csv`` (arm, seed, step, train_s, tokens, accuracy), ``accuracy_v
 and ``accuracy_vs_tokens.png`` into ``--out``, then
 ``RESULT time_to_acc_ratio=<GRPO seconds / TreePO seconds to reach the lower of the two
 final accuracies> final_acc_tree=... final_acc_grpo=... step_speedup=<GRPO / TreePO seconds
-per RL step>``, each the mean over seeds, a ``SPREAD`` line with every seed's values, and
-before it ``TRAIN_REWARD reward_time_ratio=...``: the same ratio asked of the training
+per RL step>``, each the mean over seeds; before it a ``SPREAD`` line with every seed's
+values and ``TRAIN_REWARD reward_time_ratio=...``: the same ratio asked of the training
 reward (the sampled leaves' accuracy at temperature 1, averaged over a sixth of the budget),
 which every step measures, where the greedy evals are few and noisy (±0.03 on 200 problems).
 ``--tree-override KEY=VALUE`` changes the tree arm only: ``--tree-override rollout.width=16``
