@@ -217,11 +217,30 @@ def attention_implementation(model: PreTrainedModel, name: str) -> Iterator[None
         model.config._attn_implementation = previous
 
 
-def resolve_attention(attention: Attention, device: torch.device) -> Attention:
+# FlexAttention's compiled kernel needs queries, keys and values of at least 16 dimensions
+# (torch 2.11 inductor: "NYI: embedding dimension ... must be at least 16", seen on an H100).
+FLEX_MIN_HEAD_DIM = 16
+
+
+def head_dim(model: PreTrainedModel) -> int:
+    """The model's attention head dimension (config.head_dim, else hidden / heads)."""
+    cfg = model.config
+    return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+
+
+def resolve_attention(attention: Attention, device: torch.device, head_dim: int | None = None) -> Attention:
+    """The kernel ``attention`` means on ``device``: ``auto`` is FlexAttention on CUDA (block
+    attention for heads under 16 dimensions, which Flex cannot compile) and block attention
+    on the CPU."""
+    small = head_dim is not None and head_dim < FLEX_MIN_HEAD_DIM
     if attention == "auto":
-        return "flex" if device.type == "cuda" else "blocks"
+        return "flex" if device.type == "cuda" and not small else "blocks"
     if attention == "flex" and device.type != "cuda" and torch.is_grad_enabled():
         raise ValueError("attention='flex' trains on CUDA only (FlexAttention has no CPU backward)")
+    if attention == "flex" and small and device.type == "cuda":
+        raise ValueError(f"attention='flex' needs attention heads of at least {FLEX_MIN_HEAD_DIM} dimensions "
+                         f"(FlexAttention's compiled kernel); this model's have {head_dim}: set "
+                         "learner.attention to blocks or dense")
     return attention
 
 
@@ -246,7 +265,7 @@ def packed_forward(
     """The model's forward over one pack with the chosen tree attention (HF CausalLM output)."""
     hf_model: PreTrainedModel = getattr(model, "module", model)
     device = next(model.parameters()).device
-    attention = resolve_attention(attention, device)
+    attention = resolve_attention(attention, device, head_dim(hf_model))
     input_ids = pack.input_ids.to(device)[None]
     position_ids = pack.position_ids.to(device)[None]
     common = dict(input_ids=input_ids, position_ids=position_ids, logits_to_keep=logits_to_keep, use_cache=False)

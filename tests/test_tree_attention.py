@@ -8,12 +8,19 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from arbor.packing import pack_trees
 from arbor.tree import RolloutTree
-from arbor.tree_attention import dense_tree_mask, flex_block_mask, packed_logits, plan_blocks
+from arbor.tree_attention import (
+    dense_tree_mask,
+    flex_block_mask,
+    head_dim,
+    packed_logits,
+    plan_blocks,
+    resolve_attention,
+)
 
 
-def model_and_trees(attn="sdpa", dtype=torch.float64):
+def model_and_trees(attn="sdpa", dtype=torch.float64, hidden_size=32):
     torch.manual_seed(0)
-    cfg = Qwen2Config(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+    cfg = Qwen2Config(hidden_size=hidden_size, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                       intermediate_size=64, vocab_size=40, attn_implementation=attn)
     rng = random.Random(1)
     trees = []
@@ -132,7 +139,7 @@ def test_flex_attention_with_tree_block_mask_matches_dense_sdpa():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="FlexAttention training needs CUDA")
 def test_flex_trains_on_cuda_like_dense():
-    model, trees = model_and_trees(dtype=torch.float32)
+    model, trees = model_and_trees(dtype=torch.float32, hidden_size=64)  # heads of 16: Flex's least
     model = model.cuda().train()
     (pack,) = pack_trees(trees, require_logprobs=False)
     rows = torch.arange(pack.num_tokens)
@@ -220,3 +227,21 @@ def test_plan_gathers_nothing_when_groups_are_in_packed_order():
     assert plan.groups == [(3, 5, 5), (1, 4, 4)]
     assert plan.query_index.tolist() == [*range(0, 5), *range(9, 19), *range(5, 9)]
     assert torch.equal(plan.key_index, plan.query_index)  # no context: keys are the queries
+
+
+def test_auto_attention_avoids_flex_for_heads_flex_cannot_compile():
+    # FlexAttention's compiled kernel needs head dimensions of at least 16 (seen on an H100:
+    # inductor's "NYI: embedding dimension ... must be at least 16"); auto picks block attention
+    # for smaller heads, and an explicit flex names the problem and the key.
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert resolve_attention("auto", cuda, head_dim=64) == "flex"
+    assert resolve_attention("auto", cuda, head_dim=16) == "flex"
+    assert resolve_attention("auto", cuda, head_dim=8) == "blocks"
+    assert resolve_attention("auto", cpu, head_dim=64) == "blocks"
+    assert resolve_attention("dense", cuda, head_dim=8) == "dense"
+    with pytest.raises(ValueError, match=r"at least 16 dimensions.*have 8.*learner.attention"):
+        resolve_attention("flex", cuda, head_dim=8)
+    model, _ = model_and_trees()
+    assert head_dim(model) == 8  # hidden 32 / 4 heads
+    model.config.head_dim = 24
+    assert head_dim(model) == 24
