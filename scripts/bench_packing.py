@@ -1,6 +1,7 @@
 """Tree-packed vs linear training: forward + backward time and peak memory, side by side.
 
     python scripts/bench_packing.py [--reps 5] [--threads 2] [--attention auto] [--smoke]
+    python scripts/bench_packing.py --real [--attention flex|dense]   # on a CUDA GPU
 
 A tiny Qwen2-style model (hidden 256, 4 layers, 8 heads, vocab 4096, random weights)
 runs ``policy_loss`` forward + backward on the same trees three ways, interleaved, medians:
@@ -29,6 +30,15 @@ threads every small op waits at a barrier for a thread the OS may have deschedul
 wall times swing with other processes' load (tree mode, with 6× smaller ops, suffers
 most). CPU time is printed beside wall time for the same reason. ``--smoke``: a tiny
 model, cases shrunk 8×, one repeat, no memory runs (checks the script, measures nothing).
+
+``--real`` (CUDA): the scale the method is for — a Qwen2.5-0.5B-shaped model (24 layers,
+hidden 896, 14 query / 2 KV heads, MLP 4864, vocabulary 151,936, tied; random weights) in
+bf16 on the GPU, case (a) scaled to 16 leaves × (2,048-token prefix + 512), the LM head
+chunked as the learner runs it (1,024 tokens), times synchronised with the GPU, and peak
+GPU memory per step (``torch.cuda.max_memory_allocated`` over what was allocated before
+it) in-process. ``--attention flex`` (the CUDA default) or ``dense`` (one [N, N] mask
+through SDPA) picks the kernel of ``tree`` and ``packed``; ``padded`` is the model's own
+causal SDPA either way.
 
 Ends with ``RESULT speedup=<a: padded/tree> ideal=<a: linearised/unique tokens>
 fraction=<speedup/ideal> nosharing_ratio=<c: tree/padded>
@@ -61,56 +71,71 @@ from arbor.packed_loss import policy_loss  # noqa: E402
 from arbor.packing import linearise_trees  # noqa: E402
 from arbor.tree import RolloutTree  # noqa: E402
 
-VOCAB = 4096
 MODES = ("tree", "packed", "padded")
+# --real leaves out "padded": arbor's reference path keeps whole logits, [leaves × response
+# tokens, 151,936] — 11.5 GiB in bf16 for case (a), plus float32 copies — out of memory on an
+# 80 GB H100; the fair baseline ("packed") runs the learner's chunked LM head as "tree" does.
+REAL_MODES = ("tree", "packed")
 PACK_TOKENS = 1 << 15  # every case in one pack: one varlen batch, as the linear frameworks run it
-
-
-def build_model(smoke: bool = False) -> torch.nn.Module:
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    torch.manual_seed(0)
-    size = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
-                intermediate_size=64) if smoke else dict(
-        hidden_size=256, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
-        intermediate_size=1024)
-    cfg = Qwen2Config(vocab_size=VOCAB, attn_implementation="sdpa", **size)
-    return Qwen2ForCausalLM(cfg).float().train()
 
 
 @dataclass
 class Shape:
-    """Token counts of the cases, divided by ``shrink`` (8 under ``--smoke``)."""
+    """The cases' scale: token counts divided by ``shrink`` (8 under ``--smoke``), the
+    vocabulary token ids are drawn from, and case (a)'s prefix and branch lengths."""
 
     shrink: int = 1
+    vocab: int = 4096
+    prefix: int = 512
+    branch: int = 64
 
     def __call__(self, n: int) -> int:
         return max(2, n // self.shrink)
 
 
-def tokens(rng: random.Random, n: int) -> list[int]:
-    return [rng.randrange(VOCAB) for _ in range(n)]
+SMOKE = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+             intermediate_size=64)
+TOY = dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
+           intermediate_size=1024)
+QWEN25_05B = dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+                  intermediate_size=4864, tie_word_embeddings=True)
+REAL = Shape(vocab=151936, prefix=2048, branch=512)  # --real: case (a) at 16 × (2,048 + 512)
 
 
-def segment(tree: RolloutTree, parent, rng: random.Random, n: int):
-    return tree.add_segment(parent, tokens(rng, n), logprobs=[-rng.random() for _ in range(n)])
+def build_model(smoke: bool = False, real: bool = False) -> torch.nn.Module:
+    """The toy model; ``smoke``: a tinier one; ``real``: the 0.5B shape in bf16 on the GPU."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    size, vocab = (QWEN25_05B, REAL.vocab) if real else (SMOKE if smoke else TOY, Shape().vocab)
+    model = Qwen2ForCausalLM(Qwen2Config(vocab_size=vocab, attn_implementation="sdpa", **size))
+    return (model.to(dtype=torch.bfloat16, device="cuda") if real else model.float()).train()
+
+
+def tokens(rng: random.Random, n: int, vocab: int) -> list[int]:
+    return [rng.randrange(vocab) for _ in range(n)]
+
+
+def segment(tree: RolloutTree, parent, rng: random.Random, n: int, vocab: int):
+    return tree.add_segment(parent, tokens(rng, n, vocab), logprobs=[-rng.random() for _ in range(n)])
 
 
 def case_shared_prefix(rng: random.Random, size: Shape) -> list[RolloutTree]:
-    """(a) 16 leaves under one 512-token prefix (a 32-token prompt + a 480-token segment)."""
-    tree = RolloutTree(tokens(rng, size(32)), problem={"id": "a"})
-    stem = segment(tree, tree.root, rng, size(480))
+    """(a) 16 leaves under one shared prefix (a 32-token prompt + a segment), 512 + 64 tokens
+    each (``--real``: 2,048 + 512)."""
+    tree = RolloutTree(tokens(rng, size(32), size.vocab), problem={"id": "a"})
+    stem = segment(tree, tree.root, rng, size(size.prefix - 32), size.vocab)
     for _ in range(16):
-        segment(tree, stem, rng, size(64))
+        segment(tree, stem, rng, size(size.branch), size.vocab)
     return [tree]
 
 
 def case_binary(rng: random.Random, size: Shape) -> list[RolloutTree]:
     """(b) TreePO-shaped: binary, depth 4, 64-token segments → 2+4+8+16 nodes, 16 leaves."""
-    tree = RolloutTree(tokens(rng, size(64)), problem={"id": "b"})
+    tree = RolloutTree(tokens(rng, size(64), size.vocab), problem={"id": "b"})
     frontier = [tree.root]
     for _ in range(4):
-        frontier = [segment(tree, p, rng, size(64)) for p in frontier for _ in range(2)]
+        frontier = [segment(tree, p, rng, size(64), size.vocab) for p in frontier for _ in range(2)]
     return [tree]
 
 
@@ -118,8 +143,8 @@ def case_no_sharing(rng: random.Random, size: Shape) -> list[RolloutTree]:
     """(c) 16 independent trees, one leaf each: nothing to share."""
     trees = []
     for i in range(16):
-        tree = RolloutTree(tokens(rng, size(64)), problem={"id": f"c{i}"})
-        segment(tree, tree.root, rng, size(256))
+        tree = RolloutTree(tokens(rng, size(64), size.vocab), problem={"id": f"c{i}"})
+        segment(tree, tree.root, rng, size(256), size.vocab)
         trees.append(tree)
     return trees
 
@@ -134,8 +159,8 @@ def case_uneven(rng: random.Random, size: Shape, width: int = 16, max_depth: int
     """
     trees = []
     for i in range(4):
-        tree = RolloutTree(tokens(rng, size(48)), problem={"id": f"d{i}"})
-        live = [segment(tree, tree.root, rng, size(rng.randint(16, 32))) for _ in range(2)]
+        tree = RolloutTree(tokens(rng, size(48), size.vocab), problem={"id": f"d{i}"})
+        live = [segment(tree, tree.root, rng, size(rng.randint(16, 32)), size.vocab) for _ in range(2)]
         stopped = 0
         for _ in range(max_depth - 1):
             survivors = [node for node in live if rng.random() >= 0.25]
@@ -145,7 +170,7 @@ def case_uneven(rng: random.Random, size: Shape, width: int = 16, max_depth: int
             for node in survivors:
                 forks = 2 if room > 0 else 1
                 room -= forks - 1
-                live += [segment(tree, node, rng, size(rng.randint(16, 32))) for _ in range(forks)]
+                live += [segment(tree, node, rng, size(rng.randint(16, 32)), size.vocab) for _ in range(forks)]
         trees.append(tree)
     return trees
 
@@ -174,19 +199,34 @@ def batch_for(mode: str, trees: list[RolloutTree], advantages: list) -> Batch:
     return Batch(trees, advantages, "tree" if mode == "tree" else "padded")
 
 
-def batch_loss(model: torch.nn.Module, batch: Batch, attention: str) -> torch.Tensor:
+def batch_loss(model: torch.nn.Module, batch: Batch, attention: str, chunk_tokens: int = 0) -> torch.Tensor:
     """The scalar loss of ``batch`` (normalize="token"): the same number in every mode."""
     loss, _ = policy_loss(model, batch.trees, batch.advantages, mode=batch.policy_mode,  # type: ignore[arg-type]
-                          attention=attention, pack_tokens=PACK_TOKENS)  # type: ignore[arg-type]
+                          attention=attention, pack_tokens=PACK_TOKENS, chunk_tokens=chunk_tokens)  # type: ignore[arg-type]
     return loss
 
 
-def step(model: torch.nn.Module, batch: Batch, attention: str) -> tuple[float, float]:
-    """One forward + backward: (wall seconds, process CPU seconds)."""
+def step(model: torch.nn.Module, batch: Batch, attention: str, chunk_tokens: int = 0) -> tuple[float, float]:
+    """One forward + backward: (wall seconds, process CPU seconds); on a GPU, synchronised."""
+    cuda = next(model.parameters()).is_cuda
     model.zero_grad(set_to_none=True)
+    if cuda:
+        torch.cuda.synchronize()
     t0, c0 = time.perf_counter(), time.process_time()
-    batch_loss(model, batch, attention).backward()
+    batch_loss(model, batch, attention, chunk_tokens).backward()
+    if cuda:
+        torch.cuda.synchronize()
     return time.perf_counter() - t0, time.process_time() - c0
+
+
+def cuda_peak_mib(model: torch.nn.Module, batch: Batch, attention: str, chunk_tokens: int) -> float:
+    """Peak GPU memory of one forward + backward over what was allocated before it (MiB)."""
+    model.zero_grad(set_to_none=True)
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    step(model, batch, attention, chunk_tokens)
+    return (torch.cuda.max_memory_allocated() - before) / 2**20
 
 
 def padded_tokens(trees: list[RolloutTree]) -> int:
@@ -241,28 +281,40 @@ class CaseResult:
     padded: int  # tokens of the padded batch (leaves × longest path)
     wall: dict[str, float]  # mode -> median wall seconds
     cpu: dict[str, float]  # mode -> median CPU seconds
+    memory: dict[str, float] | None = None  # mode -> peak GPU MiB of a step (CUDA only)
+    out_of_memory: tuple[str, ...] = ()  # modes whose step did not fit on the GPU
 
     def speedup(self, baseline: str) -> float:
+        if baseline not in self.wall or "tree" not in self.wall:
+            return float("nan")
         return self.wall[baseline] / self.wall["tree"]
 
     def ideal(self, baseline: str) -> float:
         return (self.linearised if baseline == "packed" else self.padded) / self.unique
 
 
-def run_case(model: torch.nn.Module, name: str, size: Shape, reps: int, attention: str) -> CaseResult:
+def run_case(model: torch.nn.Module, name: str, size: Shape, reps: int, attention: str,
+             chunk_tokens: int = 0, modes: tuple[str, ...] = MODES) -> CaseResult:
     rng = random.Random(0)
     trees = CASES[name](rng, size)
     advantages = [[rng.gauss(0, 1) for _ in t.leaves()] for t in trees]
     # Linearised outside the clock: a linear framework receives its batch linear. Packing
     # (pack_trees inside policy_loss) is timed in both packed modes.
-    batches = {mode: batch_for(mode, trees, advantages) for mode in MODES}
-    for mode in MODES:  # warm-up
-        step(model, batches[mode], attention)
-    wall: dict[str, list[float]] = {m: [] for m in MODES}
-    cpu: dict[str, list[float]] = {m: [] for m in MODES}
+    batches = {mode: batch_for(mode, trees, advantages) for mode in modes}
+    failed = []
+    for mode in modes:  # warm-up (on a GPU also FlexAttention's compilation for this length)
+        try:
+            step(model, batches[mode], attention, chunk_tokens)
+        except torch.OutOfMemoryError:  # e.g. a dense [N, N] mask at 41k tokens: reported, not fatal
+            model.zero_grad(set_to_none=True)
+            torch.cuda.empty_cache()
+            failed.append(mode)
+    modes = tuple(m for m in modes if m not in failed)
+    wall: dict[str, list[float]] = {m: [] for m in modes}
+    cpu: dict[str, list[float]] = {m: [] for m in modes}
     for _ in range(reps):  # interleaved, so drifts in machine load hit every mode
-        for mode in MODES:
-            w, c = step(model, batches[mode], attention)
+        for mode in modes:
+            w, c = step(model, batches[mode], attention, chunk_tokens)
             wall[mode].append(w)
             cpu[mode].append(c)
     return CaseResult(
@@ -271,16 +323,20 @@ def run_case(model: torch.nn.Module, name: str, size: Shape, reps: int, attentio
         padded=padded_tokens(trees),
         wall={m: statistics.median(v) for m, v in wall.items()},
         cpu={m: statistics.median(v) for m, v in cpu.items()},
+        memory=({m: cuda_peak_mib(model, batches[m], attention, chunk_tokens) for m in modes}
+                if next(model.parameters()).is_cuda else None),
+        out_of_memory=tuple(failed),
     )
 
 
 def describe(name: str, r: CaseResult, memory: dict[str, float] | None) -> str:
-    ms = ", ".join(f"{m} {r.wall[m] * 1e3:.0f} ms (CPU {r.cpu[m] * 1e3:.0f})" for m in MODES)
+    ms = ", ".join(f"{m} {r.wall[m] * 1e3:.0f} ms (CPU {r.cpu[m] * 1e3:.0f})" for m in r.wall)
     vs = " | ".join(
         f"vs {b}: speedup {r.speedup(b):.2f}x, ideal {r.ideal(b):.2f}x, fraction {r.speedup(b) / r.ideal(b):.2f}"
-        for b in ("packed", "padded")
+        for b in ("packed", "padded") if b in r.wall
     )
-    mem = "" if memory is None else " | peak step memory " + ", ".join(f"{m} {memory[m]:.0f} MiB" for m in MODES)
+    mem = "" if memory is None else " | peak step memory " + ", ".join(f"{m} {memory[m]:.0f} MiB" for m in memory)
+    mem += "".join(f" | {m}: out of GPU memory" for m in r.out_of_memory)
     return (f"case {name}: tokens unique {r.unique}, linearised {r.linearised}, padded {r.padded} | "
             f"{ms} | {vs}{mem}")
 
@@ -291,19 +347,41 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--attention", default="auto", choices=["auto", "blocks", "dense", "flex"])
     parser.add_argument("--smoke", action="store_true", help="tiny model and cases, 1 repeat, no memory runs")
+    parser.add_argument("--real", action="store_true",
+                        help="CUDA: a Qwen2.5-0.5B-shaped model in bf16, case (a) at 16 × (2,048 + 512)")
     parser.add_argument("--memory", nargs=2, metavar=("CASE", "MODE"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if args.memory:
         return measure_memory(*args.memory, args.attention)
-    model = build_model(args.smoke)
-    size, reps = (Shape(8), 1) if args.smoke else (Shape(), args.reps)
+    if args.real:
+        if not torch.cuda.is_available():
+            parser.error("--real runs on a CUDA GPU (a 0.5B model over 40k tokens: hours on a CPU)")
+        model = build_model(real=True)
+        size, reps, chunk = REAL, args.reps, 1024  # chunk: the learner's default logit_chunk_tokens
+    else:
+        model = build_model(args.smoke)
+        size, reps = (Shape(8), 1) if args.smoke else (Shape(), args.reps)
+        chunk = 0
     results = {}
     for name in CASES:
-        results[name] = run_case(model, name, size, reps, args.attention)
-        memory = None if args.smoke else {m: peak_memory(name, m, args.attention) for m in MODES}
+        results[name] = run_case(model, name, size, reps, args.attention, chunk, REAL_MODES if args.real else MODES)
+        memory = results[name].memory
+        if memory is None and not args.smoke:
+            memory = {m: peak_memory(name, m, args.attention) for m in MODES}
         print(describe(name, results[name], memory), flush=True)
     a, c, d = results["a"], results["c"], results["d"]
+    if args.real:
+        print(f"GPU {torch.cuda.get_device_name()}, bf16, attention {args.attention}")
+        memory = {f"peak_mib_{case}_{m}": (results[case].memory or {}).get(m, float("nan"))
+                  for case in "ad" for m in REAL_MODES}
+        print(f"RESULT speedup={a.speedup('packed'):.2f} ideal={a.ideal('packed'):.2f} "
+              f"fraction={a.speedup('packed') / a.ideal('packed'):.2f} "
+              f"uneven_speedup={d.speedup('packed'):.2f} uneven_ideal={d.ideal('packed'):.2f} "
+              f"uneven_fraction={d.speedup('packed') / d.ideal('packed'):.2f} "
+              f"nosharing_ratio_packed={1 / c.speedup('packed'):.2f} "
+              + " ".join(f"{k}={v:.0f}" for k, v in memory.items()))
+        return
     print(f"max RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MiB, "
           f"threads {args.threads}, attention {args.attention}, load average {os.getloadavg()[0]:.1f}")
     # Case (a)'s leaves are all as long: its padded batch has no padding, so its ideal is

@@ -3,7 +3,7 @@
     python scripts/bench_rollout.py [--width 16] [--branch 2] [--segment-tokens 32]
         [--max-depth 8] [--prompts 16] [--repeats 3] [--hidden 512] [--layers 4]
         [--heads 8] [--kv-heads 1] [--intermediate 2752] [--threads 1]
-        [--engine embedded|sglang] [--model PATH] [--device cpu|cuda]
+        [--engine embedded|sglang] [--model PATH] [--device cpu|cuda] [--dtype bfloat16]
 
 Starts ``python -m arbor.engines.server`` (through the launcher) on a random Qwen2 model
 built into a temp dir by ``tests/tiny_model.py`` — or, with ``--engine sglang`` on a GPU
@@ -195,6 +195,8 @@ def main() -> None:
     )
     parser.add_argument("--model", help="model directory to serve instead of the random toy")
     parser.add_argument("--device", default="cpu", help="the embedded engine's device")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
+                        help="the engine's dtype (default: bfloat16 on cuda, else the server's float32)")
     args = parser.parse_args()
 
     common = dict(
@@ -238,6 +240,7 @@ def main() -> None:
                 args.engine,
                 model_path=str(model),
                 device=args.device if embedded else None,
+                dtype=args.dtype or ("bfloat16" if args.device == "cuda" else None),
                 log_dir=Path(tmp) / "logs",
                 startup_timeout_s=600,
             )
