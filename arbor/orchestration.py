@@ -108,6 +108,21 @@ def start_ray(ray_cfg: RayConfig, needs_cpus: int) -> None:
     _started_here = True
 
 
+def gpu_shortfall(cfg: Config, bundles: list[dict[str, float]], gpus: float) -> str | None:
+    """Why ``bundles`` cannot be placed on a cluster of ``gpus`` GPUs (None: they can)."""
+    needed = sum(b.get("GPU", 0) for b in bundles)
+    if needed <= gpus:
+        return None
+    engines = len(bundles) - cfg.learner.num_ranks
+    message = (f"this run places {needed:g} GPUs (learner.num_ranks={cfg.learner.num_ranks}"
+               + (f" + engine.num_engines={engines} × engine.tp_size={cfg.engine.tp_size}" if engines else "")
+               + f"), and the local Ray instance has {gpus:g}")
+    if engines and not cfg.ray.colocate:
+        message += (": set ray.colocate: true to put each engine on a learner's GPU (with "
+                    "learner.weight_sync: disk), or use fewer learner ranks or engines")
+    return message
+
+
 class Placement:
     """One placement group: learner bundles first, then engine bundles (unless colocated)."""
 
@@ -128,8 +143,14 @@ class Placement:
         bundles = [learner_bundle] * self.num_ranks
         if not self.colocate:
             bundles += [engine_bundle] * engines
-        self.group = placement_group(bundles, strategy=cfg.ray.placement_strategy)
         import ray
+
+        # A local instance never grows: a group it cannot hold would wait the full 600 s.
+        if _started_here:
+            problem = gpu_shortfall(cfg, bundles, ray.cluster_resources().get("GPU", 0))
+            if problem:
+                raise ValueError(problem)
+        self.group = placement_group(bundles, strategy=cfg.ray.placement_strategy)
 
         ready, _ = ray.wait([self.group.ready()], timeout=600)
         if not ready:

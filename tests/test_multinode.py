@@ -94,3 +94,34 @@ def test_two_ranks_on_two_nodes_give_the_single_process_gradient(tmp_path, monke
         assert rank_grads.keys() == dict(reference.named_parameters()).keys()
         for name, param in reference.named_parameters():
             torch.testing.assert_close(rank_grads[name], param.grad, rtol=1e-4, atol=1e-7)
+
+
+def test_a_run_needing_more_gpus_than_the_local_ray_instance_fails_at_once(tmp_path, monkeypatch):
+    """A 1-GPU machine with an embedded engine and a learner on CUDA needs 2 GPUs unless
+    colocated (seen on an H100: the placement group waited its whole 600 s). A local
+    instance never grows, so the run stops at once with the keys to change. Here the
+    instance has no GPU at all (num_gpus=1 would be a lie Ray would believe)."""
+    import time
+
+    from arbor.orchestration import Placement, gpu_shortfall, start_ray
+
+    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
+    if ray.is_initialized():
+        ray.shutdown()
+    cfg = config(tiny_model_dir(tmp_path / "m"), "learner.device=cuda", "engine.kind=embedded", "ray.num_gpus=0")
+    start_ray(cfg.ray, needs_cpus=2)
+    try:
+        start = time.monotonic()
+        with pytest.raises(ValueError, match=r"places 2 GPUs \(learner.num_ranks=1 \+ engine.num_engines=1 × "
+                                             r"engine.tp_size=1\), and the local Ray instance has 0: set ray.colocate"):
+            Placement(cfg)
+        assert time.monotonic() - start < 30
+    finally:
+        ray.shutdown()
+    # Colocated, one GPU holds both; without engines to place, colocation is not the advice.
+    colocated = config(tmp_path / "m", "learner.device=cuda", "ray.colocate=true", "learner.weight_sync=disk")
+    assert gpu_shortfall(colocated, [{"CPU": 1, "GPU": 1}], 1) is None
+    two_ranks = config(tmp_path / "m", "learner.device=cuda", "learner.num_ranks=2", "engine.kind=external",
+                       "engine.urls=[http://127.0.0.1:1]")
+    message = gpu_shortfall(two_ranks, [{"CPU": 1, "GPU": 1}] * 2, 1)
+    assert message == "this run places 2 GPUs (learner.num_ranks=2), and the local Ray instance has 1"
