@@ -32,7 +32,8 @@ Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 
 @dataclass
 class ModelConfig:
-    path: str = "Qwen/Qwen2.5-Math-1.5B"  # HF directory or hub id (hub ids need network)
+    # TreePO's base model (as configs/math.yaml): its context holds the default budget, 1,024 + 14 × 512.
+    path: str = "Qwen/Qwen2.5-7B"  # HF directory or hub id (hub ids need network)
     dtype: Dtype = "auto"  # auto: bfloat16 on CUDA, float32 on CPU
     trust_remote_code: bool = False
     gradient_checkpointing: bool = False
