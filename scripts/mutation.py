@@ -51,7 +51,10 @@ TESTS: dict[str, list[str]] = {
     # arbor/logprobs.py: the log-prob forwards of packs and padded sequences.
     "logprobs": ["tests/test_loss.py", "tests/test_logprobs.py", "tests/test_lm_head.py",
                  "tests/test_tree_vs_linear.py"],
-    "sampler": ["tests/test_sampler.py", "tests/test_sampler_agents.py"],
+    "sampler": ["tests/test_sampler.py", "tests/test_sampler_agents.py",
+                # partial rollouts (_resample_stale) on the embedded engine
+                "tests/test_async_rollouts.py::test_without_partial_rollouts_in_flight_segments_keep_the_old_version",
+                "tests/test_async_rollouts.py::test_partial_rollouts_sample_overtaken_segments_again_under_the_new_weights"],
     "sampler_budget": ["tests/test_sampler.py"],
     "rewards": ["tests/test_rewards.py"],
 }
@@ -204,10 +207,11 @@ def _prepare(module: str) -> Path:
     pyproject = (ROOT / "pyproject.toml").read_text()
     (work / "pyproject.toml").write_text(pyproject + "\n" + _config(module))
     # mutmut maps each function to the tests that reach it once, and re-maps only tests with
-    # new names: after an edit to a test, its old map would skip it. Start the map afresh.
-    digest = hashlib.sha256(b"".join((work / "tests" / name).read_bytes()
-                                     for name in sorted(os.listdir(work / "tests"))
-                                     if name.endswith(".py"))).hexdigest()
+    # new names: after an edit to a test, or to the tests a module runs, its old map would
+    # skip them. Start the map afresh.
+    digest = hashlib.sha256(_config(module).encode() + b"".join(
+        (work / "tests" / name).read_bytes() for name in sorted(os.listdir(work / "tests")) if name.endswith(".py")
+    )).hexdigest()
     seen = work / "tests.sha256"
     if not seen.exists() or seen.read_text() != digest:
         (work / "mutants" / "mutmut-stats.json").unlink(missing_ok=True)
