@@ -114,6 +114,9 @@ def test_an_agent_step_past_its_timeout_ends_the_episode(caplog) -> None:
         trees, stats = run(engine, cfg_of(mode="independent", width=2, agent_timeout_s=0.2),
                            prompts=[PROMPT], eos_token_ids=[EOS], agent=agent, render=agent.render,
                            decode=str)
+        # The abandoned steps still run, in daemon threads: a hung tool never keeps the process alive.
+        held = [t for t in threading.enumerate() if t.name.startswith("agent-step-")]
+        assert len(held) == 2 and all(t.daemon for t in held)
     finally:
         hold.set()
     assert [leaf.finish_reason for leaf in trees[0].leaves()] == ["agent_timeout"] * 2
@@ -121,6 +124,13 @@ def test_an_agent_step_past_its_timeout_ends_the_episode(caplog) -> None:
     assert stats[0].finish_reasons == {"agent_timeout": 2}
     assert "problem 0: agent.step ran past rollout.agent_timeout_s=0.2s; its episode ends there " \
            "(agent_timeout)" in caplog.text
+
+
+def test_an_agent_message_whose_error_is_not_a_bool_names_the_problem() -> None:
+    agent = TokenAgent(turns=1, tool_len=2, error="yes")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"^problem 0: an agent message's 'error' must be true or false "
+                                        r"\(a failed tool call\), got 'yes'$"):
+        run_episode(agent, [([11, EOS], "stop"), ([12, EOS], "stop")])
 
 
 def test_an_agent_needs_render_and_decode() -> None:
