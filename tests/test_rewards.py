@@ -569,5 +569,10 @@ def test_a_script_that_does_not_close_its_pool_still_exits():
         f"pool = RewardPool({FIX + ':one'!r}, workers=1, timeout_s=5, search_dirs=[{HERE!r}])\n"
         "assert pool.score([({'id': 'p0'}, 'c')]).scores == [1.0]\n"
     )
-    done = subprocess.run([sys.executable, "-c", script], timeout=30, capture_output=True, text=True)
+    import arbor
+
+    # The arbor under test (under scripts/mutation.py: the mutated copy), whatever the cwd.
+    env = {**os.environ, "PYTHONPATH": str(Path(arbor.__file__).resolve().parent.parent)}
+    done = subprocess.run([sys.executable, "-c", script], timeout=30, capture_output=True,
+                          text=True, env=env)
     assert done.returncode == 0, done.stderr
