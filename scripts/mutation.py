@@ -75,6 +75,15 @@ _ZEROS = ("the prompt's zero weights in float32 for float64: torch.cat promotes 
 _NO_LEAVES = ("unreachable: tree.nodes() leaves out the root and every other node has a leaf below it "
               "(a node without children is one), so each has an entry in `below`: _node_weights never "
               "takes its 'no leaves' branch, nor .get's default")
+_KILLED_JOIN = ("the limit on join() right after SIGKILL (none, or one second more): a killed process "
+                "exits within milliseconds, so join returns long before any limit; only a process "
+                "stuck in uninterruptible kernel I/O outlives SIGKILL, which no test can stage")
+_EOF_JOIN = ("the limit on join() (none, or 6 s for 5 s) for a starting worker whose pipe reported "
+             "end-of-file: the worker holds the only other end, which closes as it exits (the kernel "
+             "closes a process's files among its last steps), so join returns at once; only a reward "
+             "module that closed descriptors it does not own at import could keep it alive")
+_EXACT_CLOCK = (">= for > against a time limit: the clock never lands on the exact limit, and if it did "
+                "the next wait(0) acts a microsecond later")
 EQUIVALENT: dict[str, str] = {
     "arbor.packing.x__node_weights__mutmut_53": _NO_LEAVES,
     "arbor.packing.x__node_weights__mutmut_55": _NO_LEAVES,
@@ -124,9 +133,6 @@ EQUIVALENT: dict[str, str] = {
         "the start of the next batch anyway (score's first loop)",
     "arbor.packing.x_assign_to_ranks__mutmut_18":
         "every rank's load starts at 1.0 for 0.0: the same offset on every rank, the same choices",
-    "arbor.rewards.xǁRewardPoolǁ_collect_finished__mutmut_8":
-        "poll(1) for poll(0) when a batch stops: waits up to 1 s more for a busy worker's "
-        "answer before restarting it; the same results unless a check ends within that second",
     "arbor.packed_loss.x_policy_loss__mutmut_107":
         "'or' for 'and' in the no-trees assert: total and all_sums are None together or not at all",
     "arbor.packed_loss.x_pack_loss__mutmut_31": _ON_CPU,
@@ -151,10 +157,17 @@ EQUIVALENT: dict[str, str] = {
     "arbor.sampler.xǁ_TreeSamplerǁ_done__mutmut_13": _NO_REASON,
     "arbor.sampler.xǁ_TreeSamplerǁ_done__mutmut_20": _SHORTFALL,
     "arbor.sampler.xǁ_TreeSamplerǁ_done__mutmut_21": _SHORTFALL,
-    "arbor.rewards.xǁRewardPoolǁ_replace__mutmut_1":
-        "join() without its 5 s limit right after SIGKILL: a killed process exits, join returns",
-    "arbor.rewards.xǁRewardPoolǁscore__mutmut_58":
-        ">= for > against start_timeout_s: the clock never lands on the exact limit",
+    "arbor.rewards.xǁRewardPoolǁ_replace__mutmut_1": _KILLED_JOIN,
+    "arbor.rewards.xǁRewardPoolǁ_replace__mutmut_2": _KILLED_JOIN,
+    "arbor.rewards.xǁRewardPoolǁclose__mutmut_3": _KILLED_JOIN,
+    "arbor.rewards.xǁRewardPoolǁclose__mutmut_4": _KILLED_JOIN,
+    "arbor.rewards.xǁRewardPoolǁ_receive__mutmut_3": _EOF_JOIN,
+    "arbor.rewards.xǁRewardPoolǁ_receive__mutmut_4": _EOF_JOIN,
+    "arbor.rewards.xǁRewardPoolǁscore__mutmut_58": _EXACT_CLOCK,  # start_timeout_s
+    "arbor.rewards.xǁRewardPoolǁscore__mutmut_50": _EXACT_CLOCK,  # timeout_s
+    "arbor.rewards.x__worker_main__mutmut_6":
+        "StreamHandler(None) for StreamHandler(sys.stderr): logging takes None to mean "
+        "sys.stderr, read at the same moment, so the handler writes to the same stream",
     "arbor.advantage.x__std__mutmut_3":
         "_std of < 2 values returns 1.0 for 0.0: it only divides R − mean (0 for one leaf) and "
         "V(node) − V(parent) (0 without siblings), so every result is still 0",

@@ -9,6 +9,13 @@ import time
 if (os.environ.get("ARBOR_TEST_DIE_AT_IMPORT")
         and multiprocessing.current_process().name == "arbor-reward-worker"):
     os._exit(7)
+# Workers that die while importing until the folder ARBOR_TEST_DEATHS_DIR holds
+# ARBOR_TEST_DEATHS marks, one left by each death: a few deaths in a row, then a worker lives.
+if (os.environ.get("ARBOR_TEST_DEATHS_DIR")
+        and multiprocessing.current_process().name == "arbor-reward-worker"
+        and len(os.listdir(os.environ["ARBOR_TEST_DEATHS_DIR"])) < int(os.environ["ARBOR_TEST_DEATHS"])):
+    open(os.path.join(os.environ["ARBOR_TEST_DEATHS_DIR"], str(os.getpid())), "w").close()
+    os._exit(7)
 # A worker that takes a while to import (so a test can kill it while it starts).
 if (os.environ.get("ARBOR_TEST_SLOW_IMPORT")
         and multiprocessing.current_process().name == "arbor-reward-worker"):
@@ -82,6 +89,18 @@ def waits_for_file(problem: dict, completion: str) -> float:
     if completion == "die":
         os._exit(3)
     return 1.0
+
+
+def meets(problem: dict, completion: str) -> float:
+    """Leaves a mark in the folder problem['dir'], waits (up to problem['wait'] seconds)
+    until problem['n'] marks are there, then scores how many there are: checks that run
+    at the same time meet, checks that run one after another do not."""
+    folder = problem["dir"]
+    open(os.path.join(folder, f"{os.getpid()}-{completion}"), "w").close()
+    deadline = time.monotonic() + problem["wait"]
+    while len(os.listdir(folder)) < problem["n"] and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return float(len(os.listdir(folder)))
 
 
 def raises_deep(problem: dict, completion: str) -> float:

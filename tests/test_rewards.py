@@ -7,6 +7,7 @@ import logging
 import multiprocessing
 import os
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -85,13 +86,17 @@ def test_raise_names_problem_id_and_keeps_partial_scores():
 
 
 def test_raise_restarts_busy_workers_and_keeps_what_they_finished():
-    # Worker A gets p0 (slow), worker B gets p1 (fails at once): p0 is cut short, not waited for.
-    items = [(problem(0, sleep=60), "ok"), (problem(1), "bad")]
-    with RewardPool(f"{FIX}:raises_on_bad", workers=2, timeout_s=30, search_dirs=[HERE]) as pool:
-        pool.score([(problem(9), "ok")] * 2)  # both workers up
+    # Workers A and B get p0 and p1 (slow), worker C gets p2 (fails at once): p0 and p1 are
+    # cut short, not waited for, not even a second each.
+    items = [(problem(0, sleep=60), "ok"), (problem(1, sleep=60), "ok"), (problem(2), "bad")]
+    with RewardPool(f"{FIX}:raises_on_bad", workers=3, timeout_s=30, search_dirs=[HERE]) as pool:
+        while not all(w.ready for w in pool._workers):  # all up: item k goes to worker k
+            pool.score([(problem(9), "ok")])
+        t0 = time.monotonic()
         with pytest.raises(RewardError) as err:
             pool.score(items)
-        assert err.value.problem_id == "p1" and err.value.partial_scores == {}
+        assert time.monotonic() - t0 < 1.5
+        assert err.value.problem_id == "p2" and err.value.partial_scores == {}
         assert pool.score([(problem(5), "ok")] * 3).scores == [1.0] * 3
 
 
@@ -100,7 +105,11 @@ def test_error_message_clips_a_megabyte_completion():
     with pytest.raises(RewardError) as err:
         score_batch(f"{FIX}:raises_on_bad", [(problem(0), completion)], timeout_s=10, workers=1,
                     search_dirs=[HERE])
-    assert len(str(err.value)) < 3000
+    message = str(err.value)
+    assert len(message) < 3000
+    # The completion is shown as its first and last 40 characters (1_000_003 − 80 cut).
+    assert (f"(completion {'bad' + 'x' * 37!r}…[999923 chars]…{'x' * 40!r}): "
+            "reward_fixtures.py:raises_on_bad raised ValueError: ") in message
 
 
 @pytest.mark.parametrize("fn, shown", [("nan", "nan"), ("text", "'1.0'")])
@@ -111,8 +120,12 @@ def test_non_number_score_is_an_error(fn, shown):
 
 def test_dead_worker_scores_zero_counts_as_crash_and_is_replaced():
     items = [(problem(0), "ok"), (problem(1), "die"), (problem(2), "ok")]
-    result = score_batch(f"{FIX}:dies", items, timeout_s=10, workers=1, search_dirs=[HERE])
+    progress = []
+    with RewardPool(f"{FIX}:dies", workers=1, timeout_s=10, search_dirs=[HERE]) as pool:
+        result = pool.score(items, on_progress=lambda done, total: progress.append(done))
     assert result.scores == [1.0, 0.0, 1.0] and result.crashed == [1] and result.timeouts == 0
+    assert progress[-1] == 3 and progress == sorted(progress)  # the crashed check is done too
+    assert 0 <= result.check_seconds[1] < 10  # until it died, not a clock reading
 
 
 def test_segfaulting_worker_is_a_crash_not_an_error():
@@ -181,10 +194,11 @@ def test_worker_dying_at_start_up_is_an_error_not_a_loop(monkeypatch):
         ([f"{FIX}:one", f"{FIX}:missing"],
          "reward.functions[1].fn: module 'reward_fixtures.py' has no attribute 'missing'"),
         ([f"{FIX}:not_callable"],
-         "reward.functions[0].fn: 'reward_fixtures.py:not_callable' is not callable"),
+         "reward.functions[0].fn: 'reward_fixtures.py:not_callable' is not callable (got int)"),
         (["no_module_here:fn"], "reward.functions[0].fn: cannot import module 'no_module_here'"),
         (["no_colon"], "reward.functions[0].fn: expected 'module:attr'"),
-        ([f"{FIX}:one", f"{FIX}:one"], "reward.functions[1].fn: 'reward_fixtures.py:one' already is"),
+        ([f"{FIX}:one", f"{FIX}:length", f"{FIX}:one"],
+         "reward.functions[2].fn: 'reward_fixtures.py:one' already is reward.functions[0]; add the weights"),
         ([RewardTerm(f"{FIX}:one", float("nan"))], "reward.functions[0].weight: must be a finite"),
         ([], "reward.functions: at least one"),
     ],
@@ -206,7 +220,7 @@ def test_closed_pool_refuses_work():
     pool = RewardPool(f"{FIX}:one", workers=1, timeout_s=1, search_dirs=[HERE])
     pool.close()
     pool.close()  # a second close is harmless
-    with pytest.raises(RuntimeError, match="closed"):
+    with pytest.raises(RuntimeError, match="^RewardPool is closed$"):
         pool.score([(problem(0), "c")])
 
 
@@ -217,10 +231,21 @@ def test_clip_text_bounds_megabyte_strings():
 
 
 def test_unpicklable_problem_names_it_and_leaves_the_pool_usable():
+    from multiprocessing.reduction import ForkingPickler
+
+    bad = problem(0, handle=lambda: None)
+    with pytest.raises(Exception) as pickling:  # what the pipe's pickler says about it
+        ForkingPickler.dumps((0, bad, "c"))
     with RewardPool(f"{FIX}:one", workers=1, timeout_s=5, search_dirs=[HERE]) as pool:
-        with pytest.raises(TypeError, match="problem id 'p0'"):
-            pool.score([(problem(0, handle=lambda: None), "c")])
+        pool.score([(problem(9), "c")])  # the worker is up
+        (worker,) = pool._workers
+        with pytest.raises(TypeError) as err:
+            pool.score([(bad, "c")])
+        assert str(err.value) == (f"cannot send problem id 'p0' to a reward worker: "
+                                  f"{pickling.type.__name__}: {clip_text(str(pickling.value))}")
         assert pool.score([(problem(1), "c")]).scores == [1.0]
+        # Nothing reached the worker: it stays (no restart, no start-up paid again).
+        assert pool._workers[0].process.pid == worker.process.pid
 
 
 def test_interrupted_batch_does_not_leak_into_the_next():
@@ -454,3 +479,100 @@ def test_an_error_on_a_row_without_an_id_names_its_place():
     with pytest.raises(RewardError, match="problem id '<item 0>'") as err:
         score_batch(f"{FIX}:raises_on_bad", [({}, "bad")], timeout_s=10, workers=1, search_dirs=[HERE])
     assert err.value.problem_id == "<item 0>"
+
+
+def test_an_error_keeps_the_last_1500_characters_of_its_frames(tmp_path):
+    from arbor.rewards import _check
+
+    # The innermost three frames are over 600 characters each (long source lines): 1,500 are kept.
+    module = tmp_path / "long_frames.py"
+    comment = "  # " + "x" * 600
+    module.write_text(
+        "def deep(problem, completion):\n"
+        "    return level(2)\n\n\n"
+        "def level(k):\n"
+        "    if k == 0:\n"
+        f"        raise KeyError('deep'){comment}\n"
+        f"    return level(k - 1){comment}\n"
+    )
+    terms = [RewardTerm(f"{module}:deep")]
+    _, _, message = _check(0, problem(0), "c", terms, load_reward_terms(terms))
+    head, frames = message.split("\n", 1)
+    assert head == f"{module}:deep raised KeyError: \"'deep'\""
+    # The head of the outermost of the three is cut; the innermost, where it raised, is whole.
+    assert len(frames) == 1500 and f"raise KeyError('deep'){comment}\n" in frames[-800:]
+
+
+def test_a_pool_without_sizes_has_two_workers_5_s_checks_and_120_s_to_start():
+    with RewardPool(f"{FIX}:one", search_dirs=[HERE]) as pool:
+        started = [c for c in multiprocessing.active_children() if c.name == "arbor-reward-worker"]
+        assert len(started) == 2 and pool.timeout_s == 5.0 and pool.start_timeout_s == 120.0
+
+
+def test_score_batch_runs_as_many_workers_as_asked(tmp_path):
+    # Three checks that each wait for the other two meet only on three workers at once
+    # (on two, the first two give up after 20 s and score 2).
+    items = [(problem(i, dir=str(tmp_path), n=3, wait=20), str(i)) for i in range(3)]
+    result = score_batch(f"{FIX}:meets", items, timeout_s=30, workers=3, search_dirs=[HERE])
+    assert result.scores == [3.0, 3.0, 3.0]
+
+
+def test_start_up_deaths_count_in_a_row_only(monkeypatch, tmp_path):
+    # Two deaths at start-up are not yet a broken module (three in a row are), and a worker
+    # that got ready starts the count again.
+    first, second = tmp_path / "first", tmp_path / "second"
+    first.mkdir()
+    second.mkdir()
+    monkeypatch.setenv("ARBOR_TEST_DEATHS", "2")
+    monkeypatch.setenv("ARBOR_TEST_DEATHS_DIR", str(first))
+    with RewardPool(f"{FIX}:dies", workers=1, timeout_s=10, search_dirs=[HERE]) as pool:
+        assert pool.score([(problem(0), "ok")]).scores == [1.0]
+        assert len(list(first.iterdir())) == 2  # two workers died before the third lived
+        monkeypatch.setenv("ARBOR_TEST_DEATHS_DIR", str(second))
+        # The live worker dies mid-check; its replacement dies twice while starting.
+        result = pool.score([(problem(1), "die"), (problem(2), "ok")])
+        assert result.scores == [0.0, 1.0] and result.crashed == [0]
+        assert len(list(second.iterdir())) == 2
+
+
+def test_close_gives_a_busy_worker_2_s_then_kills_it():
+    pool = RewardPool(f"{FIX}:sleepy", workers=1, timeout_s=30, search_dirs=[HERE])
+
+    def interrupt(done, total):
+        if any(w.task is not None for w in pool._workers):
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):  # the worker is left in a 60 s check
+        pool.score([(problem(0, sleep=60), "c")], on_progress=interrupt)
+    (worker,) = pool._workers
+    t0 = time.monotonic()
+    pool.close()
+    assert 2.0 <= time.monotonic() - t0 < 2.8
+    assert worker.process.exitcode == -signal.SIGKILL
+
+
+def test_the_parent_wakes_once_a_second_while_a_check_runs_and_sleeps_otherwise():
+    # A 3 s check: on_progress comes at about 1 s and 2 s (a progress display stays live, a
+    # hung start-up is seen within a second) and with the answer, not in a busy loop.
+    with RewardPool(f"{FIX}:sleepy", workers=1, timeout_s=10, search_dirs=[HERE]) as pool:
+        pool.score([(problem(0), "warm")])
+        calls = []
+        pool.score([(problem(1, sleep=3), "c")], on_progress=lambda done, total: calls.append(done))
+    assert 3 <= len(calls) <= 5 and calls[-1] == 1
+
+
+def test_a_script_that_does_not_close_its_pool_still_exits():
+    # Workers are daemons: at exit the parent ends them; it would otherwise wait forever for
+    # workers that wait for its next item.
+    script = (
+        "from arbor.rewards import RewardPool\n"
+        f"pool = RewardPool({FIX + ':one'!r}, workers=1, timeout_s=5, search_dirs=[{HERE!r}])\n"
+        "assert pool.score([({'id': 'p0'}, 'c')]).scores == [1.0]\n"
+    )
+    import arbor
+
+    # The arbor under test (under scripts/mutation.py: the mutated copy), whatever the cwd.
+    env = {**os.environ, "PYTHONPATH": str(Path(arbor.__file__).resolve().parent.parent)}
+    done = subprocess.run([sys.executable, "-c", script], timeout=30, capture_output=True,
+                          text=True, env=env)
+    assert done.returncode == 0, done.stderr
