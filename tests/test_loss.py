@@ -463,7 +463,7 @@ def test_the_lm_head_runs_in_chunks_exactly_when_asked(random_model):
     # logits never exist; whole, it returns [1, M, V]. The numbers agree either way, so
     # only the head's output width tells the memory-saving path from the default.
     from arbor.logprobs import pack_token_logprobs, tree_logprobs
-    from arbor.packed_loss import pack_loss, policy_loss
+    from arbor.packed_loss import pack_loss, pack_sft_loss, policy_loss
     from arbor.packing import loss_denominator, pack_trees
 
     widths = []
@@ -480,25 +480,32 @@ def test_the_lm_head_runs_in_chunks_exactly_when_asked(random_model):
         policy_loss(random_model, [tree], advantages, chunk_tokens=1)
         tree_logprobs(random_model, [tree])
         tree_logprobs(random_model, [tree], chunk_tokens=1)
+        pack_sft_loss(random_model, pack, loss_denominator([tree], "token"))
+        pack_sft_loss(random_model, pack, loss_denominator([tree], "token"), chunk_tokens=1)
     finally:
         hook.remove()
-    assert widths == [V, 2] * 4
+    assert widths == [V, 2] * 5
 
 
-def test_pack_loss_computes_in_the_dtype_of_the_policy_log_probs(random_model, uniform_model):
+def test_losses_compute_in_the_dtype_of_the_policy_log_probs(random_model, uniform_model):
     # A float32 policy: its log-probs are float32, and the float64 pack columns and a float64
-    # reference's log-probs are cast to them, so the loss is float32 like the model's work.
+    # reference's log-probs are cast to them, so the loss is float32 like the model's work,
+    # in both modes and for SFT too.
     import copy
 
-    from arbor.packed_loss import pack_loss
+    from arbor.packed_loss import pack_loss, pack_sft_loss, policy_loss
     from arbor.packing import loss_denominator, pack_trees
 
     policy = copy.deepcopy(random_model).float()
-    tree = forked_tree(1.5)
-    (pack,) = pack_trees([tree], [[1.0, 0.0, -1.0]])
+    tree, advantages = forked_tree(1.5), [[1.0, 0.0, -1.0]]
+    (pack,) = pack_trees([tree], advantages)
     assert pack.weight.dtype == torch.float64
     loss, _ = pack_loss(policy, pack, loss_denominator([tree], "token"), ref_model=uniform_model, kl_coef=0.5)
     assert loss.dtype == torch.float32
+    for mode in ("tree", "padded"):
+        loss, _ = policy_loss(policy, [tree], advantages, mode=mode, ref_model=uniform_model, kl_coef=0.5)
+        assert loss.dtype == torch.float32, mode
+    assert pack_sft_loss(policy, pack, loss_denominator([tree], "token")).dtype == torch.float32
 
 
 def test_tree_losses_pack_16384_tokens_by_default(monkeypatch, uniform_model):
@@ -521,3 +528,68 @@ def test_tree_losses_pack_16384_tokens_by_default(monkeypatch, uniform_model):
     arbor.packed_loss.sft_loss(uniform_model, [tree])
     arbor.logprobs.tree_logprobs(uniform_model, [tree])
     assert budgets == [16384] * 3
+
+
+def test_a_reference_equal_to_the_policy_has_zero_kl_at_any_temperature(random_model):
+    # The reference is scored at the rollout temperature like the policy: against itself
+    # its KL is 0 at T = 0.7 in both modes (scored at T = 1 it would not be), so the loss
+    # is the one without a KL term.
+    tree, advantages = forked_tree(1.0), [[1.0, 0.0, -1.0]]
+    plain, _ = both_modes(random_model, [tree], advantages, temperature=0.7)
+    with_kl, metrics = both_modes(random_model, [tree], advantages, temperature=0.7, ref_model=random_model,
+                                  kl_coef=0.5)
+    assert metrics["kl"] == pytest.approx(0.0, abs=1e-12)
+    assert with_kl == pytest.approx(plain, rel=1e-12)
+
+
+def test_pack_loss_with_a_behaviour_cap_is_the_decoupled_objective(uniform_model):
+    # π/π_behav = 2 on every token; leaves b (A +1, 3 path tokens), c (A 0, 4), d (A −1, 1);
+    # denominator 8 linearised tokens. Off-policy, cap C = 1.5: the proximal policy is this
+    # forward, so u = 1 and o = min(2, 1.5)·A: b 3·1.5, d −1.5 → loss −3/8, every token's
+    # weight at the cap. On-policy PPO clips instead: b 3·1.28, d −1·max(2, 1.28) → −1.84/8.
+    from arbor.packed_loss import pack_loss
+    from arbor.packing import pack_trees
+
+    (pack,) = pack_trees([forked_tree(2.0)], [[1.0, 0.0, -1.0]])
+    loss, sums = pack_loss(uniform_model, pack, 8.0, behaviour_cap=1.5)
+    assert loss.item() == pytest.approx(-3 / 8)
+    metrics = sums.stats.metrics()
+    assert metrics["behaviour_weight"] == pytest.approx(1.5) and metrics["truncated_fraction"] == 1.0
+    on_policy, sums = pack_loss(uniform_model, pack, 8.0)
+    assert on_policy.item() == pytest.approx(-1.84 / 8) and "behaviour_weight" not in sums.stats.metrics()
+
+
+def test_padded_fields_of_sft_have_no_advantage_and_no_behaviour_log_probs():
+    # advantages None (SFT): every token's advantage is 0, so no positive or negative
+    # part; require_logprobs False: old log-probs 0, though the nodes have some.
+    from arbor.packed_loss import padded_token_fields
+
+    f = padded_token_fields([forked_tree(2.0)], None, "token", require_logprobs=False)
+    assert f["mask"] == [1] * 8 and f["weight"] == [1.0] * 8
+    for name in ("old", "pos", "neg", "npos", "nneg"):
+        assert f[name] == [0.0] * 8, name
+
+
+def test_sft_loss_by_hand(uniform_model):
+    # The uniform model: −log p = log V on every token, so the token-normalised NLL is
+    # log V whatever the tree, with the default leaf weights 1; pack_sft_loss's own defaults
+    # (attention "auto", whole LM head) give the same for one pack.
+    from arbor.packed_loss import pack_sft_loss, sft_loss
+    from arbor.packing import pack_trees
+    from arbor.tree import RolloutTree
+
+    tree = forked_tree(1.0)
+    for mode in ("tree", "padded"):
+        assert sft_loss(uniform_model, [tree], mode=mode).item() == pytest.approx(math.log(V), rel=1e-12)
+    (pack,) = pack_trees([tree], None, require_logprobs=False)
+    assert pack_sft_loss(uniform_model, pack, 8.0).item() == pytest.approx(math.log(V), rel=1e-12)
+    # Leaf weights 2, 0.5, 1 over paths of 3, 4, 1 tokens: log V · (6 + 2 + 1) / 8.
+    weighted = sft_loss(uniform_model, [tree], [[2.0, 0.5, 1.0]])
+    assert weighted.item() == pytest.approx(math.log(V) * 9 / 8, rel=1e-12)
+    # One trainable token: the denominator 1 is used as it is (the 1e-12 floor only keeps
+    # an empty batch from dividing by 0), so the loss is log V to the last bits.
+    single = RolloutTree([1, 2], problem={"id": "one"})
+    single.add_segment(single.root, [3])
+    assert sft_loss(uniform_model, [single]).item() == pytest.approx(math.log(V), rel=1e-14, abs=0)
+    with pytest.raises(ValueError, match="^SFT leaf weights must be ≥ 0$"):
+        sft_loss(uniform_model, [tree], [[1.0, -0.5, 1.0]])

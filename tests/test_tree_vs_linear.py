@@ -6,6 +6,7 @@ per-leaf and per-token advantages, random old logprobs, KL (k1, k3) and entropy.
 """
 
 import random
+import re
 
 import pytest
 import torch
@@ -153,7 +154,9 @@ def test_the_padded_reference_is_named_padded():
     """``mode="linear"`` named it before the trainer's loss.mode: linear (packed chains) took the
     word: asking for it says both names."""
     tree = RolloutTree.from_sequences([1], [[2]], logprobs=[[-1.0]])
-    with pytest.raises(ValueError, match="'padded'.*loss.mode: linear"):
+    message = ("mode 'linear' is now 'padded' (every leaf its own padded sequence); the trainer's loss.mode: "
+               "linear (every leaf its own packed chain) is arbor.packing.linearise_trees")
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
         policy_loss(tiny("qwen2", torch.float64), [tree], [[1.0]], mode="linear")
     with pytest.raises(ValueError, match="mode must be 'tree' or 'padded'"):
         policy_loss(tiny("qwen2", torch.float64), [tree], [[1.0]], mode="dense")
