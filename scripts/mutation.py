@@ -66,6 +66,11 @@ _NO_REASON = "the '?' key of a leaf without a finish reason: every sampled leaf 
 _SHORTFALL = ("unreachable: sampling stops short of width only through the fallback, which "
               "sets its own shortfall reason (_reasons itself is tested directly)")
 _ON_CPU = "a device argument the CPU tests cannot see: the model and every tensor are on the CPU already"
+_PADDED_COUNTS = ("the padded reference's leaf counts (all 1) in torch's default float32 (arbor never changes "
+                  "it) for logp's dtype: 1.0 is exact in both, they only multiply no-grad metric terms that "
+                  "promote to logp's dtype, and a float32 sum of < 2^24 ones is exact")
+_NO_LOGPROBS = ("require_logprobs None for False: pack_trees and padded_token_fields only ever test it for "
+                "truth, and None is false like False")
 _COUNTS = ("a node's leaf count in float32 for float64: a count of leaves (< 2^24) is exact in both, "
            "and torch.cat promotes it to the float64 of the prompt's zeros that every pack starts with")
 _INFERRED = ("a packed column's dtype left to torch.tensor: it infers int64 from Python ints and bool "
@@ -135,6 +140,20 @@ EQUIVALENT: dict[str, str] = {
         "every rank's load starts at 1.0 for 0.0: the same offset on every rank, the same choices",
     "arbor.packed_loss.x_policy_loss__mutmut_107":
         "'or' for 'and' in the no-trees assert: total and all_sums are None together or not at all",
+    "arbor.packed_loss.x__padded_sums__mutmut_18": _ON_CPU,
+    "arbor.packed_loss.x__padded_sums__mutmut_21": _ON_CPU,
+    "arbor.packed_loss.x__padded_sums__mutmut_26": _ON_CPU,
+    "arbor.packed_loss.x__padded_sums__mutmut_29": _ON_CPU,
+    "arbor.packed_loss.x__padded_sums__mutmut_84": _PADDED_COUNTS,
+    "arbor.packed_loss.x__padded_sums__mutmut_87": _PADDED_COUNTS,
+    "arbor.packed_loss.x__padded_sums__mutmut_88": _ON_CPU,
+    "arbor.packed_loss.x_sft_loss__mutmut_41": _NO_LOGPROBS,
+    "arbor.packed_loss.x_sft_loss__mutmut_51": _ON_CPU,
+    "arbor.packed_loss.x_sft_loss__mutmut_60": _ON_CPU,
+    "arbor.packed_loss.x_sft_loss__mutmut_63": _ON_CPU,
+    "arbor.packed_loss.x_sft_loss__mutmut_75": _NO_LOGPROBS,
+    "arbor.packed_loss.x_sft_loss__mutmut_77":
+        "pack_trees without advantages=None: None is its default, the same call",
     "arbor.packed_loss.x_pack_loss__mutmut_31": _ON_CPU,
     "arbor.packed_loss.x_pack_loss__mutmut_33": _ON_CPU,
     "arbor.packed_loss.x__padded_sums__mutmut_85": _ON_CPU,
