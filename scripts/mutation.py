@@ -71,6 +71,14 @@ _PADDED_COUNTS = ("the padded reference's leaf counts (all 1) in torch's default
                   "promote to logp's dtype, and a float32 sum of < 2^24 ones is exact")
 _NO_LOGPROBS = ("require_logprobs None for False: pack_trees and padded_token_fields only ever test it for "
                 "truth, and None is false like False")
+_FLOAT_MASK = ("the padded rows' attention mask in float32 for int64: transformers casts it to bool "
+               "(create_causal_mask), and BLOOM's ALiBi positions, the running sum of 0.0/1.0, are the same numbers")
+_RIGHT_PADDED = ("no attention mask on right-padded rows: a causal model's real tokens never see the padding "
+                 "after them, positions count from 0 either way, and ALiBi (BLOOM) builds the same arange "
+                 "over real tokens (the BLOOM padded == per-leaf test passes on it)")
+_EMPTY_TARGETS = ("a scored index's dtype left to torch.tensor: it infers int64 from Python ints; an empty "
+                  "list (leaves without response tokens) gives float32, which gather accepts as an empty "
+                  "index, so the outputs are the same empty tensors")
 _COUNTS = ("a node's leaf count in float32 for float64: a count of leaves (< 2^24) is exact in both, "
            "and torch.cat promotes it to the float64 of the prompt's zeros that every pack starts with")
 _INFERRED = ("a packed column's dtype left to torch.tensor: it infers int64 from Python ints and bool "
@@ -159,9 +167,19 @@ EQUIVALENT: dict[str, str] = {
     "arbor.packed_loss.x__padded_sums__mutmut_85": _ON_CPU,
     "arbor.packed_loss.x_sft_loss__mutmut_54": _ON_CPU,
     "arbor.logprobs.x_pack_token_logprobs__mutmut_7": _ON_CPU,
-    "arbor.logprobs.x_padded_token_logprobs__mutmut_47":
-        "no attention mask on right-padded sequences: causal attention never lets a real token "
-        "see the padding after it, and the positions count from 0 either way",
+    "arbor.logprobs.x_padded_token_logprobs__mutmut_47": _RIGHT_PADDED,
+    "arbor.logprobs.x_padded_token_logprobs__mutmut_43": _RIGHT_PADDED,
+    "arbor.logprobs.x_padded_token_logprobs__mutmut_32": _FLOAT_MASK,
+    "arbor.logprobs.x_padded_token_logprobs__mutmut_35": _FLOAT_MASK,
+    "arbor.logprobs.x_padded_token_logprobs__mutmut_94": _EMPTY_TARGETS,
+    "arbor.logprobs.x_padded_token_logprobs__mutmut_97": _EMPTY_TARGETS,
+    "arbor.logprobs.x_padded_token_logprobs__mutmut_2": _ON_CPU,
+    "arbor.logprobs.x_padded_token_logprobs__mutmut_50": _ON_CPU,
+    "arbor.logprobs.x_padded_token_logprobs__mutmut_51": _ON_CPU,
+    "arbor.logprobs.x_padded_token_logprobs__mutmut_85": _ON_CPU,
+    "arbor.logprobs.x_padded_token_logprobs__mutmut_88": _ON_CPU,
+    "arbor.logprobs.x_padded_token_logprobs__mutmut_95": _ON_CPU,
+    "arbor.logprobs.x_padded_token_logprobs__mutmut_98": _ON_CPU,
     "arbor.sampler.x__in_daemon_thread__mutmut_16": _THREAD_NAME,
     "arbor.sampler.x__in_daemon_thread__mutmut_19": _THREAD_NAME,
     "arbor.sampler.x__in_daemon_thread__mutmut_21": _THREAD_NAME,
