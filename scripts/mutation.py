@@ -54,7 +54,8 @@ TESTS: dict[str, list[str]] = {
     "sampler": ["tests/test_sampler.py", "tests/test_sampler_agents.py",
                 # partial rollouts (_resample_stale) on the embedded engine
                 "tests/test_async_rollouts.py::test_without_partial_rollouts_in_flight_segments_keep_the_old_version",
-                "tests/test_async_rollouts.py::test_partial_rollouts_sample_overtaken_segments_again_under_the_new_weights"],
+                "tests/test_async_rollouts.py::test_partial_rollouts_sample_overtaken_segments_again_under_the_new_weights",
+                "tests/test_async_rollouts.py::test_partial_rollouts_count_every_time_a_segment_is_overtaken"],
     "sampler_budget": ["tests/test_sampler.py"],
     "rewards": ["tests/test_rewards.py"],
 }

@@ -56,17 +56,19 @@ def test_mixed_version_tags_round_trip_through_json():
 
 class UpdateAfterFirstRound:
     """A real engine whose weights change while the first round's segments are in flight
-    (they come back sampled by the old ones): what an asynchronous run's push does."""
+    (they come back sampled by the old ones): what an asynchronous run's push does.
+    ``updates``: the first that many calls are each overtaken by a push (versions 1, 2, ...)."""
 
-    def __init__(self, engine: LocalEngine) -> None:
-        self.engine, self.calls = engine, 0
-        self.new_state = {k: v + 0.05 for k, v in engine.model.state_dict().items()}
+    def __init__(self, engine: LocalEngine, updates: int = 1) -> None:
+        self.engine, self.calls, self.updates = engine, 0, updates
+        self.start = {k: v.clone() for k, v in engine.model.state_dict().items()}
 
     async def generate(self, request: GenerateRequest) -> list[GenerateOutput]:
         outs = await self.engine.generate(request)
         self.calls += 1
-        if self.calls == 1:
-            self.engine.load_weights(self.new_state, "1")
+        if self.calls <= self.updates:
+            new_state = {k: v + 0.05 * self.calls for k, v in self.start.items()}
+            self.engine.load_weights(new_state, str(self.calls))
         return outs
 
 
@@ -98,6 +100,20 @@ def test_partial_rollouts_sample_overtaken_segments_again_under_the_new_weights(
     assert {n.weight_version for n in tree.nodes()} == {"1"}
     assert stats.resampled == CFG.branch  # the root's two forks came back stale, once
     assert len(tree.leaves()) == CFG.width
+
+
+def test_partial_rollouts_count_every_time_a_segment_is_overtaken(model_dir):
+    # Two pushes in a row: the root's forks come back stale, and their resample too.
+    engine = LocalEngine(model_dir)
+    try:
+        (tree,), (stats,) = sample_trees_sync(
+            UpdateAfterFirstRound(engine, updates=2), [None], [PROMPT], CFG, seed=0,
+            is_stale=lambda version: version_number(version) < version_number(engine.weight_version),
+        )
+    finally:
+        engine.shutdown()
+    assert {n.weight_version for n in tree.nodes()} == {"2"}
+    assert stats.resampled == 2 * CFG.branch
 
 
 def test_the_decoupled_loss_weights_each_token_by_its_own_sampler(model_dir):
