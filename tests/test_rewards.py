@@ -576,3 +576,10 @@ def test_a_script_that_does_not_close_its_pool_still_exits():
     done = subprocess.run([sys.executable, "-c", script], timeout=30, capture_output=True,
                           text=True, env=env)
     assert done.returncode == 0, done.stderr
+    # The same, seen in this process (where mutmut's map of which tests reach which code looks).
+    pool = RewardPool(FIX + ":one", workers=2, timeout_s=5, search_dirs=[HERE])
+    try:
+        workers = [p for p in multiprocessing.active_children() if p.name == "arbor-reward-worker"]
+        assert len(workers) == 2 and all(p.daemon for p in workers)
+    finally:
+        pool.close()
