@@ -87,6 +87,10 @@ _INFERRED = ("a packed column's dtype left to torch.tensor: it infers int64 from
              "from bools, the dtypes named (a pack is never empty: it holds a trained token)")
 _ZEROS = ("the prompt's zero weights in float32 for float64: torch.cat promotes them to the "
           "float64 of the node weights beside them, and 0 is exact in both")
+_CONTEXT_PRESENT = ("unreachable: a unit's context nodes are always in the current part already (units come "
+                    "in DFS order, so a unit's ancestors are the previous unit's ancestors or its split node, "
+                    "all placed with it), so this setdefault never inserts, whatever key or value it is given (an "
+                    "assert there held over 24,000 random packings: 3,000 random tree sets × 8 budgets)")
 _NO_LEAVES = ("unreachable: tree.nodes() leaves out the root and every other node has a leaf below it "
               "(a node without children is one), so each has an entry in `below`: _node_weights never "
               "takes its 'no leaves' branch, nor .get's default")
@@ -143,6 +147,10 @@ EQUIVALENT: dict[str, str] = {
         "parents range(start, start + n + 1) for + n - 1: the list is cut to its first n entries, "
         "the same ones",
     "arbor.packing.x__serialise__mutmut_22": _ZEROS,
+    **{f"arbor.packing.x_pack_trees__mutmut_{i}": _CONTEXT_PRESENT for i in range(35, 40)},
+    **{f"arbor.packing.xǁPackedBatchǁ__post_init____mutmut_{i}": (
+        "origin left in the general column check: it is checked on its own just below with the same "
+        "entry, so the error is the same") for i in (11, 12)},
     "arbor.rewards.xǁRewardPoolǁ_collect_finished__mutmut_27":
         "break for continue after keeping a finished result: a worker left busy is restarted at "
         "the start of the next batch anyway (score's first loop)",

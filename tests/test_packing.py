@@ -318,6 +318,9 @@ def test_pack_trees_defaults_and_loss_weights():
         pack_trees([tree, tree], [[0.0]])
     with pytest.raises(ValueError, match="^1 loss weight lists for 2 trees$"):
         pack_trees([tree, tree], [[0.0], [0.0]], loss_weights=[[1.0]])
+    fork = fork_tree()
+    with pytest.raises(ValueError, match=rf"^problem {fork.problem_id}: 1 loss weights for 2 leaves$"):
+        pack_trees([fork], [[1.0, -2.0]], loss_weights=[[1.0]])
 
 
 def test_packed_origin_and_blocks_must_line_up():
@@ -327,6 +330,9 @@ def test_packed_origin_and_blocks_must_line_up():
         PackedBatch(**{**fields, "origin": fields["origin"][:-1]})
     with pytest.raises(ValueError, match="attention blocks cover 5 of 7 tokens"):
         PackedBatch(**{**fields, "blocks": fields["blocks"][:1]})
+    # The blocks are [0, 5) and [5, 7): the second alone covers 2 tokens, not 5 + 7.
+    with pytest.raises(ValueError, match="^attention blocks cover 2 of 7 tokens$"):
+        PackedBatch(**{**fields, "blocks": fields["blocks"][1:]})
 
 
 def test_partitioning_counts_the_context_of_every_level():
