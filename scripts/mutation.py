@@ -208,8 +208,8 @@ EQUIVALENT: dict[str, str] = {
     "arbor.rewards.xǁRewardPoolǁclose__mutmut_4": _KILLED_JOIN,
     "arbor.rewards.xǁRewardPoolǁ_receive__mutmut_3": _EOF_JOIN,
     "arbor.rewards.xǁRewardPoolǁ_receive__mutmut_4": _EOF_JOIN,
-    "arbor.rewards.xǁRewardPoolǁscore__mutmut_58": _EXACT_CLOCK,  # start_timeout_s
-    "arbor.rewards.xǁRewardPoolǁscore__mutmut_50": _EXACT_CLOCK,  # timeout_s
+    "arbor.rewards.xǁRewardPoolǁ_score__mutmut_58": _EXACT_CLOCK,  # start_timeout_s
+    "arbor.rewards.xǁRewardPoolǁ_score__mutmut_50": _EXACT_CLOCK,  # timeout_s
     "arbor.rewards.x__worker_main__mutmut_6":
         "StreamHandler(None) for StreamHandler(sys.stderr): logging takes None to mean "
         "sys.stderr, read at the same moment, so the handler writes to the same stream",
