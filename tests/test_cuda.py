@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 import torch
 from test_tree_vs_linear import assert_close, budget, random_advantages, random_tree
+from test_tree_vs_linear import loss_and_grads as tree_vs_linear_loss_and_grads
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from arbor.packed_loss import policy_loss
 from arbor.packing import pack_trees
 from arbor.tree import RolloutTree
 from arbor.tree_attention import packed_logits
@@ -39,10 +39,9 @@ def cuda_model(dtype: torch.dtype, seed: int) -> Qwen2ForCausalLM:
 
 
 def loss_and_grads(model, trees, advantages, **kw):
-    model.zero_grad()
-    loss, metrics = policy_loss(model, trees, advantages, **kw)
-    loss.backward()
-    return loss.detach().float().cpu(), [p.grad.float().cpu() for p in model.parameters()], metrics
+    """test_tree_vs_linear's loss_and_grads, brought to float32 on the CPU for comparison."""
+    loss, grads, metrics = tree_vs_linear_loss_and_grads(model, trees, advantages, **kw)
+    return loss.float().cpu(), [g.float().cpu() for g in grads], metrics
 
 
 def max_relative(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
