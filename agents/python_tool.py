@@ -17,7 +17,7 @@ from __future__ import annotations
 import re
 
 from arbor.data import prompt_messages
-from arbor.tools import ToolPool
+from arbor.rollout.tools import ToolPool
 
 CODE = re.compile(r"```python\n(.*?)```", re.DOTALL)
 INSTRUCTION = (

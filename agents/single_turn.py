@@ -3,7 +3,7 @@
     rollout:
       agent: agents/single_turn.py:SingleTurn
 
-An agent decides what follows each finished model turn (``arbor/agents.py``): ``start``
+An agent decides what follows each finished model turn (``arbor/rollout/agents.py``): ``start``
 gives the first messages, ``step`` the messages after a model turn, or None to end the
 episode. This one ends every episode after the first answer. A problem's prompt is text
 or a list of chat messages (``arbor.data``); either way the episode starts with it as is.

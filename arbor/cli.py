@@ -22,23 +22,26 @@ from arbor.plugins import default_search_dirs
 # Subcommand -> (module, function, one-line help, takes a config). Modules are imported
 # only when their command runs, so `arbor --help` stays fast and light.
 COMMANDS: dict[str, tuple[str, str, str, bool]] = {
-    "train": ("arbor.trainer", "main", "run RL post-training (TreePO tree rollouts)", True),
-    "sft": ("arbor.sft", "main", "supervised fine-tuning on conversations or trees", True),
-    "eval": ("arbor.evaluate", "main", "pass@k / maj@k of a model on a jsonl set", True),
+    "train": ("arbor.run.trainer", "main", "run RL post-training (TreePO tree rollouts)", True),
+    "sft": ("arbor.run.sft", "main", "supervised fine-tuning on conversations or trees", True),
+    "eval": ("arbor.run.evaluate", "main", "pass@k / maj@k of a model on a jsonl set", True),
     "config": ("arbor.cli", "print_config", "validate a config and print its resolved form", True),
-    "serve": ("arbor.engines.server", "main", "serve the embedded engine behind SGLang's API", False),
+    "serve": ("arbor.engines.embedded.server", "main", "serve the embedded engine behind SGLang's API", False),
     "view": ("arbor.viewer", "main", "render a saved rollout tree as a self-contained HTML page", False),
 }
 
 
 def check_extensions(cfg: Config) -> None:
     """Resolve the config's extension points once, so a bad name fails before any work."""
-    from arbor.rewards import RewardTerm, load_reward_terms  # imports math-verify: only here
+    from arbor.rollout.rewards import (  # imports math-verify: only here
+        RewardTerm,
+        load_reward_terms,
+    )
 
     terms = [RewardTerm(t.fn, t.weight) for t in cfg.reward.functions]
     load_reward_terms(terms, search_dirs=default_search_dirs(cfg.source))
     if cfg.rollout.agent is not None:
-        from arbor.agents import rollout_agent
+        from arbor.rollout.agents import rollout_agent
 
         rollout_agent(cfg.rollout, default_search_dirs(cfg.source))
 

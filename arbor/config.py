@@ -160,7 +160,7 @@ class AlgorithmConfig:
 @dataclass
 class LossConfig:
     # tree: each tree packed once (a shared prefix is computed once); linear: every leaf a
-    # chain of its own (arbor.packing.linearise_trees), packed: the GRPO baseline's compute,
+    # chain of its own (arbor.train.packing.linearise_trees), packed: the GRPO baseline's compute,
     # the same loss and gradients.
     mode: Literal["tree", "linear"] = "tree"
     clip_low: float = 0.2

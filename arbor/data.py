@@ -125,7 +125,7 @@ def format_prompt(problem: dict[str, Any], data_cfg: DataConfig, tokenizer: Any,
     Without a chat template a text prompt is tokenised as is, + ``data.prompt_suffix``
     (``data.system_prompt`` is not used); a list of messages needs the template.
     Raises when the prompt is longer than ``data.max_prompt_tokens``: the trainer skips
-    such problems at start-up (``arbor.agents.fitting_problems``), so none gets here.
+    such problems at start-up (``arbor.rollout.agents.fitting_problems``), so none gets here.
     """
     prompt = problem["prompt"]
     if chat_template and getattr(tokenizer, "chat_template", None):

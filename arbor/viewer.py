@@ -96,7 +96,7 @@ def leaf_advantages(trees: list[RolloutTree]) -> list[list[float] | None]:
 
     None for a tree with a leaf that has no reward; such trees take no part.
     """
-    from arbor.advantage import compute_advantages
+    from arbor.train.advantage import compute_advantages
 
     scored = [
         i

@@ -4,15 +4,15 @@
         [--out runs/bench_async] [section.key=value ...]
     python scripts/bench_async.py --smoke            # 2 steps, 1 seed, small batches: checks it runs
 
-Trains the config twice per seed with the real trainer (:func:`arbor.trainer.train`: Ray,
+Trains the config twice per seed with the real trainer (:func:`arbor.run.trainer.train`: Ray,
 engines, reward pool, DeepSpeed learner, weight sync):
 
 - **sync**: the config as it is (``algorithm.max_staleness: 0``): sample, score, train,
   push, one after another — the engine idles while the learner trains and the reverse;
 - **async**: ``algorithm.max_staleness: 1``: a producer thread samples and scores step
-  t + 1's trees while the learner trains on step t's (:mod:`arbor.async_rollouts`), and the
+  t + 1's trees while the learner trains on step t's (:mod:`arbor.run.async_rollouts`), and the
   loss is AReaL's decoupled objective (``loss.behaviour_cap``). On CPU the engine and the
-  learner then split the cores (``arbor.orchestration.cpu_threads``).
+  learner then split the cores (``arbor.run.orchestration.cpu_threads``).
 
 Everything else is the config's and the same for both arms (model, data order ``run.seed``,
 reward, batch, learning rate, evals every ``run.eval_every`` steps). ``wall`` is the whole
@@ -65,7 +65,7 @@ class Run:
 
 def run_arm(config: str, arm: str, seed: int, steps: int, out: Path, overrides: list[str]) -> Run:
     """Train one arm for ``steps`` steps; the eval runs every ``run.eval_every`` steps and after the last."""
-    from arbor.trainer import train
+    from arbor.run.trainer import train
 
     cfg = load_config(config, [
         *overrides, *ARMS[arm], f"run.seed={seed}", f"run.output_dir={out / f'{arm}-seed{seed}'}",

@@ -5,7 +5,7 @@
     python scripts/bench_learning.py --budget-s 20 --seeds 1 data.prompts_per_step=4   # smoke
 
 Trains the config's model on its data twice per seed with the real trainer
-(:func:`arbor.trainer.train`: engines, reward pool, DeepSpeed learner, weight sync):
+(:func:`arbor.run.trainer.train`: engines, reward pool, DeepSpeed learner, weight sync):
 
 - **tree**: TreePO sampling (``rollout.mode: tree``), TreePO subgroup advantages
   (``algorithm.advantage: treepo``) and tree packing (``loss.mode: tree``): each shared
@@ -55,9 +55,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from arbor import phases  # noqa: E402
 from arbor.config import load_config  # noqa: E402
-from arbor.metrics import read_metrics  # noqa: E402
+from arbor.run import phases  # noqa: E402
+from arbor.run.metrics import read_metrics  # noqa: E402
 
 # What differs between the arms; everything else comes from the config.
 ARMS = {
@@ -94,10 +94,10 @@ class BudgetSpent(Exception):
 
 def run_arm(config: str, arm: str, seed: int, budget_s: float, evals: int, out: Path, overrides: list[str],
             arm_overrides: tuple[str, ...] = ()) -> Curve:
-    """Train one arm with :func:`arbor.trainer.train` until ``budget_s`` training seconds;
+    """Train one arm with :func:`arbor.run.trainer.train` until ``budget_s`` training seconds;
     ``overrides`` (both arms) come before the arm's own settings, ``arm_overrides``
     (``--tree-override``) after them."""
-    from arbor.trainer import train
+    from arbor.run.trainer import train
 
     output_dir = out / f"{arm}-seed{seed}"
     cfg = load_config(config, [

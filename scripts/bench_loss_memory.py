@@ -7,12 +7,12 @@ A random model shaped like Qwen2.5-0.5B's head (vocab 151,936, hidden 896, 14 qu
 KV heads, MLP 4,864, tied embeddings; ``--layers`` 2 of its 24 are enough: the head is
 what differs) trains on one packed tree of ``--tokens`` tokens (a ``--prompt``-token
 prompt, two 256-token branches, 16 leaves below them; every response token is trained)
-with :func:`arbor.packed_loss.pack_loss`, float32 on the CPU:
+with :func:`arbor.train.packed_loss.pack_loss`, float32 on the CPU:
 
 - ``unchunked``: ``learner.logit_chunk_tokens: 0`` — [tokens, vocab] logits from the
   model's forward, log-softmax, entropy through autograd (arbor before the chunked head);
 - ``chunked``: ``learner.logit_chunk_tokens: --chunk`` — the head runs ``--chunk`` rows at
-  a time inside one autograd function that keeps no logits (:mod:`arbor.lm_head`).
+  a time inside one autograd function that keeps no logits (:mod:`arbor.train.lm_head`).
 
 - ``body``: the model body alone (forward to the final hidden states of the trained
   rows, backward from their sum): the activations every variant holds, so that
@@ -102,9 +102,9 @@ def run_variant(args: argparse.Namespace) -> dict[str, float]:
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from arbor.packed_loss import pack_loss
-    from arbor.packing import loss_denominator, pack_trees
-    from arbor.tree_attention import BLOCKS_IMPL, attention_implementation
+    from arbor.train.packed_loss import pack_loss
+    from arbor.train.packing import loss_denominator, pack_trees
+    from arbor.train.tree_attention import BLOCKS_IMPL, attention_implementation
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)

@@ -67,8 +67,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from arbor.packed_loss import policy_loss  # noqa: E402
-from arbor.packing import linearise_trees  # noqa: E402
+from arbor.train.packed_loss import policy_loss  # noqa: E402
+from arbor.train.packing import linearise_trees  # noqa: E402
 from arbor.tree import RolloutTree  # noqa: E402
 
 MODES = ("tree", "packed", "padded")

@@ -24,7 +24,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from arbor.rewards import RewardPool  # noqa: E402
+from arbor.rollout.rewards import RewardPool  # noqa: E402
 
 # (gold, right answers, wrong answers) in the forms models write.
 PROBLEMS = [

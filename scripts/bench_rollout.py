@@ -5,7 +5,7 @@
         [--heads 8] [--kv-heads 1] [--intermediate 2752] [--threads 1]
         [--engine embedded|sglang] [--model PATH] [--device cpu|cuda] [--dtype bfloat16]
 
-Starts ``python -m arbor.engines.server`` (through the launcher) on a random Qwen2 model
+Starts ``python -m arbor.engines.embedded.server`` (through the launcher) on a random Qwen2 model
 built into a temp dir by ``tests/tiny_model.py`` — or, with ``--engine sglang`` on a GPU
 machine, SGLang's own server (radix cache, its attention kernels), and with ``--model``
 any model directory (random prompts from its tokenizer's regular vocabulary, its EOS
@@ -71,7 +71,7 @@ from arbor.config import RolloutConfig  # noqa: E402
 from arbor.data import stop_token_ids  # noqa: E402
 from arbor.engines.client import SGLangClient  # noqa: E402
 from arbor.engines.launch import EngineLaunchError, launch_engines  # noqa: E402
-from arbor.sampler import sample_trees  # noqa: E402
+from arbor.rollout.sampler import sample_trees  # noqa: E402
 
 EOS_ID = 0  # tests/tiny_model.py's <|endoftext|>
 

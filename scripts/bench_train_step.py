@@ -6,7 +6,7 @@
 
 A random Qwen2 (``tests/tiny_model.py``, hidden 256, 4 layers, vocab 320) is served by
 ``arbor serve`` (through the launcher) and trained by a single-process
-``arbor.learner.Learner`` (backend torch, float32, the same config for both modes, each
+``arbor.train.learner.Learner`` (backend torch, float32, the same config for both modes, each
 mode its own fresh copy of the weights). Problems are made-up sums ("What is 37+48?")
 with numeric answers. One step, each phase timed:
 
@@ -74,14 +74,14 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
-from arbor.advantage import compute_advantages  # noqa: E402
 from arbor.config import LearnerConfig, LossConfig, ModelConfig, OptimConfig, RolloutConfig  # noqa: E402
 from arbor.engines.client import SGLangClient  # noqa: E402
 from arbor.engines.launch import launch_engines  # noqa: E402
-from arbor.learner import Learner  # noqa: E402
-from arbor.packing import linearise_trees, loss_denominator, pack_trees  # noqa: E402
-from arbor.rewards import RewardPool  # noqa: E402
-from arbor.sampler import sample_trees  # noqa: E402
+from arbor.rollout.rewards import RewardPool  # noqa: E402
+from arbor.rollout.sampler import sample_trees  # noqa: E402
+from arbor.train.advantage import compute_advantages  # noqa: E402
+from arbor.train.learner import Learner  # noqa: E402
+from arbor.train.packing import linearise_trees, loss_denominator, pack_trees  # noqa: E402
 from arbor.tree import RolloutTree  # noqa: E402
 
 EOS_ID = 0  # tests/tiny_model.py's <|endoftext|>
@@ -95,7 +95,7 @@ PHASES = ("rollout", "reward", "advantage", "pack", "train")
 class Mode:
     name: str
     rollout: RolloutConfig
-    estimator: str  # arbor.advantage estimator
+    estimator: str  # arbor.train.advantage estimator
     whiten: bool
     linear: bool  # train on linearise_trees(...) instead of the trees
     learner: Learner

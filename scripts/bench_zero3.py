@@ -12,7 +12,7 @@ then two pairs of learner ranks (``DS_ACCELERATOR=cpu``, gloo, ``OMP_NUM_THREADS
   (``load_policy``, what the learner did before #23), then partitions it as
   ``deepspeed.initialize`` does (``zero.Init(module=model)``; transformers maps the
   safetensors file, so the whole model becomes resident only as it is read there);
-  ``sharded`` builds it partitioned (``arbor.zero3.build_partitioned``). The larger rank
+  ``sharded`` builds it partitioned (``arbor.train.zero3.build_partitioned``). The larger rank
   counts; the optimizer (the same on both paths) is not included.
 - **sync** (the sharded pair, after ``deepspeed.initialize``): seconds from the first
   gather to the engine's confirmed version, rank 0 pushing to an ``arbor serve`` engine
@@ -77,8 +77,8 @@ def rank_main(mode: str, model_dir: str, url: str, bucket_mb: float, repeats: in
     import torch
 
     from arbor.config import load_config
-    from arbor.learner import Learner, deepspeed_config, init_distributed, load_policy
-    from arbor.zero3 import build_partitioned
+    from arbor.train.learner import Learner, deepspeed_config, init_distributed, load_policy
+    from arbor.train.zero3 import build_partitioned
 
     rank = int(os.environ["RANK"])
     cfg = load_config(None, [
@@ -110,7 +110,7 @@ def time_syncs(model, rank: int, url: str, bucket_mb: float, repeats: int) -> di
     import torch
 
     from arbor.engines.client import SGLangClient
-    from arbor.weight_sync import (
+    from arbor.train.weight_sync import (
         WeightSync,
         gathered_buckets,
         gathered_parameters,
@@ -148,7 +148,7 @@ def time_syncs(model, rank: int, url: str, bucket_mb: float, repeats: int) -> di
 
 def run_pair(mode: str, model_dir: Path, url: str, args: argparse.Namespace, out: Path) -> list[dict]:
     """Both ranks of ``mode``; their result records."""
-    from arbor.engines.server import free_port
+    from arbor.engines.embedded.server import free_port
 
     port = str(free_port())
     procs = []

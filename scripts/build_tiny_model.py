@@ -13,7 +13,7 @@ through (``--corrupt``), and stopped as soon as its *greedy* validation accuracy
 No download: the byte-level BPE tokenizer (digits always one per token) is trained here on
 the synthetic corpus, the model (Qwen2 architecture, ~0.9M parameters, 3.4 MB) starts
 from random weights and is supervised on problems like "What is 37+48?" answered
-"37+48=85 \\boxed{85}" by ``arbor sft``'s step (``arbor.sft.sft_step`` on a plain-torch
+"37+48=85 \\boxed{85}" by ``arbor sft``'s step (``arbor.run.sft.sft_step`` on a plain-torch
 learner, each problem a one-branch tree example). The prompts are exactly what
 ``arbor train`` feeds the model with ``data.chat_template: true``,
 ``data.prompt_suffix: PROMPT_SUFFIX`` and no system prompt (``arbor.data.format_prompt``).
@@ -46,8 +46,8 @@ sys.path.insert(0, str(REPO))
 
 from arbor.config import DataConfig, LearnerConfig, LossConfig, ModelConfig, OptimConfig  # noqa: E402
 from arbor.data import format_prompt  # noqa: E402
-from arbor.learner import Learner  # noqa: E402
-from arbor.sft import SftExample, encode_example, sft_step  # noqa: E402
+from arbor.run.sft import SftExample, encode_example, sft_step  # noqa: E402
+from arbor.train.learner import Learner  # noqa: E402
 
 sys.path.insert(0, str(REPO / "scripts"))
 import cot_task  # noqa: E402
@@ -130,7 +130,7 @@ def evaluate(model: Any, tokenizer: Any, problems: Sequence[dict[str, str]], sam
     completions per problem at temperature 1.0 (``samples=0``: one greedy completion).
 
     Prompts of equal length go in one batch, so no padding is involved."""
-    from arbor.answers import last_boxed
+    from arbor.rollout.answers import last_boxed
 
     generator = torch.Generator().manual_seed(seed)
     groups: dict[int, list[tuple[dict[str, str], list[int]]]] = defaultdict(list)

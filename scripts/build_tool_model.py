@@ -51,8 +51,6 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from arbor.agents import Agent, Message, episode_inputs, load_agent, tool_turns  # noqa: E402
-from arbor.answers import last_boxed  # noqa: E402
 from arbor.config import (  # noqa: E402
     DataConfig,
     LearnerConfig,
@@ -62,10 +60,12 @@ from arbor.config import (  # noqa: E402
     RolloutConfig,
 )
 from arbor.data import read_rows  # noqa: E402
-from arbor.engines.local import LocalEngine  # noqa: E402
-from arbor.learner import Learner  # noqa: E402
-from arbor.sampler import sample_trees_sync  # noqa: E402
-from arbor.sft import SftExample, load_examples, sft_step  # noqa: E402
+from arbor.engines.embedded.engine import LocalEngine  # noqa: E402
+from arbor.rollout.agents import Agent, Message, episode_inputs, load_agent, tool_turns  # noqa: E402
+from arbor.rollout.answers import last_boxed  # noqa: E402
+from arbor.rollout.sampler import sample_trees_sync  # noqa: E402
+from arbor.run.sft import SftExample, load_examples, sft_step  # noqa: E402
+from arbor.train.learner import Learner  # noqa: E402
 
 AGENT = "agents/python_tool.py:PythonTool"  # configs/agent_math.yaml's rollout.agent
 # configs/agent_math.yaml's response budget (segment_tokens · max_depth): code, tool

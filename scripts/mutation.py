@@ -41,14 +41,14 @@ TESTS: dict[str, list[str]] = {
                 "tests/test_linearise.py::test_per_token_advantages_follow_their_leaf",
                 "tests/test_linearise.py::test_wrong_advantage_count_names_the_problem",
                 "tests/test_linearise.py::test_unique_tokens_of_chains_are_the_linearised_tokens"],
-    # arbor/loss.py: the pure objective (token_sums, combine, ...), pinned by hand-worked numbers.
+    # arbor/train/loss.py: the pure objective (token_sums, combine, ...), pinned by hand-worked numbers.
     "loss": ["tests/test_loss.py"],
-    # arbor/packed_loss.py: the forwards and packing around the objective (policy_loss,
+    # arbor/train/packed_loss.py: the forwards and packing around the objective (policy_loss,
     # pack_loss, the SFT loss), pinned by hand-worked numbers and tree == padded agreement.
     "packed_loss": ["tests/test_loss.py", "tests/test_tree_vs_linear.py", "tests/test_logprobs.py",
                     "tests/test_linearise.py", "tests/test_lm_head.py",
                     "tests/test_sft.py::test_tree_sft_gradients_equal_linear_sft"],
-    # arbor/logprobs.py: the log-prob forwards of packs and padded sequences.
+    # arbor/train/logprobs.py: the log-prob forwards of packs and padded sequences.
     "logprobs": ["tests/test_loss.py", "tests/test_logprobs.py", "tests/test_lm_head.py",
                  "tests/test_tree_vs_linear.py"],
     "sampler": ["tests/test_sampler.py", "tests/test_sampler_agents.py",
@@ -104,130 +104,130 @@ _EOF_JOIN = ("the limit on join() (none, or 6 s for 5 s) for a starting worker w
 _EXACT_CLOCK = (">= for > against a time limit: the clock never lands on the exact limit, and if it did "
                 "the next wait(0) acts a microsecond later")
 EQUIVALENT: dict[str, str] = {
-    "arbor.packing.x__node_weights__mutmut_53": _NO_LEAVES,
-    "arbor.packing.x__node_weights__mutmut_55": _NO_LEAVES,
-    "arbor.packing.x__node_weights__mutmut_58": _NO_LEAVES,
-    "arbor.packing.x__node_weights__mutmut_59": _NO_LEAVES,
-    "arbor.packing.x__node_weights__mutmut_60": _NO_LEAVES,
-    "arbor.packing.x__node_weights__mutmut_61": _NO_LEAVES,
-    "arbor.packing.x__node_weights__mutmut_62": _NO_LEAVES,
-    "arbor.packing.x__node_weights__mutmut_63": _NO_LEAVES,
-    "arbor.packing.x__node_weights__mutmut_64": _NO_LEAVES,
-    "arbor.packing.x__node_weights__mutmut_65": _NO_LEAVES,
-    "arbor.packing.x__node_weights__mutmut_66": _NO_LEAVES,
-    "arbor.packing.x__node_weights__mutmut_67": _NO_LEAVES,
-    "arbor.packing.x__node_weights__mutmut_68": _NO_LEAVES,
-    "arbor.packing.x__node_weights__mutmut_69": _NO_LEAVES,
-    "arbor.packing.x__node_weights__mutmut_70": _NO_LEAVES,
-    "arbor.packing.x__node_weights__mutmut_71": _NO_LEAVES,
-    "arbor.packing.x__node_weights__mutmut_72": _NO_LEAVES,
-    "arbor.packing.x__node_weights__mutmut_73": _NO_LEAVES,
-    "arbor.packing.x__node_weights__mutmut_74": _NO_LEAVES,
-    "arbor.packing.x__node_weights__mutmut_75": _NO_LEAVES,
-    "arbor.packing.x__node_weights__mutmut_76": _NO_LEAVES,
-    "arbor.packing.x__node_weights__mutmut_99": _COUNTS,
-    "arbor.packing.x__node_weights__mutmut_102": _COUNTS,
-    "arbor.packing.x__serialise__mutmut_20": _ZEROS,
-    "arbor.packing.x__serialise__mutmut_66":
+    "arbor.train.packing.x__node_weights__mutmut_53": _NO_LEAVES,
+    "arbor.train.packing.x__node_weights__mutmut_55": _NO_LEAVES,
+    "arbor.train.packing.x__node_weights__mutmut_58": _NO_LEAVES,
+    "arbor.train.packing.x__node_weights__mutmut_59": _NO_LEAVES,
+    "arbor.train.packing.x__node_weights__mutmut_60": _NO_LEAVES,
+    "arbor.train.packing.x__node_weights__mutmut_61": _NO_LEAVES,
+    "arbor.train.packing.x__node_weights__mutmut_62": _NO_LEAVES,
+    "arbor.train.packing.x__node_weights__mutmut_63": _NO_LEAVES,
+    "arbor.train.packing.x__node_weights__mutmut_64": _NO_LEAVES,
+    "arbor.train.packing.x__node_weights__mutmut_65": _NO_LEAVES,
+    "arbor.train.packing.x__node_weights__mutmut_66": _NO_LEAVES,
+    "arbor.train.packing.x__node_weights__mutmut_67": _NO_LEAVES,
+    "arbor.train.packing.x__node_weights__mutmut_68": _NO_LEAVES,
+    "arbor.train.packing.x__node_weights__mutmut_69": _NO_LEAVES,
+    "arbor.train.packing.x__node_weights__mutmut_70": _NO_LEAVES,
+    "arbor.train.packing.x__node_weights__mutmut_71": _NO_LEAVES,
+    "arbor.train.packing.x__node_weights__mutmut_72": _NO_LEAVES,
+    "arbor.train.packing.x__node_weights__mutmut_73": _NO_LEAVES,
+    "arbor.train.packing.x__node_weights__mutmut_74": _NO_LEAVES,
+    "arbor.train.packing.x__node_weights__mutmut_75": _NO_LEAVES,
+    "arbor.train.packing.x__node_weights__mutmut_76": _NO_LEAVES,
+    "arbor.train.packing.x__node_weights__mutmut_99": _COUNTS,
+    "arbor.train.packing.x__node_weights__mutmut_102": _COUNTS,
+    "arbor.train.packing.x__serialise__mutmut_20": _ZEROS,
+    "arbor.train.packing.x__serialise__mutmut_66":
         "the prompt's placeholder behaviour log-probs 1.0 for 0.0: prompt tokens are never trained, "
         "and old_logprobs keeps only trained tokens' values (torch.where(trained, old, 0))",
-    "arbor.packing.x__serialise__mutmut_252": _INFERRED,
-    "arbor.packing.x__serialise__mutmut_254": _INFERRED,
-    "arbor.packing.x__serialise__mutmut_277": _INFERRED,
-    "arbor.packing.x__serialise__mutmut_279": _INFERRED,
-    "arbor.packing.x__serialise__mutmut_283": _INFERRED,
-    "arbor.packing.x__serialise__mutmut_285": _INFERRED,
-    "arbor.packing.x__serialise__mutmut_289": _INFERRED,
-    "arbor.packing.x__serialise__mutmut_291": _INFERRED,
-    "arbor.packing.x__serialise__mutmut_295": _INFERRED,
-    "arbor.packing.x__serialise__mutmut_297": _INFERRED,
-    "arbor.packing.x__serialise__mutmut_301": _INFERRED,
-    "arbor.packing.x__serialise__mutmut_303": _INFERRED,
-    "arbor.packing.x__serialise__mutmut_142":
+    "arbor.train.packing.x__serialise__mutmut_252": _INFERRED,
+    "arbor.train.packing.x__serialise__mutmut_254": _INFERRED,
+    "arbor.train.packing.x__serialise__mutmut_277": _INFERRED,
+    "arbor.train.packing.x__serialise__mutmut_279": _INFERRED,
+    "arbor.train.packing.x__serialise__mutmut_283": _INFERRED,
+    "arbor.train.packing.x__serialise__mutmut_285": _INFERRED,
+    "arbor.train.packing.x__serialise__mutmut_289": _INFERRED,
+    "arbor.train.packing.x__serialise__mutmut_291": _INFERRED,
+    "arbor.train.packing.x__serialise__mutmut_295": _INFERRED,
+    "arbor.train.packing.x__serialise__mutmut_297": _INFERRED,
+    "arbor.train.packing.x__serialise__mutmut_301": _INFERRED,
+    "arbor.train.packing.x__serialise__mutmut_303": _INFERRED,
+    "arbor.train.packing.x__serialise__mutmut_142":
         "parents range(start, start + n + 1) for + n - 1: the list is cut to its first n entries, "
         "the same ones",
-    "arbor.packing.x__serialise__mutmut_22": _ZEROS,
-    **{f"arbor.packing.x_pack_trees__mutmut_{i}": _CONTEXT_PRESENT for i in range(35, 40)},
-    **{f"arbor.packing.xǁPackedBatchǁ__post_init____mutmut_{i}": (
+    "arbor.train.packing.x__serialise__mutmut_22": _ZEROS,
+    **{f"arbor.train.packing.x_pack_trees__mutmut_{i}": _CONTEXT_PRESENT for i in range(35, 40)},
+    **{f"arbor.train.packing.xǁPackedBatchǁ__post_init____mutmut_{i}": (
         "origin left in the general column check: it is checked on its own just below with the same "
         "entry, so the error is the same") for i in (11, 12)},
-    "arbor.rewards.xǁRewardPoolǁ_collect_finished__mutmut_27":
+    "arbor.rollout.rewards.xǁRewardPoolǁ_collect_finished__mutmut_27":
         "break for continue after keeping a finished result: a worker left busy is restarted at "
         "the start of the next batch anyway (score's first loop)",
-    "arbor.packing.x_assign_to_ranks__mutmut_18":
+    "arbor.train.packing.x_assign_to_ranks__mutmut_18":
         "every rank's load starts at 1.0 for 0.0: the same offset on every rank, the same choices",
-    "arbor.packed_loss.x_policy_loss__mutmut_107":
+    "arbor.train.packed_loss.x_policy_loss__mutmut_107":
         "'or' for 'and' in the no-trees assert: total and all_sums are None together or not at all",
-    "arbor.packed_loss.x__padded_sums__mutmut_18": _ON_CPU,
-    "arbor.packed_loss.x__padded_sums__mutmut_21": _ON_CPU,
-    "arbor.packed_loss.x__padded_sums__mutmut_26": _ON_CPU,
-    "arbor.packed_loss.x__padded_sums__mutmut_29": _ON_CPU,
-    "arbor.packed_loss.x__padded_sums__mutmut_84": _PADDED_COUNTS,
-    "arbor.packed_loss.x__padded_sums__mutmut_87": _PADDED_COUNTS,
-    "arbor.packed_loss.x__padded_sums__mutmut_88": _ON_CPU,
-    "arbor.packed_loss.x_sft_loss__mutmut_41": _NO_LOGPROBS,
-    "arbor.packed_loss.x_sft_loss__mutmut_51": _ON_CPU,
-    "arbor.packed_loss.x_sft_loss__mutmut_60": _ON_CPU,
-    "arbor.packed_loss.x_sft_loss__mutmut_63": _ON_CPU,
-    "arbor.packed_loss.x_sft_loss__mutmut_75": _NO_LOGPROBS,
-    "arbor.packed_loss.x_sft_loss__mutmut_77":
+    "arbor.train.packed_loss.x__padded_sums__mutmut_18": _ON_CPU,
+    "arbor.train.packed_loss.x__padded_sums__mutmut_21": _ON_CPU,
+    "arbor.train.packed_loss.x__padded_sums__mutmut_26": _ON_CPU,
+    "arbor.train.packed_loss.x__padded_sums__mutmut_29": _ON_CPU,
+    "arbor.train.packed_loss.x__padded_sums__mutmut_84": _PADDED_COUNTS,
+    "arbor.train.packed_loss.x__padded_sums__mutmut_87": _PADDED_COUNTS,
+    "arbor.train.packed_loss.x__padded_sums__mutmut_88": _ON_CPU,
+    "arbor.train.packed_loss.x_sft_loss__mutmut_41": _NO_LOGPROBS,
+    "arbor.train.packed_loss.x_sft_loss__mutmut_51": _ON_CPU,
+    "arbor.train.packed_loss.x_sft_loss__mutmut_60": _ON_CPU,
+    "arbor.train.packed_loss.x_sft_loss__mutmut_63": _ON_CPU,
+    "arbor.train.packed_loss.x_sft_loss__mutmut_75": _NO_LOGPROBS,
+    "arbor.train.packed_loss.x_sft_loss__mutmut_77":
         "pack_trees without advantages=None: None is its default, the same call",
-    "arbor.packed_loss.x_pack_loss__mutmut_31": _ON_CPU,
-    "arbor.packed_loss.x_pack_loss__mutmut_33": _ON_CPU,
-    "arbor.packed_loss.x__padded_sums__mutmut_85": _ON_CPU,
-    "arbor.packed_loss.x_sft_loss__mutmut_54": _ON_CPU,
-    "arbor.logprobs.x_pack_token_logprobs__mutmut_7": _ON_CPU,
-    "arbor.logprobs.x_padded_token_logprobs__mutmut_47": _RIGHT_PADDED,
-    "arbor.logprobs.x_padded_token_logprobs__mutmut_43": _RIGHT_PADDED,
-    "arbor.logprobs.x_padded_token_logprobs__mutmut_32": _FLOAT_MASK,
-    "arbor.logprobs.x_padded_token_logprobs__mutmut_35": _FLOAT_MASK,
-    "arbor.logprobs.x_padded_token_logprobs__mutmut_94": _EMPTY_TARGETS,
-    "arbor.logprobs.x_padded_token_logprobs__mutmut_97": _EMPTY_TARGETS,
-    "arbor.logprobs.x_padded_token_logprobs__mutmut_2": _ON_CPU,
-    "arbor.logprobs.x_padded_token_logprobs__mutmut_50": _ON_CPU,
-    "arbor.logprobs.x_padded_token_logprobs__mutmut_51": _ON_CPU,
-    "arbor.logprobs.x_padded_token_logprobs__mutmut_85": _ON_CPU,
-    "arbor.logprobs.x_padded_token_logprobs__mutmut_88": _ON_CPU,
-    "arbor.logprobs.x_padded_token_logprobs__mutmut_95": _ON_CPU,
-    "arbor.logprobs.x_padded_token_logprobs__mutmut_98": _ON_CPU,
-    "arbor.sampler.x__in_daemon_thread__mutmut_21": _THREAD_NAME,
-    "arbor.sampler.xǁ_TreeSamplerǁrun__mutmut_10": _ROOT_OFFSET,
-    "arbor.sampler.xǁ_TreeSamplerǁrun__mutmut_42": _ROOT_OFFSET,
-    "arbor.sampler.xǁ_TreeSamplerǁ_fallback__mutmut_24": _ROOT_OFFSET,
-    "arbor.sampler.x__response_upto__mutmut_2":
+    "arbor.train.packed_loss.x_pack_loss__mutmut_31": _ON_CPU,
+    "arbor.train.packed_loss.x_pack_loss__mutmut_33": _ON_CPU,
+    "arbor.train.packed_loss.x__padded_sums__mutmut_85": _ON_CPU,
+    "arbor.train.packed_loss.x_sft_loss__mutmut_54": _ON_CPU,
+    "arbor.train.logprobs.x_pack_token_logprobs__mutmut_7": _ON_CPU,
+    "arbor.train.logprobs.x_padded_token_logprobs__mutmut_47": _RIGHT_PADDED,
+    "arbor.train.logprobs.x_padded_token_logprobs__mutmut_43": _RIGHT_PADDED,
+    "arbor.train.logprobs.x_padded_token_logprobs__mutmut_32": _FLOAT_MASK,
+    "arbor.train.logprobs.x_padded_token_logprobs__mutmut_35": _FLOAT_MASK,
+    "arbor.train.logprobs.x_padded_token_logprobs__mutmut_94": _EMPTY_TARGETS,
+    "arbor.train.logprobs.x_padded_token_logprobs__mutmut_97": _EMPTY_TARGETS,
+    "arbor.train.logprobs.x_padded_token_logprobs__mutmut_2": _ON_CPU,
+    "arbor.train.logprobs.x_padded_token_logprobs__mutmut_50": _ON_CPU,
+    "arbor.train.logprobs.x_padded_token_logprobs__mutmut_51": _ON_CPU,
+    "arbor.train.logprobs.x_padded_token_logprobs__mutmut_85": _ON_CPU,
+    "arbor.train.logprobs.x_padded_token_logprobs__mutmut_88": _ON_CPU,
+    "arbor.train.logprobs.x_padded_token_logprobs__mutmut_95": _ON_CPU,
+    "arbor.train.logprobs.x_padded_token_logprobs__mutmut_98": _ON_CPU,
+    "arbor.rollout.sampler.x__in_daemon_thread__mutmut_21": _THREAD_NAME,
+    "arbor.rollout.sampler.xǁ_TreeSamplerǁrun__mutmut_10": _ROOT_OFFSET,
+    "arbor.rollout.sampler.xǁ_TreeSamplerǁrun__mutmut_42": _ROOT_OFFSET,
+    "arbor.rollout.sampler.xǁ_TreeSamplerǁ_fallback__mutmut_24": _ROOT_OFFSET,
+    "arbor.rollout.sampler.x__response_upto__mutmut_2":
         "tree.response_ids(root) is [] anyway: the guard only saves a call",
-    "arbor.sampler.xǁ_TreeSamplerǁ_path_at__mutmut_3":
+    "arbor.rollout.sampler.xǁ_TreeSamplerǁ_path_at__mutmut_3":
         "tree.path(root) is [] anyway: the guard only saves a call",
-    "arbor.sampler.xǁ_TreeSamplerǁ_done__mutmut_6": _NO_REASON,
-    "arbor.sampler.xǁ_TreeSamplerǁ_done__mutmut_13": _NO_REASON,
-    "arbor.sampler.xǁ_TreeSamplerǁ_done__mutmut_20": _SHORTFALL,
-    "arbor.sampler.xǁ_TreeSamplerǁ_done__mutmut_21": _SHORTFALL,
-    "arbor.rewards.xǁRewardPoolǁ_replace__mutmut_1": _KILLED_JOIN,
-    "arbor.rewards.xǁRewardPoolǁ_replace__mutmut_2": _KILLED_JOIN,
-    "arbor.rewards.xǁRewardPoolǁclose__mutmut_3": _KILLED_JOIN,
-    "arbor.rewards.xǁRewardPoolǁclose__mutmut_4": _KILLED_JOIN,
-    "arbor.rewards.xǁRewardPoolǁ_receive__mutmut_3": _EOF_JOIN,
-    "arbor.rewards.xǁRewardPoolǁ_receive__mutmut_4": _EOF_JOIN,
-    "arbor.rewards.xǁRewardPoolǁ_score__mutmut_58": _EXACT_CLOCK,  # start_timeout_s
-    "arbor.rewards.xǁRewardPoolǁ_score__mutmut_50": _EXACT_CLOCK,  # timeout_s
-    "arbor.rewards.x__worker_main__mutmut_6":
+    "arbor.rollout.sampler.xǁ_TreeSamplerǁ_done__mutmut_6": _NO_REASON,
+    "arbor.rollout.sampler.xǁ_TreeSamplerǁ_done__mutmut_13": _NO_REASON,
+    "arbor.rollout.sampler.xǁ_TreeSamplerǁ_done__mutmut_20": _SHORTFALL,
+    "arbor.rollout.sampler.xǁ_TreeSamplerǁ_done__mutmut_21": _SHORTFALL,
+    "arbor.rollout.rewards.xǁRewardPoolǁ_replace__mutmut_1": _KILLED_JOIN,
+    "arbor.rollout.rewards.xǁRewardPoolǁ_replace__mutmut_2": _KILLED_JOIN,
+    "arbor.rollout.rewards.xǁRewardPoolǁclose__mutmut_3": _KILLED_JOIN,
+    "arbor.rollout.rewards.xǁRewardPoolǁclose__mutmut_4": _KILLED_JOIN,
+    "arbor.rollout.rewards.xǁRewardPoolǁ_receive__mutmut_3": _EOF_JOIN,
+    "arbor.rollout.rewards.xǁRewardPoolǁ_receive__mutmut_4": _EOF_JOIN,
+    "arbor.rollout.rewards.xǁRewardPoolǁ_score__mutmut_58": _EXACT_CLOCK,  # start_timeout_s
+    "arbor.rollout.rewards.xǁRewardPoolǁ_score__mutmut_50": _EXACT_CLOCK,  # timeout_s
+    "arbor.rollout.rewards.x__worker_main__mutmut_6":
         "StreamHandler(None) for StreamHandler(sys.stderr): logging takes None to mean "
         "sys.stderr, read at the same moment, so the handler writes to the same stream",
-    "arbor.advantage.x__std__mutmut_3":
+    "arbor.train.advantage.x__std__mutmut_3":
         "_std of < 2 values returns 1.0 for 0.0: it only divides R − mean (0 for one leaf) and "
         "V(node) − V(parent) (0 without siblings), so every result is still 0",
-    "arbor.advantage.x_reinforce_pp_advantages__mutmut_6":
+    "arbor.train.advantage.x_reinforce_pp_advantages__mutmut_6":
         "std_normalize=None for False: both are falsy, Dr.GRPO either way",
-    "arbor.sampler_budget.x_is_repetitive__mutmut_4":
+    "arbor.rollout.budget.x_is_repetitive__mutmut_4":
         "the short-cut at len < window + count − 2: at exactly window + count − 2 items there are "
         "count − 1 windows, too few to repeat count times, so the full count says False too",
-    "arbor.sampler_budget.x_is_repetitive__mutmut_13":
+    "arbor.rollout.budget.x_is_repetitive__mutmut_13":
         "one more window, cut short at the end: a shorter tuple equals no full window and occurs "
         "once, so it reaches count only when count is 1, when a full window already does",
-    "arbor.sampler_budget.x_largest_remainder__mutmut_3":
+    "arbor.rollout.budget.x_largest_remainder__mutmut_3":
         "floor(q − 1e-9): an exact integer quota floors one lower with remainder 1.0, the largest "
         "possible, so it gets its unit back first: the same integers",
-    "arbor.advantage.x_treepo_advantages__mutmut_34":
+    "arbor.train.advantage.x_treepo_advantages__mutmut_34":
         "weight 2.0 for 1.0 in the 'mean' aggregate: num and den both double, exactly",
 }
 

@@ -12,7 +12,7 @@ the default ``data.*_key`` settings. Layouts (``--layout``, detected from the co
 
 - ``math``: MATH, MATH-500, DeepScaleR's raw rows — ``problem`` and ``answer`` or
   ``solution`` (or both). The answer is the ``answer`` column when present, else the last ``\\boxed{}``
-  of the solution (``arbor.answers.last_boxed``).
+  of the solution (``arbor.rollout.answers.last_boxed``).
 - ``gsm8k``: ``question``, ``answer`` = worked solution ending ``#### 1,234``. The answer is
   the part after ``####`` without thousands separators; the worked text becomes ``solution``.
 - ``verl``: verl's preprocessed rows as DeepScaleR and DAPO-Math-17k ship them —
@@ -38,8 +38,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from arbor.answers import last_boxed  # noqa: E402
 from arbor.dataset_files import DataError, read_rows  # noqa: E402
+from arbor.rollout.answers import last_boxed  # noqa: E402
 
 Problem = dict[str, Any]
 GSM8K_FINAL = re.compile(r"####\s*(.+?)\s*$", re.DOTALL)

@@ -36,8 +36,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench_packing import Shape, build_model, case_uneven  # noqa: E402
 
 from arbor.config import LearnerConfig, LossConfig, ModelConfig, OptimConfig  # noqa: E402
-from arbor.learner import Learner  # noqa: E402
-from arbor.packing import linearise_trees, loss_denominator, pack_trees  # noqa: E402
+from arbor.train.learner import Learner  # noqa: E402
+from arbor.train.packing import linearise_trees, loss_denominator, pack_trees  # noqa: E402
 
 PACK_TOKENS = 4096  # bench_train_step's learner budget
 CATEGORIES = {

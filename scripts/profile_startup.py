@@ -4,11 +4,11 @@
     python scripts/profile_startup.py --config configs/cot.yaml --runs 1 run.eval_every=0
 
 Each run is a fresh process that does what ``arbor train CONFIG`` does before its first
-step (the config and its checks, importing the trainer, :func:`arbor.run_context.start_run`)
+step (the config and its checks, importing the trainer, :func:`arbor.run.context.start_run`)
 and then sends one rollout request (a prompt of the training set, 1 new token), timing
 
 - ``python``: the interpreter's start, process start to this script's first line;
-- ``imports``: ``arbor.cli`` and ``arbor.trainer`` (torch, transformers, Ray, ...);
+- ``imports``: ``arbor.cli`` and ``arbor.run.trainer`` (torch, transformers, Ray, ...);
 - ``config``: loading the config, resolving rewards/agents, the model's context check;
 - the phases ``start_run`` times itself (``tokenizer``, ``data``, ``metrics``, ``rewards``,
   ``ray``, ``placement``, ``engines``, ``learners``; engines and learners may overlap);
@@ -16,7 +16,7 @@ and then sends one rollout request (a prompt of the training set, 1 new token), 
 
 ``startup_s`` is process start to the moment the first request is sent. The run's output
 goes to a temporary directory. With ``--imports`` each of torch, transformers, deepspeed,
-ray and arbor.trainer is also imported alone in a fresh ``python -X importtime`` process.
+ray and arbor.run.trainer is also imported alone in a fresh ``python -X importtime`` process.
 The last line is ``RESULT startup_s=... <phase>_s=...`` (medians over the runs).
 """
 
@@ -36,7 +36,7 @@ import tempfile  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
-IMPORTED_ALONE = ("torch", "transformers", "deepspeed", "ray", "arbor.trainer")
+IMPORTED_ALONE = ("torch", "transformers", "deepspeed", "ray", "arbor.run.trainer")
 
 
 def process_start() -> float:
@@ -51,20 +51,20 @@ def process_start() -> float:
 
 def profile_once(config: str, overrides: list[str]) -> dict[str, float]:
     """One start-up in this process, as ``arbor train`` runs it; seconds per phase."""
-    from arbor.startup import StartupClock
+    from arbor.run.startup import StartupClock
 
     clock = StartupClock(origin=process_start())
     clock.spans["python"] = (0.0, SCRIPT_START - clock.origin)
     with clock.phase("imports"):
         from arbor.cli import check_extensions, check_model_context
         from arbor.config import load_config
-        from arbor.run_context import start_run
+        from arbor.run.context import start_run
     with clock.phase("config"):
         cfg = load_config(config, overrides)
         check_extensions(cfg)
         check_model_context(cfg, "train")
     with clock.phase("imports_trainer"):
-        import arbor.trainer  # noqa: F401  (what `arbor train` imports before it starts)
+        import arbor.run.trainer  # noqa: F401  (what `arbor train` imports before it starts)
         from arbor.engines.types import GenerateRequest, SamplingParams
 
     with start_run(cfg, clock) as ctx:

@@ -2,7 +2,7 @@
 
     python scripts/soak.py [--steps 10] [--engine-kills 2] [--reward-kills 3] [--seed 0] [--out runs/soak]
 
-Runs ``configs/quickstart.yaml`` in this process (``arbor.trainer.train``) with a killer
+Runs ``configs/quickstart.yaml`` in this process (``arbor.run.trainer.train``) with a killer
 thread that SIGKILLs, at random moments, processes this run started itself, by pid: the
 engine server (``EngineWorker.pid``; only while a rollout is under way, the phase where a
 dead engine's requests are sent again, and never in two steps in a row: that is a crash
@@ -36,8 +36,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from arbor.config import load_config  # noqa: E402
-from arbor.metrics import read_metrics  # noqa: E402
-from arbor.trainer import train  # noqa: E402
+from arbor.run.metrics import read_metrics  # noqa: E402
+from arbor.run.trainer import train  # noqa: E402
 
 
 class Killer:

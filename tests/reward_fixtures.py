@@ -66,7 +66,7 @@ def segfaults(problem: dict, completion: str) -> float:
 
 
 def in_worker(problem: dict, completion: str) -> float:
-    from arbor.rewards import in_reward_worker
+    from arbor.rollout.rewards import in_reward_worker
 
     return float(in_reward_worker())
 

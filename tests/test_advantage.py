@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from arbor.advantage import (
+from arbor.train.advantage import (
     ESTIMATORS,
     compute_advantages,
     dynamic_sampling_filter,

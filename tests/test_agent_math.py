@@ -14,11 +14,11 @@ from types import ModuleType
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from transformers import AutoTokenizer
 
-from arbor.agents import episode_inputs, load_agent
 from arbor.config import load_config
 from arbor.data import read_rows
-from arbor.sft import encode_example
-from arbor.trainer import train
+from arbor.rollout.agents import episode_inputs, load_agent
+from arbor.run.sft import encode_example
+from arbor.run.trainer import train
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = REPO / "configs" / "agent_math.yaml"

@@ -21,11 +21,11 @@ import torch
 from agent_fixtures import HANG_S, PROBLEMS, TOOL_TURNS, HangingAgent, ScriptedAgent, ScriptedEngine
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from arbor.agents import continuation_ids
 from arbor.config import RolloutConfig, load_config
 from arbor.errors import ConfigError
-from arbor.packed_loss import policy_loss
-from arbor.sampler import sample_trees
+from arbor.rollout.agents import continuation_ids
+from arbor.rollout.sampler import sample_trees
+from arbor.train.packed_loss import policy_loss
 
 MODEL = Path(__file__).resolve().parents[1] / "models" / "tiny-arith"
 
@@ -122,7 +122,7 @@ def test_a_hung_agent_step_ends_its_episode_and_the_batch_goes_on(tokenizer, cap
     try:
         for _ in range(2):  # a second call (the next step) while the first call's threads still hang
             t0 = time.perf_counter()
-            with caplog.at_level(logging.WARNING, logger="arbor.sampler"):
+            with caplog.at_level(logging.WARNING, logger="arbor.rollout.sampler"):
                 trees, stats, _, _ = sample(tokenizer, mode=mode, agent=agent, agent_timeout_s=0.3)
             assert time.perf_counter() - t0 < 5 < HANG_S
             p0, p1 = trees
@@ -139,7 +139,7 @@ def test_a_hung_agent_step_ends_its_episode_and_the_batch_goes_on(tokenizer, cap
             # until it has width leaves (TreePO reference, vllm_rollout_spmd.py:1033-1041).
             assert len(timed_out) == 4 and stats[1].shortfall_reason is None
             assert stats[1].root_restarts == (1 if mode == "tree" else 0)
-        warnings = [r.getMessage() for r in caplog.records if r.name == "arbor.sampler"]
+        warnings = [r.getMessage() for r in caplog.records if r.name == "arbor.rollout.sampler"]
         assert warnings and all("problem 'p1'" in w and "rollout.agent_timeout_s" in w for w in warnings)
     finally:
         agent.release.set()
@@ -154,7 +154,7 @@ HUNG_FOREVER = """
 import asyncio, threading
 from arbor.config import RolloutConfig
 from arbor.engines.types import GenerateOutput
-from arbor.sampler import sample_trees
+from arbor.rollout.sampler import sample_trees
 
 class Engine:
     async def generate(self, request):

@@ -5,8 +5,8 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
-from arbor.agents import continuation_ids, load_agent
 from arbor.errors import ConfigError
+from arbor.rollout.agents import continuation_ids, load_agent
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -7,14 +7,14 @@ import pytest
 import torch
 from tiny_model import build_tiny_model_dir
 
-from arbor.async_rollouts import drop_stale, updates_since, version_number
 from arbor.config import RolloutConfig
-from arbor.engines.local import LocalEngine
+from arbor.engines.embedded.engine import LocalEngine
 from arbor.engines.types import GenerateOutput, GenerateRequest
-from arbor.logprobs import padded_token_logprobs
-from arbor.packed_loss import pack_loss, padded_token_fields
-from arbor.packing import loss_denominator, pack_trees
-from arbor.sampler import sample_trees_sync
+from arbor.rollout.sampler import sample_trees_sync
+from arbor.run.async_rollouts import drop_stale, updates_since, version_number
+from arbor.train.logprobs import padded_token_logprobs
+from arbor.train.packed_loss import pack_loss, padded_token_fields
+from arbor.train.packing import loss_denominator, pack_trees
 from arbor.tree import RolloutTree
 
 PROMPT = [17, 42, 99, 5, 63, 120, 7, 88]

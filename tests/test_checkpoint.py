@@ -1,7 +1,7 @@
 """Run checkpoints: `latest` is written last, run.keep_checkpoints bounds what stays, the
 learning-rate horizon travels with the driver state."""
 
-from arbor import checkpoint
+from arbor.run import checkpoint
 
 
 def test_keep_bounds_the_checkpoints_on_disk_and_latest_names_the_newest(tmp_path):

@@ -158,7 +158,7 @@ def test_validate_a_config_built_in_code_names_the_key():
 
 
 def test_cpu_threads_names_the_key_and_sets_each_process_share(tmp_path, monkeypatch):
-    from arbor.orchestration import cpu_threads
+    from arbor.run.orchestration import cpu_threads
 
     with pytest.raises(ConfigError, match=r"run.cpu_threads must be ≥ 0 \(0: all cores\), got -1"):
         load_config(write(tmp_path, "run:\n  cpu_threads: -1\n"))

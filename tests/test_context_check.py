@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from arbor.agents import fitting_problems
 from arbor.cli import check_model_context
 from arbor.config import DataConfig, check_context_length, load_config
 from arbor.data import DataError
 from arbor.errors import ConfigError
+from arbor.rollout.agents import fitting_problems
 
 REPO = Path(__file__).resolve().parents[1]
 QUICKSTART = REPO / "configs" / "quickstart.yaml"
@@ -81,7 +81,7 @@ class CharTokenizer:
 def test_long_prompts_are_skipped_and_named_never_cut(caplog):
     problems = [{"id": f"p{i}", "prompt": "x" * n, "answer": "1"} for i, n in enumerate([3, 12, 5, 30])]
     cfg = DataConfig(prompt_suffix="!", max_prompt_tokens=6)
-    with caplog.at_level(logging.WARNING, logger="arbor.agents"):
+    with caplog.at_level(logging.WARNING, logger="arbor.rollout.agents"):
         kept, skipped = fitting_problems(problems, None, CharTokenizer(), cfg, False, "data.train_path")
     assert [p["id"] for p in kept] == ["p0", "p2"]  # 3+1 and 5+1 tokens: the suffix counts
     assert kept[1] is problems[2]  # untouched, not cut

@@ -18,9 +18,9 @@ from test_tree_vs_linear import assert_close, budget, random_advantages, random_
 from test_tree_vs_linear import loss_and_grads as tree_vs_linear_loss_and_grads
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from arbor.packing import pack_trees
+from arbor.train.packing import pack_trees
+from arbor.train.tree_attention import packed_logits
 from arbor.tree import RolloutTree
-from arbor.tree_attention import packed_logits
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -138,13 +138,13 @@ ZERO3_SCRIPT = """
 import asyncio, json, sys, torch
 sys.path[:0] = [{tests!r}, {root!r}]
 from tiny_model import build_tiny_model_dir
-from arbor.advantage import compute_advantages
+from arbor.train.advantage import compute_advantages
 from arbor.config import RolloutConfig, load_config
-from arbor.engines.local import LocalEngine
-from arbor.learner import Learner
-from arbor.packing import loss_denominator, pack_trees
-from arbor.sampler import sample_trees
-from arbor.weight_sync import logprob_gap, probe_samples
+from arbor.engines.embedded.engine import LocalEngine
+from arbor.train.learner import Learner
+from arbor.train.packing import loss_denominator, pack_trees
+from arbor.rollout.sampler import sample_trees
+from arbor.train.weight_sync import logprob_gap, probe_samples
 
 path = build_tiny_model_dir({path!r}, seed=3, hidden_size=128, num_hidden_layers=4)
 cfg = load_config(None, ["model.path=" + str(path), "learner.backend=deepspeed", "learner.zero_stage=3",
@@ -188,7 +188,7 @@ def test_zero3_learner_step_on_one_gpu_over_nccl_in_bf16(tmp_path):
     parameter, and the engine's log-probs agree with the learner's (train/logprob_gap)."""
     import json
 
-    from arbor.engines.server import free_port
+    from arbor.engines.embedded.server import free_port
 
     script = tmp_path / "rank.py"
     tests = Path(__file__).parent

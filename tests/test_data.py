@@ -178,7 +178,7 @@ def test_agents_start_from_message_prompts(tmp_path):
     from tiny_model import build_tiny_model_dir
     from transformers import AutoTokenizer
 
-    from arbor.agents import episode_inputs, load_agent
+    from arbor.rollout.agents import episode_inputs, load_agent
 
     tokenizer = AutoTokenizer.from_pretrained(build_tiny_model_dir(tmp_path / "tiny"))
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2+3?"}]

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from arbor.engines.decode_batch import DecodeBatch, HFDecoder, LlamaDecoder, make_decoder
-from arbor.engines.radix_cache import stack_kv
+from arbor.engines.embedded.decode_batch import DecodeBatch, HFDecoder, LlamaDecoder, make_decoder
+from arbor.engines.embedded.radix_cache import stack_kv
 
 CPU = torch.device("cpu")
 

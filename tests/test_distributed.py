@@ -20,8 +20,8 @@ import torch
 
 from arbor.engines.client import SGLangClient, rank_layout
 from arbor.engines.distributed import FlatBuffer, flat_chunks, flatten, unflatten
-from arbor.engines.server import free_port
-from arbor.weight_sync import (
+from arbor.engines.embedded.server import free_port
+from arbor.train.weight_sync import (
     WeightSync,
     accepts_flattened_bucket,
     engine_ranks,

@@ -18,9 +18,9 @@ from tiny_model import build_tiny_model_dir
 from arbor.config import dump_config, load_config
 from arbor.engines.auth import API_KEY_ENV, Level, decide, run_api_key, unprotected_warning
 from arbor.engines.client import EngineError, SGLangClient, run_sync
+from arbor.engines.embedded.engine import LocalEngine
+from arbor.engines.embedded.server import ServerThread
 from arbor.engines.launch import _start, launch_engines
-from arbor.engines.local import LocalEngine
-from arbor.engines.server import ServerThread
 from arbor.engines.types import GenerateRequest, SamplingParams
 
 KEY = "k3y-for-tests-only_0123456789abcdef"
@@ -240,7 +240,7 @@ def test_engine_api_key_is_never_dumped_or_shown(tmp_path):
 def test_a_run_keys_its_engines_and_writes_the_key_nowhere(tmp_path, no_env_key):
     """One training step: the trainer's and the learner's requests (generate, weight push,
     flush, version) pass with the generated key; no file of the run holds it."""
-    from arbor.trainer import train
+    from arbor.run.trainer import train
 
     model = build_tiny_model_dir(tmp_path / "model")
     data = tmp_path / "train.jsonl"

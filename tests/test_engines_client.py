@@ -14,7 +14,7 @@ import pytest
 from aiohttp import web
 
 from arbor.engines.client import EngineError, SGLangClient, generate_payload, parse_output
-from arbor.engines.server import free_port
+from arbor.engines.embedded.server import free_port
 from arbor.engines.types import GenerateRequest, SamplingParams
 
 
@@ -283,8 +283,8 @@ def test_forks_of_an_uncached_prompt_all_find_it_cached(tmp_path):
     """Against a real `arbor serve`: the committed prompt is in the cache for every fork."""
     from tiny_model import build_tiny_model_dir
 
-    from arbor.engines.local import LocalEngine
-    from arbor.engines.server import ServerThread
+    from arbor.engines.embedded.engine import LocalEngine
+    from arbor.engines.embedded.server import ServerThread
 
     engine = LocalEngine(build_tiny_model_dir(tmp_path / "tiny"))
     prompt = list(range(3, 35))

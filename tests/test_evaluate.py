@@ -14,13 +14,13 @@ from agent_fixtures import TOOL_TURNS, HangingAgent
 from agent_fixtures import ScriptedEngine as EpisodeEngine
 from transformers import AutoTokenizer
 
-from arbor import phases
-from arbor.agents import episode_inputs
 from arbor.config import load_config
 from arbor.engines.types import GenerateOutput, GenerateRequest
 from arbor.errors import ConfigError
-from arbor.evaluate import majority_vote, normalise_answer, pass_at_k, run_eval
-from arbor.rewards import RewardPool, RewardTerm
+from arbor.rollout.agents import episode_inputs
+from arbor.rollout.rewards import RewardPool, RewardTerm
+from arbor.run import phases
+from arbor.run.evaluate import majority_vote, normalise_answer, pass_at_k, run_eval
 
 REPO = Path(__file__).resolve().parents[1]
 MODEL = REPO / "models" / "tiny-arith"

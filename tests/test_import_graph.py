@@ -72,11 +72,61 @@ def test_find_cycle_finds_one_and_only_one():
 
 def test_the_graph_sees_every_kind_of_import():
     graph = import_graph()
-    assert "arbor.phases" in graph["arbor.trainer"]  # from arbor import phases
-    assert "arbor.engines.client" in graph["arbor.phases"]  # from arbor.engines.client import ...
-    assert "arbor.learner" in graph["arbor.orchestration"]  # inside a function
+    assert "arbor.run.phases" in graph["arbor.run.trainer"]  # from arbor.run import phases
+    assert "arbor.engines.client" in graph["arbor.run.phases"]  # from arbor.engines.client import ...
+    assert "arbor.train.learner" in graph["arbor.run.orchestration"]  # inside a function
 
 
 def test_no_import_cycle_among_arbors_modules():
     cycle = find_cycle(import_graph())
     assert cycle is None, "import cycle: " + " -> ".join(cycle or [])
+
+
+# The stages, in pipeline order. A stage may import the shared records at the top of the
+# package (config, data, tree, errors, plugins) and the engine protocol; rollout and train are
+# independent of each other and of the run that drives them, and the engines serve any caller.
+STAGES = ("rollout", "train", "run", "engines")
+FORBIDDEN = {
+    "rollout": {"train", "run"},
+    "train": {"rollout", "run"},
+    "engines": {"rollout", "train", "run"},
+    "run": set(),
+}
+TOP_RECORDS = {"arbor.config", "arbor.data", "arbor.dataset_files", "arbor.tree", "arbor.errors", "arbor.plugins"}
+
+
+def stage_of(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 2 and parts[1] in STAGES else None
+
+
+def layering_violations(graph: dict[str, set[str]]) -> list[str]:
+    found = []
+    for module, imports in sorted(graph.items()):
+        stage = stage_of(module)
+        for target in sorted(imports):
+            target_stage = stage_of(target)
+            if stage is not None and target_stage in FORBIDDEN[stage]:
+                found.append(f"{module} imports {target} ({stage} must not import {target_stage})")
+            if module in TOP_RECORDS and target_stage is not None:
+                found.append(f"{module} imports {target} (a shared record must not import a stage)")
+    return found
+
+
+def test_layering_check_finds_a_violation():
+    graph = {"arbor.train.learner": {"arbor.rollout.sampler"}, "arbor.tree": {"arbor.train.packing"},
+             "arbor.run.trainer": {"arbor.train.learner", "arbor.rollout.sampler"}}
+    assert layering_violations(graph) == [
+        "arbor.train.learner imports arbor.rollout.sampler (train must not import rollout)",
+        "arbor.tree imports arbor.train.packing (a shared record must not import a stage)",
+    ]
+
+
+def test_every_module_lives_in_a_stage_or_is_a_shared_record():
+    top = {m for m in import_graph() if stage_of(m) is None and m.count(".") == 1} - {f"arbor.{s}" for s in STAGES}
+    entry_points = {"arbor.cli", "arbor.__main__", "arbor.viewer"}
+    assert top <= TOP_RECORDS | entry_points, sorted(top - TOP_RECORDS - entry_points)
+
+
+def test_stages_respect_the_layering():
+    assert layering_violations(import_graph()) == []

@@ -11,6 +11,7 @@ import pytest
 from tiny_model import build_tiny_model_dir
 
 from arbor.config import load_config
+from arbor.engines.embedded.server import free_port
 from arbor.engines.launch import (
     EngineLaunchError,
     _command,
@@ -19,9 +20,8 @@ from arbor.engines.launch import (
     sglang_available,
     sglang_key_file,
 )
-from arbor.engines.server import free_port
 from arbor.errors import ConfigError
-from arbor.orchestration import engine_args
+from arbor.run.orchestration import engine_args
 
 
 def test_auto_starts_embedded_servers_and_shuts_them_down(tmp_path):
@@ -82,7 +82,7 @@ def test_server_command_lines():
         "--port", "31000", "--dtype", "bfloat16", "--tp", "1",
     ]  # fmt: skip
     embedded = _command("embedded", "/m", "127.0.0.1", 5, None, [])
-    assert embedded[1:] == ["-m", "arbor.engines.server", "--model", "/m", "--host", "127.0.0.1", "--port", "5"]  # fmt: skip
+    assert embedded[1:] == ["-m", "arbor.engines.embedded.server", "--model", "/m", "--host", "127.0.0.1", "--port", "5"]  # fmt: skip
     assert _gpu_for(1, {"CUDA_VISIBLE_DEVICES": "4,6"}) == "6"
     assert _gpu_for(1, {"CUDA_VISIBLE_DEVICES": "0,1,2,3"}, per_engine=2) == "2,3"  # tensor parallel
     with pytest.raises(EngineLaunchError, match="needs 1 GPU"):

@@ -13,11 +13,11 @@ import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from arbor.config import load_config
-from arbor.engines.server import free_port
-from arbor.learner import Learner, lr_lambda
-from arbor.loss import LossStats
-from arbor.packed_loss import pack_loss, policy_loss
-from arbor.packing import assign_to_ranks, loss_denominator, pack_trees
+from arbor.engines.embedded.server import free_port
+from arbor.train.learner import Learner, lr_lambda
+from arbor.train.loss import LossStats
+from arbor.train.packed_loss import pack_loss, policy_loss
+from arbor.train.packing import assign_to_ranks, loss_denominator, pack_trees
 from arbor.tree import RolloutTree
 
 VOCAB = 40
@@ -99,8 +99,8 @@ class PlainSGD(torch.optim.SGD):
 
 
 torch.optim.AdamW = PlainSGD
-from arbor.learner import Learner
-from arbor.packing import assign_to_ranks, loss_denominator, pack_trees
+from arbor.train.learner import Learner
+from arbor.train.packing import assign_to_ranks, loss_denominator, pack_trees
 
 cfg = config({path!r}, "learner.backend=deepspeed", "learner.zero_stage=3", "learner.num_ranks=2",
              "optim.max_grad_norm=0", "learner.logit_chunk_tokens={chunk}")

@@ -6,8 +6,8 @@ import pytest
 import torch
 from test_tree_vs_linear import assert_close, random_advantages, random_tree, tiny
 
-from arbor.packed_loss import pack_loss, policy_loss
-from arbor.packing import linearise_trees, loss_denominator, pack_trees
+from arbor.train.packed_loss import pack_loss, policy_loss
+from arbor.train.packing import linearise_trees, loss_denominator, pack_trees
 from arbor.tree import RolloutTree
 
 

@@ -12,9 +12,9 @@ import torch
 from test_tree_vs_linear import assert_close, budget, random_advantages, random_tree, tiny
 from transformers import Gemma2Config, Gemma2ForCausalLM
 
-from arbor.lm_head import chunkable_head, head_logprobs, logprobs_and_entropy
-from arbor.logprobs import tree_logprobs
-from arbor.packed_loss import policy_loss
+from arbor.train.lm_head import chunkable_head, head_logprobs, logprobs_and_entropy
+from arbor.train.logprobs import tree_logprobs
+from arbor.train.packed_loss import policy_loss
 
 
 def test_logprobs_and_entropy_at_a_temperature_by_hand():

@@ -8,9 +8,9 @@ import pytest
 import torch
 from tiny_model import build_tiny_model_dir
 
-from arbor.engines.decode_batch import sample_token as _sample
-from arbor.engines.local import LocalEngine
-from arbor.engines.radix_cache import TOKENS, RadixKVCache, stack_kv
+from arbor.engines.embedded.decode_batch import sample_token as _sample
+from arbor.engines.embedded.engine import LocalEngine
+from arbor.engines.embedded.radix_cache import TOKENS, RadixKVCache, stack_kv
 from arbor.engines.types import GenerateRequest, SamplingParams
 
 PROMPT = [17, 42, 99, 5, 63, 120, 7, 88, 31, 200, 11, 54]

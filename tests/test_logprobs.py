@@ -1,4 +1,4 @@
-"""arbor.logprobs: tree-packed and padded log-probs equal per-leaf forwards (also for an ALiBi
+"""arbor.train.logprobs: tree-packed and padded log-probs equal per-leaf forwards (also for an ALiBi
 model), the chunked head's memory bound, no KV cache, empty responses; and the SFT loss's tree ==
 linear."""
 
@@ -10,14 +10,14 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import BloomConfig, BloomForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from arbor.logprobs import (
+from arbor.train.logprobs import (
     pack_token_logprobs,
     padded_token_logprobs,
     set_behaviour_logprobs,
     tree_logprobs,
 )
-from arbor.packed_loss import sft_loss
-from arbor.packing import pack_trees
+from arbor.train.packed_loss import sft_loss
+from arbor.train.packing import pack_trees
 from arbor.tree import RolloutTree
 
 

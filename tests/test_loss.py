@@ -5,8 +5,8 @@ import math
 import pytest
 import torch
 
-from arbor.lm_head import logprobs_and_entropy
-from arbor.loss import (
+from arbor.train.lm_head import logprobs_and_entropy
+from arbor.train.loss import (
     LossStats,
     LossSums,
     clipped_objective,
@@ -99,7 +99,7 @@ def engine_and_model(tmp_path_factory):
     from tiny_model import build_tiny_model_dir
     from transformers import AutoModelForCausalLM
 
-    from arbor.engines.local import LocalEngine
+    from arbor.engines.embedded.engine import LocalEngine
 
     path = build_tiny_model_dir(tmp_path_factory.mktemp("tempered") / "model", seed=3)
     engine = LocalEngine(path)
@@ -116,8 +116,8 @@ def test_old_logprobs_from_the_engine_match_the_learner_at_temperature(engine_an
     import asyncio
 
     from arbor.config import RolloutConfig
-    from arbor.packed_loss import policy_loss
-    from arbor.sampler import sample_trees
+    from arbor.rollout.sampler import sample_trees
+    from arbor.train.packed_loss import policy_loss
 
     engine, model = engine_and_model
     cfg = RolloutConfig(width=4, branch=2, segment_tokens=4, max_depth=3, temperature=temperature)
@@ -178,7 +178,7 @@ def forked_tree(ratio: float, masks=(None, None, None), d_logprobs: bool = True)
 
 
 def both_modes(model, trees, advantages, **kw):
-    from arbor.packed_loss import policy_loss
+    from arbor.train.packed_loss import policy_loss
 
     tree_loss, tree_m = policy_loss(model, trees, advantages, mode="tree", **kw)
     lin_loss, lin_m = policy_loss(model, trees, advantages, mode="padded", **kw)
@@ -298,8 +298,8 @@ def test_metrics_of_one_token_and_of_nothing():
 def test_defaults_of_the_pack_loss_and_the_policy_loss_agree(random_model, uniform_model, ratio):
     # The learner calls pack_loss pack by pack; its defaults must be policy_loss's
     # (clip 0.2 / 0.28, T = 1, tree mode, token normalisation, k3).
-    from arbor.packed_loss import pack_loss, policy_loss
-    from arbor.packing import loss_denominator, pack_trees
+    from arbor.train.packed_loss import pack_loss, policy_loss
+    from arbor.train.packing import loss_denominator, pack_trees
 
     tree = forked_tree(ratio)
     advantages = [[1.0, 0.0, -1.0]]
@@ -324,7 +324,7 @@ def test_defaults_of_the_pack_loss_and_the_policy_loss_agree(random_model, unifo
 
 
 def test_policy_loss_errors(uniform_model):
-    from arbor.packed_loss import policy_loss, sft_loss
+    from arbor.train.packed_loss import policy_loss, sft_loss
 
     tree = forked_tree(1.0)
     with pytest.raises(ValueError, match="^kl_coef > 0 needs a ref_model$"):
@@ -339,8 +339,8 @@ def test_policy_loss_errors(uniform_model):
 
 def test_pack_token_logprobs_defaults(random_model):
     # Defaults: T = 1, attention "auto", the whole LM head (no chunks); what pack_loss passes.
-    from arbor.logprobs import pack_token_logprobs
-    from arbor.packing import pack_trees
+    from arbor.train.logprobs import pack_token_logprobs
+    from arbor.train.packing import pack_trees
 
     (pack,) = pack_trees([forked_tree(1.0)], [[1.0, 0.0, -1.0]])
     select = pack.trained.nonzero()[:, 0]
@@ -355,7 +355,7 @@ def test_pack_token_logprobs_defaults(random_model):
 
 def test_padded_token_logprobs_index_each_leafs_tokens(random_model):
     # forked_tree's leaves b (path a b: 3 tokens), c (a c: 4), d (1): flat positions 0-2, 3-6, 7.
-    from arbor.logprobs import padded_token_logprobs
+    from arbor.train.logprobs import padded_token_logprobs
 
     logp, entropy, index = padded_token_logprobs(random_model, [forked_tree(1.0)])
     assert index == [(0, 0, [0, 1, 2]), (0, 1, [3, 4, 5, 6]), (0, 2, [7])]
@@ -367,8 +367,8 @@ def test_pack_loss_defaults_leave_the_kl_out_and_estimate_it_with_k3(random_mode
     # The learner names every setting, but pack_loss's own defaults are public API: a
     # reference alone (kl_coef unset) costs nothing, not even its forward; with a
     # coefficient the KL is k3.
-    from arbor.packed_loss import pack_loss
-    from arbor.packing import loss_denominator, pack_trees
+    from arbor.train.packed_loss import pack_loss
+    from arbor.train.packing import loss_denominator, pack_trees
 
     tree = forked_tree(1.5)
     (pack,) = pack_trees([tree], [[1.0, 0.0, -1.0]])
@@ -394,7 +394,7 @@ def test_decoupled_objective_hand_numbers():
       token 2 (version 2): π 0.45, π_behav 0.9 → w = 0.5;         A = +2 → o = +1.0, ∂o/∂logp = 1.0
     PPO against π_behav instead would give 1.2, −1·max(3, 1.28) = −3, 2·min(0.5, 0.8) = 1.0.
     """
-    from arbor.loss import decoupled_objective
+    from arbor.train.loss import decoupled_objective
 
     logp = torch.log(t(0.6, 0.6, 0.45)).requires_grad_()
     behaviour = torch.log(t(0.5, 0.2, 0.9))
@@ -423,7 +423,7 @@ def test_decoupled_objective_hand_numbers():
 
 def test_decoupled_objective_clips_around_the_proximal_policy():
     # π_θ 0.6, π_prox 0.4, π_behav 0.4: w = 1, u = 1.5 > 1.28: A = +1 → 1.28, no gradient (clipped).
-    from arbor.loss import decoupled_objective
+    from arbor.train.loss import decoupled_objective
 
     logp = torch.log(t(0.6)).requires_grad_()
     obj, u, w = decoupled_objective(logp, torch.log(t(0.4)), torch.log(t(0.4)), t(1.0), t(0.0), 0.2, 0.28, 2.0)
@@ -435,8 +435,8 @@ def test_decoupled_objective_clips_around_the_proximal_policy():
 def test_the_named_attention_reaches_every_forward(random_model, uniform_model):
     # "dense" runs a forward with a [1, 1, L, L] attention_mask; "auto" would run "blocks" on
     # the CPU (an arbor_blocks argument) with the same numbers, so only the call tells them apart.
-    from arbor.logprobs import tree_logprobs
-    from arbor.packed_loss import policy_loss, sft_loss
+    from arbor.train.logprobs import tree_logprobs
+    from arbor.train.packed_loss import policy_loss, sft_loss
 
     seen = []
 
@@ -462,9 +462,9 @@ def test_the_lm_head_runs_in_chunks_exactly_when_asked(random_model):
     # Chunked, the head's own call returns [1, M, 2] scores (log p, entropy), so [M, V]
     # logits never exist; whole, it returns [1, M, V]. The numbers agree either way, so
     # only the head's output width tells the memory-saving path from the default.
-    from arbor.logprobs import pack_token_logprobs, tree_logprobs
-    from arbor.packed_loss import pack_loss, pack_sft_loss, policy_loss
-    from arbor.packing import loss_denominator, pack_trees
+    from arbor.train.logprobs import pack_token_logprobs, tree_logprobs
+    from arbor.train.packed_loss import pack_loss, pack_sft_loss, policy_loss
+    from arbor.train.packing import loss_denominator, pack_trees
 
     widths = []
     hook = random_model.lm_head.register_forward_hook(lambda m, a, out: widths.append(out.shape[-1]))
@@ -493,8 +493,8 @@ def test_losses_compute_in_the_dtype_of_the_policy_log_probs(random_model, unifo
     # in both modes and for SFT too.
     import copy
 
-    from arbor.packed_loss import pack_loss, pack_sft_loss, policy_loss
-    from arbor.packing import loss_denominator, pack_trees
+    from arbor.train.packed_loss import pack_loss, pack_sft_loss, policy_loss
+    from arbor.train.packing import loss_denominator, pack_trees
 
     policy = copy.deepcopy(random_model).float()
     tree, advantages = forked_tree(1.5), [[1.0, 0.0, -1.0]]
@@ -511,9 +511,9 @@ def test_losses_compute_in_the_dtype_of_the_policy_log_probs(random_model, unifo
 def test_tree_losses_pack_16384_tokens_by_default(monkeypatch, uniform_model):
     # The default pack budget of policy_loss, sft_loss and tree_logprobs, seen by a spy on
     # the real pack_trees (a 16 385-token forward to tell 16 384 from 16 385 is too slow here).
-    import arbor.logprobs
-    import arbor.packed_loss
-    from arbor.packing import pack_trees
+    import arbor.train.logprobs
+    import arbor.train.packed_loss
+    from arbor.train.packing import pack_trees
 
     budgets = []
 
@@ -521,12 +521,12 @@ def test_tree_losses_pack_16384_tokens_by_default(monkeypatch, uniform_model):
         budgets.append(kwargs["pack_tokens"])
         return pack_trees(*args, **kwargs)
 
-    monkeypatch.setattr(arbor.packed_loss, "pack_trees", spy)
-    monkeypatch.setattr(arbor.logprobs, "pack_trees", spy)
+    monkeypatch.setattr(arbor.train.packed_loss, "pack_trees", spy)
+    monkeypatch.setattr(arbor.train.logprobs, "pack_trees", spy)
     tree = forked_tree(1.0)
-    arbor.packed_loss.policy_loss(uniform_model, [tree], [[1.0, 0.0, -1.0]])
-    arbor.packed_loss.sft_loss(uniform_model, [tree])
-    arbor.logprobs.tree_logprobs(uniform_model, [tree])
+    arbor.train.packed_loss.policy_loss(uniform_model, [tree], [[1.0, 0.0, -1.0]])
+    arbor.train.packed_loss.sft_loss(uniform_model, [tree])
+    arbor.train.logprobs.tree_logprobs(uniform_model, [tree])
     assert budgets == [16384] * 3
 
 
@@ -547,8 +547,8 @@ def test_pack_loss_with_a_behaviour_cap_is_the_decoupled_objective(uniform_model
     # denominator 8 linearised tokens. Off-policy, cap C = 1.5: the proximal policy is this
     # forward, so u = 1 and o = min(2, 1.5)·A: b 3·1.5, d −1.5 → loss −3/8, every token's
     # weight at the cap. On-policy PPO clips instead: b 3·1.28, d −1·max(2, 1.28) → −1.84/8.
-    from arbor.packed_loss import pack_loss
-    from arbor.packing import pack_trees
+    from arbor.train.packed_loss import pack_loss
+    from arbor.train.packing import pack_trees
 
     (pack,) = pack_trees([forked_tree(2.0)], [[1.0, 0.0, -1.0]])
     loss, sums = pack_loss(uniform_model, pack, 8.0, behaviour_cap=1.5)
@@ -562,7 +562,7 @@ def test_pack_loss_with_a_behaviour_cap_is_the_decoupled_objective(uniform_model
 def test_padded_fields_of_sft_have_no_advantage_and_no_behaviour_log_probs():
     # advantages None (SFT): every token's advantage is 0, so no positive or negative
     # part; require_logprobs False: old log-probs 0, though the nodes have some.
-    from arbor.packed_loss import padded_token_fields
+    from arbor.train.packed_loss import padded_token_fields
 
     f = padded_token_fields([forked_tree(2.0)], None, "token", require_logprobs=False)
     assert f["mask"] == [1] * 8 and f["weight"] == [1.0] * 8
@@ -574,8 +574,8 @@ def test_sft_loss_by_hand(uniform_model):
     # The uniform model: −log p = log V on every token, so the token-normalised NLL is
     # log V whatever the tree, with the default leaf weights 1; pack_sft_loss's own defaults
     # (attention "auto", whole LM head) give the same for one pack.
-    from arbor.packed_loss import pack_sft_loss, sft_loss
-    from arbor.packing import pack_trees
+    from arbor.train.packed_loss import pack_sft_loss, sft_loss
+    from arbor.train.packing import pack_trees
     from arbor.tree import RolloutTree
 
     tree = forked_tree(1.0)

@@ -3,7 +3,7 @@
 import io
 
 from arbor.config import RunConfig
-from arbor.metrics import MetricsLog, read_metrics
+from arbor.run.metrics import MetricsLog, read_metrics
 
 
 def test_console_every_log_every_steps_jsonl_every_step(tmp_path):

@@ -15,16 +15,16 @@ import torch
 from test_learner import batch, config, tiny_model_dir
 from transformers import Qwen2ForCausalLM
 
-from arbor.packed_loss import policy_loss
+from arbor.train.packed_loss import policy_loss
 
 ray = pytest.importorskip("ray")
 
 
 class GradientProbe:
-    """A :class:`~arbor.orchestration.LearnerWorker` and the gradient of its share of ``batch()``."""
+    """A :class:`~arbor.run.orchestration.LearnerWorker` and the gradient of its share of ``batch()``."""
 
     def __init__(self, cfg, rank: int) -> None:
-        from arbor.orchestration import LearnerWorker
+        from arbor.run.orchestration import LearnerWorker
 
         self.rank = rank
         self.worker = LearnerWorker(cfg, rank)
@@ -42,7 +42,7 @@ class GradientProbe:
         """Backward over this rank's packs; the whole (all-reduced) gradient of every parameter."""
         from deepspeed.utils import safe_get_full_grad
 
-        from arbor.packing import assign_to_ranks, loss_denominator, pack_trees
+        from arbor.train.packing import assign_to_ranks, loss_denominator, pack_trees
 
         trees, advantages = batch()
         packs = pack_trees(trees, advantages, pack_tokens=20)
@@ -57,7 +57,7 @@ class GradientProbe:
 def test_two_ranks_on_two_nodes_give_the_single_process_gradient(tmp_path, monkeypatch):
     from ray.cluster_utils import Cluster
 
-    from arbor.orchestration import Placement, start_ray
+    from arbor.run.orchestration import Placement, start_ray
 
     path = tiny_model_dir(tmp_path / "m")
     # The probe actors import this module: the workers need tests/ on their path.
@@ -103,7 +103,7 @@ def test_a_run_needing_more_gpus_than_the_local_ray_instance_fails_at_once(tmp_p
     instance has no GPU at all (num_gpus=1 would be a lie Ray would believe)."""
     import time
 
-    from arbor.orchestration import Placement, gpu_shortfall, start_ray
+    from arbor.run.orchestration import Placement, gpu_shortfall, start_ray
 
     monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
     if ray.is_initialized():

@@ -3,9 +3,15 @@
 import pytest
 import torch
 
-from arbor.packing import PackedBatch, assign_to_ranks, leaf_weights, loss_denominator, pack_trees
+from arbor.train.packing import (
+    PackedBatch,
+    assign_to_ranks,
+    leaf_weights,
+    loss_denominator,
+    pack_trees,
+)
+from arbor.train.tree_attention import dense_tree_mask
 from arbor.tree import RolloutTree
-from arbor.tree_attention import dense_tree_mask
 
 
 def fork_tree() -> RolloutTree:

@@ -2,8 +2,8 @@
 
 import pytest
 
-from arbor.phases import Batch, rollout_metrics
-from arbor.sampler import SampleStats
+from arbor.rollout.sampler import SampleStats
+from arbor.run.phases import Batch, rollout_metrics
 from arbor.tree import RolloutTree
 
 

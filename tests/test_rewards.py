@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from arbor.errors import ConfigError
-from arbor.rewards import (
+from arbor.rollout.rewards import (
     RewardError,
     RewardFailureError,
     RewardPool,
@@ -350,7 +350,7 @@ def test_results_that_arrive_while_an_error_is_handled_are_kept(tmp_path):
 
 
 def test_log_lines_are_clipped_past_the_limit_only():
-    from arbor.rewards import _LOG_LINE, _ClippedFormatter
+    from arbor.rollout.rewards import _LOG_LINE, _ClippedFormatter
 
     formatter = _ClippedFormatter("%(message)s")
 
@@ -364,7 +364,7 @@ def test_log_lines_are_clipped_past_the_limit_only():
 
 
 def test_a_check_in_process_returns_values_or_an_error_naming_the_term():
-    from arbor.rewards import _check
+    from arbor.rollout.rewards import _check
 
     terms = [RewardTerm(f"{FIX}:length", 2.0), RewardTerm(f"{FIX}:raises_on_bad")]
     fns = load_reward_terms(terms, search_dirs=[HERE])
@@ -392,7 +392,7 @@ def test_the_worker_protocol_in_process(monkeypatch):
     # None; a spec that does not load says why.
     from multiprocessing import Pipe
 
-    import arbor.rewards as rewards
+    import arbor.rollout.rewards as rewards
 
     monkeypatch.setattr(rewards, "_IN_WORKER", False)
     configured = {}
@@ -482,7 +482,7 @@ def test_an_error_on_a_row_without_an_id_names_its_place():
 
 
 def test_an_error_keeps_the_last_1500_characters_of_its_frames(tmp_path):
-    from arbor.rewards import _check
+    from arbor.rollout.rewards import _check
 
     # The innermost three frames are over 600 characters each (long source lines): 1,500 are kept.
     module = tmp_path / "long_frames.py"
@@ -565,7 +565,7 @@ def test_a_script_that_does_not_close_its_pool_still_exits():
     # Workers are daemons: at exit the parent ends them; it would otherwise wait forever for
     # workers that wait for its next item.
     script = (
-        "from arbor.rewards import RewardPool\n"
+        "from arbor.rollout.rewards import RewardPool\n"
         f"pool = RewardPool({FIX + ':one'!r}, workers=1, timeout_s=5, search_dirs=[{HERE!r}])\n"
         "assert pool.score([({'id': 'p0'}, 'c')]).scores == [1.0]\n"
     )

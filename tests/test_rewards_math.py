@@ -1,4 +1,4 @@
-"""rewards/math.py and arbor/answers.py: last-\\boxed{} extraction and the final run of
+"""rewards/math.py and arbor/rollout/answers.py: last-\\boxed{} extraction and the final run of
 boxes, math-verify scoring of MATH-style gold answers (with the readings of issue 24: runs
 of boxes, trailing punctuation, digit groups, each re-run against wrong golds), and
 adversarial completions that must finish in bounded time."""
@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from arbor.answers import final_boxes, has_final_answer, last_boxed
 from arbor.plugins import load_object
-from arbor.rewards import RewardTerm, score_batch
+from arbor.rollout.answers import final_boxes, has_final_answer, last_boxed
+from arbor.rollout.rewards import RewardTerm, score_batch
 
 REPO = Path(__file__).resolve().parents[1]
 boxed_accuracy = load_object("rewards/math.py:boxed_accuracy", "test", [str(REPO)])

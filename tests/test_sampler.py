@@ -19,8 +19,7 @@ import pytest
 
 from arbor.config import RolloutConfig
 from arbor.engines.types import GenerateOutput, GenerateRequest
-from arbor.sampler import sample_trees
-from arbor.sampler_budget import (
+from arbor.rollout.budget import (
     assign_branches,
     fallback_copies,
     is_repetitive,
@@ -30,6 +29,7 @@ from arbor.sampler_budget import (
     root_copies,
     segment_score,
 )
+from arbor.rollout.sampler import sample_trees
 from arbor.tree import RolloutTree
 
 PROMPT = [1, 2, 3]
@@ -474,7 +474,7 @@ def test_request_seeds_are_stable_across_versions() -> None:
 
 
 def test_requests_carry_the_sampling_settings_and_the_problem_reaches_the_tree() -> None:
-    from arbor.sampler import sample_trees_sync
+    from arbor.rollout.sampler import sample_trees_sync
 
     engine = ScriptedEngine(4)
     seen = []
@@ -511,7 +511,7 @@ def test_an_engine_that_returns_too_few_outputs_is_an_error() -> None:
 
 
 def test_finish_reasons_listed_for_a_shortfall() -> None:
-    from arbor.sampler import _reasons
+    from arbor.rollout.sampler import _reasons
 
     tree = RolloutTree([1])
     for reason in ("stop", "length", "stop", None, None):

@@ -214,7 +214,7 @@ def test_an_agent_step_that_raises_stops_sampling() -> None:
 
 
 def test_path_scores_of_a_fallback_cut_skip_tool_turns() -> None:
-    from arbor.sampler import _TreeSampler
+    from arbor.rollout.sampler import _TreeSampler
 
     sampler = _TreeSampler(ScriptedEngine(4), cfg_of(), 0, [EOS], 0, None, None)
     tree = RolloutTree(PROMPT)

@@ -18,7 +18,7 @@ from arbor.config import RolloutConfig
 from arbor.engines.client import SGLangClient
 from arbor.engines.launch import launch_engines
 from arbor.engines.types import GenerateOutput, GenerateRequest
-from arbor.sampler import sample_trees
+from arbor.rollout.sampler import sample_trees
 from arbor.tree import RolloutTree
 
 PROMPTS = [[17, 42, 99, 5, 63, 120, 7, 88], [31, 200, 11, 54, 76, 150, 9, 33, 12]]

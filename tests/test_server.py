@@ -18,8 +18,8 @@ import torch
 from tiny_model import build_tiny_model_dir
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from arbor.engines.local import LocalEngine
-from arbor.engines.server import ServerThread, parse_args
+from arbor.engines.embedded.engine import LocalEngine
+from arbor.engines.embedded.server import ServerThread, parse_args
 
 PROMPT = [17, 42, 99, 5, 63, 120, 7, 88]
 
@@ -153,7 +153,7 @@ LEARNER = textwrap.dedent(
     import asyncio, os, sys
     from transformers import AutoModelForCausalLM
     from arbor.engines.client import SGLangClient
-    from arbor.weight_sync import WeightSync, named_tensor_buckets
+    from arbor.train.weight_sync import WeightSync, named_tensor_buckets
     url, model_dir = sys.argv[1], sys.argv[2]
     state = AutoModelForCausalLM.from_pretrained(model_dir).state_dict()
 

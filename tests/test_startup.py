@@ -12,8 +12,8 @@ from tiny_model import build_tiny_model_dir
 
 from arbor.config import load_config
 from arbor.engines.launch import EngineLaunchError
-from arbor.run_context import start_run
-from arbor.startup import StartupClock
+from arbor.run.context import start_run
+from arbor.run.startup import StartupClock
 
 TESTS = Path(__file__).resolve().parent
 
@@ -42,9 +42,9 @@ def test_a_phase_that_raises_is_still_timed_and_an_unfinished_one_is_left_out():
 
 
 def test_importing_orchestration_imports_no_torch_transformers_or_deepspeed():
-    """An engine actor imports arbor.orchestration before it launches its server: it must not
+    """An engine actor imports arbor.run.orchestration before it launches its server: it must not
     wait for the learner's libraries first."""
-    code = ("import sys, arbor.orchestration, arbor.engines.launch; "
+    code = ("import sys, arbor.run.orchestration, arbor.engines.launch; "
             "print([m for m in ('torch', 'transformers', 'deepspeed') if m in sys.modules])")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          cwd=TESTS.parent).stdout

@@ -22,11 +22,11 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
-from arbor.engines.local import LocalEngine
-from arbor.engines.server import free_port
-from arbor.learner import Learner
-from arbor.packing import loss_denominator, pack_trees
-from arbor.weight_sync import gathered_parameters
+from arbor.engines.embedded.engine import LocalEngine
+from arbor.engines.embedded.server import free_port
+from arbor.train.learner import Learner
+from arbor.train.packing import loss_denominator, pack_trees
+from arbor.train.weight_sync import gathered_parameters
 
 PADDED_VOCAB = 48  # ids 40..47 never occur: the padded rows of a real embedding
 
@@ -103,7 +103,7 @@ import sys, torch
 sys.path.insert(0, {tests!r})
 from test_learner import config
 from test_tied_embeddings import train_one_step
-from arbor.learner import Learner
+from arbor.train.learner import Learner
 
 cfg = config({path!r}, "learner.backend=deepspeed", "learner.zero_stage=3", "learner.num_ranks=1", "optim.lr=1e-2")
 learner = Learner(cfg.model, cfg.learner, cfg.optim, cfg.loss, total_steps=10)

@@ -6,7 +6,7 @@ import socket
 import pytest
 
 from arbor.errors import ConfigError
-from arbor.tools import ToolPool, network_isolation
+from arbor.rollout.tools import ToolPool, network_isolation
 
 
 def run(code: str, **limits):

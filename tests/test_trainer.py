@@ -9,10 +9,10 @@ import torch
 from safetensors.torch import load_file
 from tiny_model import build_tiny_model_dir
 
-from arbor import checkpoint
 from arbor.config import load_config
-from arbor.metrics import read_metrics
-from arbor.trainer import train
+from arbor.run import checkpoint
+from arbor.run.metrics import read_metrics
+from arbor.run.trainer import train
 from arbor.tree import RolloutTree
 
 REWARD = '''
@@ -186,7 +186,7 @@ def test_an_engine_killed_mid_rollout_is_restarted_and_the_step_completes(run_in
 
 
 def test_an_engine_that_keeps_dying_stops_the_run_with_its_log_and_checkpoint(run_inputs, tmp_path):
-    from arbor.engine_recovery import EngineFailedError
+    from arbor.run.recovery import EngineFailedError
 
     root, model, data = run_inputs
     cfg = config(root, model, data, tmp_path / "g", "learner.backend=torch", "learner.zero_stage=0", "run.steps=3",
@@ -207,7 +207,7 @@ def test_a_lost_learner_rank_stops_the_run_naming_it_and_resume_continues(run_in
 
     import ray
 
-    from arbor.orchestration import LearnerFailedError
+    from arbor.run.orchestration import LearnerFailedError
 
     root, model, data = run_inputs
     cfg = config(root, model, data, tmp_path / "h", "learner.backend=deepspeed", "learner.zero_stage=3",
@@ -226,7 +226,7 @@ def test_a_lost_learner_rank_stops_the_run_naming_it_and_resume_continues(run_in
 
 
 def test_a_reward_function_whose_workers_all_crash_stops_the_run(run_inputs, tmp_path):
-    from arbor.rewards import RewardFailureError
+    from arbor.rollout.rewards import RewardFailureError
 
     root, model, data = run_inputs
     cfg = config(root, model, data, tmp_path / "i", "learner.backend=torch", "learner.zero_stage=0",
@@ -326,8 +326,8 @@ def test_a_too_small_local_ray_instance_is_restarted_or_refused():
     instead of waiting 600 s for a placement that cannot happen."""
     import ray
 
-    from arbor import orchestration
     from arbor.config import RayConfig
+    from arbor.run import orchestration
 
     ray.shutdown()
     try:

@@ -6,9 +6,8 @@ import pytest
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from arbor.packing import pack_trees
-from arbor.tree import RolloutTree
-from arbor.tree_attention import (
+from arbor.train.packing import pack_trees
+from arbor.train.tree_attention import (
     dense_tree_mask,
     flex_block_mask,
     head_dim,
@@ -16,6 +15,7 @@ from arbor.tree_attention import (
     plan_blocks,
     resolve_attention,
 )
+from arbor.tree import RolloutTree
 
 
 def model_and_trees(attn="sdpa", dtype=torch.float64, hidden_size=32):

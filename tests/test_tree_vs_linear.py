@@ -12,7 +12,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from arbor.packed_loss import policy_loss
+from arbor.train.packed_loss import policy_loss
 from arbor.tree import RolloutTree
 
 VOCAB = 48
@@ -127,7 +127,7 @@ def test_tree_equals_linear_in_low_precision(normalize, dtype, seed, loss_rtol, 
     lin_loss, lin_grads, lin_m = loss_and_grads(model, trees, advantages, mode="padded", normalize=normalize)
     tree_loss, tree_grads, tree_m = loss_and_grads(model, trees, advantages, mode="tree", normalize=normalize,
                                                    pack_tokens=budget(trees, 3))
-    # Probabilities are formed in float32 whatever the model's dtype (arbor.lm_head).
+    # Probabilities are formed in float32 whatever the model's dtype (arbor.train.lm_head).
     assert tree_loss.dtype == torch.float32 and lin_loss.dtype == torch.float32
     assert tree_loss.item() == pytest.approx(lin_loss.item(), rel=loss_rtol, abs=1e-7)
     for a, b in zip(lin_grads, tree_grads):
@@ -155,7 +155,7 @@ def test_the_padded_reference_is_named_padded():
     word: asking for it says both names."""
     tree = RolloutTree.from_sequences([1], [[2]], logprobs=[[-1.0]])
     message = ("mode 'linear' is now 'padded' (every leaf its own padded sequence); the trainer's loss.mode: "
-               "linear (every leaf its own packed chain) is arbor.packing.linearise_trees")
+               "linear (every leaf its own packed chain) is arbor.train.packing.linearise_trees")
     with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
         policy_loss(tiny("qwen2", torch.float64), [tree], [[1.0]], mode="linear")
     with pytest.raises(ValueError, match="mode must be 'tree' or 'padded'"):
@@ -165,8 +165,8 @@ def test_the_padded_reference_is_named_padded():
 def test_learner_style_accumulation_over_packs_and_ranks():
     # The learner calls backward pack by pack with one global denominator, packs spread
     # over ranks: the accumulated gradients equal one linear step over the whole batch.
-    from arbor.packed_loss import pack_loss
-    from arbor.packing import assign_to_ranks, loss_denominator, pack_trees
+    from arbor.train.packed_loss import pack_loss
+    from arbor.train.packing import assign_to_ranks, loss_denominator, pack_trees
 
     rng = random.Random(11)
     trees = [random_tree(rng, i) for i in range(4)]

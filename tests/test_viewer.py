@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from arbor.advantage import compute_advantages
+from arbor.train.advantage import compute_advantages
 from arbor.tree import RolloutTree
 from arbor.viewer import (
     LEAF_COLOR,

@@ -9,7 +9,7 @@ from transformers import AutoModelForCausalLM
 
 from arbor.engines.client import SGLangClient
 from arbor.engines.launch import launch_engines
-from arbor.weight_sync import (
+from arbor.train.weight_sync import (
     WeightSync,
     gathered_parameters,
     named_tensor_buckets,

@@ -14,17 +14,17 @@ from test_learner import run_two_ranks, tiny_model_dir
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from arbor.config import load_config
-from arbor.zero3 import SafetensorsReader, checkpoint_files, copy_flat_range
+from arbor.train.zero3 import SafetensorsReader, checkpoint_files, copy_flat_range
 
 RANK_SCRIPT = """
 import dataclasses, functools, os, sys, torch
 sys.path.insert(0, {tests!r})
 from test_learner import batch, config
-from arbor.learner import Learner, load_policy
-from arbor.loss import LossStats
-from arbor.packed_loss import pack_loss
-from arbor.packing import assign_to_ranks, loss_denominator, pack_trees
-from arbor.weight_sync import gathered_buckets, gathered_parameters
+from arbor.train.learner import Learner, load_policy
+from arbor.train.loss import LossStats
+from arbor.train.packed_loss import pack_loss
+from arbor.train.packing import assign_to_ranks, loss_denominator, pack_trees
+from arbor.train.weight_sync import gathered_buckets, gathered_parameters
 
 rank = int(os.environ["RANK"])
 trees, advantages = batch()

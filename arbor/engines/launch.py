@@ -7,7 +7,7 @@
 Kinds:
 - ``sglang``: ``python -m sglang.launch_server --model-path M --port P`` per engine (one GPU
   each, via ``CUDA_VISIBLE_DEVICES``); needs the ``sglang`` package and CUDA;
-- ``embedded``: ``python -m arbor.engines.server --model M --port P`` (``arbor serve``);
+- ``embedded``: ``python -m arbor.engines.embedded.server --model M --port P`` (``arbor serve``);
 - ``auto``: ``sglang`` where it can run, else ``embedded``;
 - ``external``: the given ``urls``, only health-checked; nothing is started or stopped.
 
@@ -273,7 +273,7 @@ def _command(
     if kind == "sglang":
         command = [sys.executable, "-m", "sglang.launch_server", "--model-path", model_path]
     else:
-        command = [sys.executable, "-m", "arbor.engines.server", "--model", model_path]
+        command = [sys.executable, "-m", "arbor.engines.embedded.server", "--model", model_path]
     command += ["--host", host, "--port", str(port)]
     if dtype:
         command += ["--dtype", dtype]

@@ -1,6 +1,6 @@
 """`arbor serve`: the embedded engine behind the subset of SGLang's native HTTP API arbor uses.
 
-Run:  python -m arbor.engines.server --model PATH [--host 127.0.0.1] [--port 30000]
+Run:  python -m arbor.engines.embedded.server --model PATH [--host 127.0.0.1] [--port 30000]
       (``arbor serve --model PATH`` calls :func:`main`.)
 
 Endpoints (request / response fields as SGLang 0.5 names them):
@@ -48,8 +48,8 @@ from arbor.engines.auth import (
     unprotected_warning,
 )
 from arbor.engines.distributed import DEFAULT_GROUP, WeightUpdateGroup
+from arbor.engines.embedded.engine import EngineReleased, LocalEngine
 from arbor.engines.launch import free_port
-from arbor.engines.local import EngineReleased, LocalEngine
 from arbor.engines.types import GenerateOutput, GenerateRequest, SamplingParams
 
 DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's default

@@ -275,7 +275,7 @@ def compute_advantages(
     ``whiten_tokens`` whitens over the batch's linearised trainable tokens afterwards;
     "reinforce_pp" is whitened by definition and is never whitened twice. "tempo"
     returns per-token values (:data:`TokenAdvantages`, whitened per token); the others
-    per-leaf values (:data:`LeafAdvantages`). ``arbor.packing`` accepts both shapes.
+    per-leaf values (:data:`LeafAdvantages`). ``arbor.train.packing`` accepts both shapes.
     """
     if estimator == "grpo":
         leaf_adv = grpo_advantages(trees, std_normalize=std_normalize)

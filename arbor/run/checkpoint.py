@@ -9,7 +9,7 @@ A checkpoint is complete only once ``latest`` names it (written after everything
 atomically), so a run killed while saving resumes from the previous one. ``run.resume``
 picks ``latest``; the learner reloads its state and pushes the weights to the engines,
 the problem stream continues at its cursor, and the RNGs are restored. The metrics are
-not in the checkpoint: ``metrics.jsonl`` is appended to (:func:`arbor.metrics.read_metrics`
+not in the checkpoint: ``metrics.jsonl`` is appended to (:func:`arbor.run.metrics.read_metrics`
 keeps the last record of a step a resumed run redid). ``run.keep_checkpoints`` bounds how
 many complete checkpoints stay on disk.
 """

@@ -9,7 +9,7 @@
 
 Each phase takes the pieces it uses (the engine client in :class:`Sampling`, the learner
 group, the reward pool, the sub-configs) by name and owns none of them: the trainer's
-:class:`~arbor.run_context.RunContext` starts and stops them.
+:class:`~arbor.run.context.RunContext` starts and stops them.
 """
 
 from __future__ import annotations
@@ -22,18 +22,18 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
-from arbor.advantage import compute_advantages, dynamic_sampling_filter
-from arbor.agents import Agent, Render, episode_inputs, tool_turns
-from arbor.answers import has_final_answer
 from arbor.config import AlgorithmConfig, Config, DataConfig, EvalConfig, LossConfig, RolloutConfig
 from arbor.data import ProblemStream
-from arbor.engine_recovery import EngineRecovery
 from arbor.engines.client import SGLangClient
-from arbor.loss import LossStats
-from arbor.orchestration import EngineGroup, LearnerGroup, closing
-from arbor.packing import assign_to_ranks, loss_denominator, pack_trees
-from arbor.rewards import RewardPool, check_failure_fraction, failed_checks
-from arbor.sampler import SampleStats, sample_trees
+from arbor.rollout.agents import Agent, Render, episode_inputs, tool_turns
+from arbor.rollout.answers import has_final_answer
+from arbor.rollout.rewards import RewardPool, check_failure_fraction, failed_checks
+from arbor.rollout.sampler import SampleStats, sample_trees
+from arbor.run.orchestration import EngineGroup, LearnerGroup, closing
+from arbor.run.recovery import EngineRecovery
+from arbor.train.advantage import compute_advantages, dynamic_sampling_filter
+from arbor.train.loss import LossStats
+from arbor.train.packing import assign_to_ranks, loss_denominator, pack_trees
 from arbor.tree import RolloutTree
 
 T = TypeVar("T")
@@ -78,7 +78,7 @@ class Sampling:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def episode_inputs(self, problems: list[dict]) -> tuple[list[list[int]], Render | None]:
-        """The first prompt of each problem's episode and the agent's render (:func:`~arbor.agents.episode_inputs`)."""
+        """The first prompt of each problem's episode and the agent's render (:func:`~arbor.rollout.agents.episode_inputs`)."""
         return episode_inputs(problems, self.agent, self.tokenizer, self.data_cfg, self.chat_template)
 
 
@@ -89,7 +89,7 @@ def step_seed(seed: int, step: int, round_: int = 0) -> int:
 
 class PhaseLog(Protocol):
     """What :func:`collect_rollouts` needs of a log: phase timing and progress lines
-    (:class:`~arbor.metrics.MetricsLog`; the asynchronous producer keeps its own)."""
+    (:class:`~arbor.run.metrics.MetricsLog`; the asynchronous producer keeps its own)."""
 
     def phase(self, name: str) -> AbstractContextManager[None]: ...
 
@@ -103,7 +103,7 @@ def collect_rollouts(
 
     Reads ``data.prompts_per_step``, ``algorithm.dynamic_sampling`` / ``max_refill_rounds``,
     ``rollout.*``, ``run.seed`` and ``reward.max_failure_fraction``. Raises
-    :class:`~arbor.rewards.RewardFailureError` when more than ``reward.max_failure_fraction``
+    :class:`~arbor.rollout.rewards.RewardFailureError` when more than ``reward.max_failure_fraction``
     of the step's reward checks timed out or crashed.
     """
     target = cfg.data.prompts_per_step
@@ -195,7 +195,7 @@ def train_on_batch(
             chosen = order[start : start + size]
             sub_trees, sub_adv = [trees[i] for i in chosen], [advantages[i] for i in chosen]
             if loss_cfg.mode == "linear":
-                from arbor.packing import linearise_trees
+                from arbor.train.packing import linearise_trees
 
                 sub_trees, sub_adv = linearise_trees(sub_trees, sub_adv)
             packs = pack_trees(sub_trees, sub_adv, pack_tokens=pack_tokens, normalize=loss_cfg.normalize)
@@ -217,7 +217,7 @@ def sync_weights(
     rollout_cfg: RolloutConfig, version: str, probe: list[RolloutTree],
 ) -> dict[str, float]:
     """Learner weights → every engine (cache flushed, version checked), then the probe gap."""
-    from arbor.weight_sync import probe_samples
+    from arbor.train.weight_sync import probe_samples
 
     recovery.revive_dead()  # a server that died after its last request is restarted first
     learners.push_weights(engines.urls, version)
@@ -237,8 +237,8 @@ def evaluate(
     rollout_cfg: RolloutConfig, seed: int, status: Status,
 ) -> dict[str, float]:
     """``eval/*`` metrics (pass@k, maj@k, accuracy, length; tool calls with an agent) on
-    ``problems``: :mod:`arbor.evaluate`."""
-    from arbor.evaluate import run_eval
+    ``problems``: :mod:`arbor.run.evaluate`."""
+    from arbor.run.evaluate import run_eval
 
     problems = problems[: eval_cfg.max_problems or None]
     prompts, render = sampling.episode_inputs(problems)

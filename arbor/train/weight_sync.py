@@ -36,9 +36,9 @@ from arbor.engines.distributed import (
     connect_learner,
     send_weights,
 )
-from arbor.engines.server import free_port
+from arbor.engines.embedded.server import free_port
 from arbor.engines.types import GenerateRequest, SamplingParams
-from arbor.lm_head import logprobs_and_entropy
+from arbor.train.lm_head import logprobs_and_entropy
 
 
 def named_tensor_buckets(

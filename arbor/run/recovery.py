@@ -10,7 +10,7 @@ request fail; the client then awaits :meth:`EngineRecovery.recover` and sends th
 again. Recovery, once per death whichever request noticed it first:
 
 1. nothing, if the server answers ``/health`` (a hiccup, or another request restarted it);
-2. its :class:`~arbor.orchestration.EngineWorker` starts it again (same command and port:
+2. its :class:`~arbor.run.orchestration.EngineWorker` starts it again (same command and port:
    the URL, and so the client's routing of trees to servers, stays as it was);
 3. it gets the run's weights and version: the learners export them (the HF directory
    ``learner.weight_sync: disk`` uses) and the server loads them and flushes its cache. With
@@ -30,10 +30,10 @@ import os
 import sys
 import threading
 
-from arbor import checkpoint
 from arbor.engines.client import EngineError, run_sync
 from arbor.engines.launch import EngineLaunchError
-from arbor.orchestration import EngineGroup, LearnerGroup
+from arbor.run import checkpoint
+from arbor.run.orchestration import EngineGroup, LearnerGroup
 
 
 class EngineFailedError(RuntimeError):

@@ -9,7 +9,7 @@ per problem of ``eval.path`` (default ``data.eval_path``), scores them with
 ``reward.functions``, prints a summary and writes ``<run.output_dir>/eval.json`` (metrics
 plus one record per problem) and TensorBoard scalars under
 ``<run.output_dir>/tensorboard/eval``. The trainer calls :func:`run_eval` every
-``run.eval_every`` steps (``arbor.phases.evaluate``) and logs the same ``eval/*`` metrics.
+``run.eval_every`` steps (``arbor.run.phases.evaluate``) and logs the same ``eval/*`` metrics.
 
 In code, with any :class:`~arbor.engines.types.RolloutEngine` and a reward pool:
 
@@ -49,12 +49,12 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from arbor.agents import Agent, Render, tool_turns
-from arbor.answers import final_boxes
 from arbor.config import Config, EvalConfig, RolloutConfig
 from arbor.engines.types import RolloutEngine
-from arbor.rewards import Item, RewardPool, RewardTerm, ScoreResult
-from arbor.sampler import sample_trees
+from arbor.rollout.agents import Agent, Render, tool_turns
+from arbor.rollout.answers import final_boxes
+from arbor.rollout.rewards import Item, RewardPool, RewardTerm, ScoreResult
+from arbor.rollout.sampler import sample_trees
 from arbor.tree import RolloutTree
 
 if TYPE_CHECKING:
@@ -62,7 +62,7 @@ if TYPE_CHECKING:
 
 
 class Scorer(Protocol):
-    """What scoring needs: :class:`arbor.rewards.RewardPool` is one."""
+    """What scoring needs: :class:`arbor.rollout.rewards.RewardPool` is one."""
 
     def score(self, items: Sequence[Item], on_progress: Callable[[int, int], None] | None = None) -> ScoreResult: ...
 
@@ -120,7 +120,7 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 def normalise_answer(completion: str) -> str | None:
     """The completion's final answer for voting, as the reward reads it, no whitespace or ``$``.
 
-    The final run of boxes (``arbor.answers.final_boxes``, joined with ", " as
+    The final run of boxes (``arbor.rollout.answers.final_boxes``, joined with ", " as
     ``rewards/math.py`` joins them): ``normalise_answer(r"so \\boxed{ \\frac{1}{2} }.") ==
     r"\\frac{1}{2}"``, ``normalise_answer(r"\\boxed{1}, \\boxed{2}") == "1,2"``; no box: None.
     """
@@ -214,7 +214,7 @@ def run_eval(
     ``prompts[i]`` are problem i's prompt token ids; ``decode(ids) -> str`` gives the text
     the reward sees; ``run_async`` runs the sampling coroutine (the trainer's closes its
     client's session); ``status(text)`` reports progress. With an ``agent`` (and its
-    ``render``, as from :func:`arbor.agents.episode_inputs`) each answer is an episode.
+    ``render``, as from :func:`arbor.rollout.agents.episode_inputs`) each answer is an episode.
     """
     k = eval_cfg.samples
     done = [0]
@@ -263,11 +263,11 @@ def main(cfg: Config) -> int:
     """Start the engines of ``cfg``, evaluate ``eval.path``, write the JSON and TensorBoard."""
     from transformers import AutoTokenizer
 
-    from arbor.agents import episode_inputs, fitting_problems, rollout_agent
     from arbor.data import load_problems, stop_token_ids
     from arbor.engines.client import SGLangClient
-    from arbor.orchestration import closing
     from arbor.plugins import default_search_dirs
+    from arbor.rollout.agents import episode_inputs, fitting_problems, rollout_agent
+    from arbor.run.orchestration import closing
 
     e = cfg.eval
     path = e.path or cfg.data.eval_path
@@ -327,7 +327,7 @@ def _reward_pool(cfg: Config) -> RewardPool:
 def _start_engines(cfg: Config, log_dir: Path) -> EngineHandle:
     """The run's engines as the trainer starts them, but in this process (no Ray)."""
     from arbor.engines.launch import launch_engines
-    from arbor.orchestration import engine_args
+    from arbor.run.orchestration import engine_args
 
     return launch_engines(
         cfg.engine.kind, model_path=cfg.model.path, num_engines=cfg.engine.num_engines, urls=cfg.engine.urls,

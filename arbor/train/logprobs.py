@@ -6,7 +6,7 @@
 
 All are log-probs of softmax(logits / T) at the sampling temperature T, in float32 or
 wider whatever the model's dtype. ``pack_token_logprobs`` runs a tree pack
-(:mod:`arbor.packing`) with tree attention; ``padded_token_logprobs`` is the reference
+(:mod:`arbor.train.packing`) with tree attention; ``padded_token_logprobs`` is the reference
 it must agree with. ``tree_logprobs`` scores every response token once (reference-model
 log-probs for KL, or recomputed behaviour log-probs).
 """
@@ -18,10 +18,10 @@ from collections.abc import Sequence
 import torch
 from transformers import PreTrainedModel
 
-from arbor.lm_head import chunkable_head, chunked_head, logprobs_and_entropy
-from arbor.packing import PackedBatch, pack_trees
+from arbor.train.lm_head import chunkable_head, chunked_head, logprobs_and_entropy
+from arbor.train.packing import PackedBatch, pack_trees
+from arbor.train.tree_attention import Attention, packed_logits
 from arbor.tree import RolloutTree
-from arbor.tree_attention import Attention, packed_logits
 
 
 def pack_token_logprobs(
@@ -36,7 +36,7 @@ def pack_token_logprobs(
     """log p and entropy of softmax(logits / T) at the packed tokens ``select``: ([M], [M]), float32+.
 
     ``chunk_tokens`` > 0: the LM head runs on that many tokens at a time
-    (:mod:`arbor.lm_head`), so [M, V] logits never exist; models whose logits are not a
+    (:mod:`arbor.train.lm_head`), so [M, V] logits never exist; models whose logits are not a
     plain linear head of the last hidden state fall back to whole logits.
     """
     rows = pack.parent[select]

@@ -62,10 +62,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from arbor.agents import Agent, Message
 from arbor.config import RolloutConfig
 from arbor.engines.types import GenerateOutput, GenerateRequest, RolloutEngine, SamplingParams
-from arbor.sampler_budget import (
+from arbor.rollout.agents import Agent, Message
+from arbor.rollout.budget import (
     assign_branches,
     fallback_copies,
     is_repetitive,
@@ -145,7 +145,7 @@ async def sample_trees(
     With an ``agent`` (multi-turn episodes), a model turn that ends on a stop token is a
     decision point: ``agent.step(problem, history)`` (run in a thread, so the tool calls
     of different branches run concurrently) either ends the episode (None) or gives
-    messages whose ids, ``render(messages)`` (e.g. :func:`arbor.agents.continuation_ids`),
+    messages whose ids, ``render(messages)`` (e.g. :func:`arbor.rollout.agents.continuation_ids`),
     are appended as a node with ``loss_mask = 0``; the path then continues and may fork
     there like at any segment boundary. The history holds ``agent.start(problem)``, then
     each model turn decoded (``decode`` is required) and each tool turn as given. A step
@@ -470,7 +470,7 @@ def _in_daemon_thread(fn: Callable[..., Any], *args: object) -> asyncio.Future[A
     abandoned when its caller stops waiting: it runs on, holding whatever it holds (a tool
     subprocess, memory), until it returns or the process exits. One thread per call, so
     a timed-out step costs a thread, never a slot that later steps would queue behind (the
-    time limit counts the step alone); agents bound their own tools (``arbor.tools``).
+    time limit counts the step alone); agents bound their own tools (``arbor.rollout.tools``).
     """
     loop = asyncio.get_running_loop()
     future: asyncio.Future[Any] = loop.create_future()

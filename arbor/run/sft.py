@@ -63,14 +63,20 @@ from typing import Any
 
 import torch
 
-from arbor import checkpoint
 from arbor.config import Config, DataConfig, SftConfig, save_config
 from arbor.data import DataError, format_prompt, read_rows, stop_token_ids
-from arbor.engines.server import free_port
-from arbor.learner import Learner, resolve_device
-from arbor.metrics import MetricsLog
-from arbor.packed_loss import pack_sft_loss
-from arbor.packing import Normalize, PackedBatch, assign_to_ranks, loss_denominator, pack_trees
+from arbor.engines.embedded.server import free_port
+from arbor.run import checkpoint
+from arbor.run.metrics import MetricsLog
+from arbor.train.learner import Learner, resolve_device
+from arbor.train.packed_loss import pack_sft_loss
+from arbor.train.packing import (
+    Normalize,
+    PackedBatch,
+    assign_to_ranks,
+    loss_denominator,
+    pack_trees,
+)
 from arbor.tree import RolloutTree
 
 # -- examples -------------------------------------------------------------------------------

@@ -6,11 +6,11 @@
     loss, sums = pack_loss(model, pack, denominator)                     # one pack's share (the learner)
     nll = sft_loss(model, trees, leaf_weights)                           # weighted NLL, prefixes once
 
-The objective itself is :mod:`arbor.loss` (pure tensor functions); the log-prob forwards
-are :mod:`arbor.logprobs`. ``mode="padded"`` is the reference these must agree with: every
+The objective itself is :mod:`arbor.train.loss` (pure tensor functions); the log-prob forwards
+are :mod:`arbor.train.logprobs`. ``mode="padded"`` is the reference these must agree with: every
 leaf a right-padded sequence of its own (not to be confused with the trainer's
 ``loss.mode: linear``, which packs every leaf as a chain of its own:
-:func:`arbor.packing.linearise_trees`).
+:func:`arbor.train.packing.linearise_trees`).
 
 Log-probs are those of softmax(logits / T) at the rollout temperature T, computed in
 float32 (or wider): the engines (SGLang and arbor's own) report exactly these for each
@@ -20,7 +20,7 @@ tempered distribution; r is then the ratio of the full tempered distributions (a
 verl and OpenRLHF), not of the truncated sampling densities.
 
 The learner accumulates gradients pack by pack: :func:`pack_loss` divides by the global
-denominator (:func:`arbor.packing.loss_denominator` over the whole batch, all ranks), so
+denominator (:func:`arbor.train.packing.loss_denominator` over the whole batch, all ranks), so
 Σ over packs of ``pack_loss`` equals :func:`policy_loss`.
 """
 
@@ -32,9 +32,9 @@ from typing import Literal
 import torch
 from transformers import PreTrainedModel
 
-from arbor.logprobs import pack_token_logprobs, padded_token_logprobs
-from arbor.loss import KLEstimator, LossSums, combine, token_sums
-from arbor.packing import (
+from arbor.train.logprobs import pack_token_logprobs, padded_token_logprobs
+from arbor.train.loss import KLEstimator, LossSums, combine, token_sums
+from arbor.train.packing import (
     Advantages,
     Normalize,
     PackedBatch,
@@ -42,8 +42,8 @@ from arbor.packing import (
     loss_denominator,
     pack_trees,
 )
+from arbor.train.tree_attention import Attention
 from arbor.tree import RolloutTree
-from arbor.tree_attention import Attention
 
 LossMode = Literal["tree", "padded"]  # tree-packed, or every leaf its own padded sequence
 
@@ -71,7 +71,7 @@ def pack_loss(
     sums (``sums.stats.loss`` is this loss's value).
 
     ``behaviour_cap`` None: PPO against the behaviour log-probs (on-policy). Given (off-policy,
-    ``algorithm.max_staleness`` ≥ 1): AReaL's decoupled objective (:func:`arbor.loss.decoupled_objective`)
+    ``algorithm.max_staleness`` ≥ 1): AReaL's decoupled objective (:func:`arbor.train.loss.decoupled_objective`)
     with the proximal policy = these weights before this update, i.e. this forward's log-probs
     without their graph: exact for one update per batch (``algorithm.ppo_epochs`` 1), where it
     reduces to the truncated-IS policy gradient min(π_θ/π_behav, C)·A·∇log π_θ.
@@ -127,7 +127,7 @@ def padded_token_fields(
     """Per response token of every leaf (flat, leaf by leaf): mask, old logp, weights, advantages.
 
     ``advantages`` None: 0 everywhere (SFT); ``loss_weights`` per tree per leaf scale its
-    ``weight`` as :func:`~arbor.packing.pack_trees` does.
+    ``weight`` as :func:`~arbor.train.packing.pack_trees` does.
     """
     out: dict[str, list[float]] = {k: [] for k in ("mask", "old", "weight", "pos", "neg", "npos", "nneg")}
     for t, tree in enumerate(trees):
@@ -175,7 +175,7 @@ def _padded_sums(
 def _check_mode(mode: str) -> None:
     if mode == "linear":  # the name until #20, when it also meant the trainer's packed chains
         raise ValueError("mode 'linear' is now 'padded' (every leaf its own padded sequence); the trainer's "
-                         "loss.mode: linear (every leaf its own packed chain) is arbor.packing.linearise_trees")
+                         "loss.mode: linear (every leaf its own packed chain) is arbor.train.packing.linearise_trees")
     if mode != "tree":
         raise ValueError(f"mode must be 'tree' or 'padded', got {mode!r}")
 
@@ -203,9 +203,9 @@ def policy_loss(
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Clipped policy loss of ``trees`` (old logprobs = the nodes' ``logprobs``).
 
-    ``advantages``: per tree one float per leaf (``arbor.advantage``), or per leaf one float
+    ``advantages``: per tree one float per leaf (``arbor.train.advantage``), or per leaf one float
     per response token (TEMPO). Returns a scalar loss to ``.backward()`` and metrics
-    (:meth:`arbor.loss.LossStats.metrics`: ``loss``, ``clip_fraction``, ``approx_kl``,
+    (:meth:`arbor.train.loss.LossStats.metrics`: ``loss``, ``clip_fraction``, ``approx_kl``,
     ``entropy``, ``logprob_gap``, ``kl``, ``tokens``, ``linearised_tokens``), weighted so
     both modes report the same numbers.
 

@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface, PreTrainedModel
 
-from arbor.packing import AttentionBlock, PackedBatch
+from arbor.train.packing import AttentionBlock, PackedBatch
 
 Attention = Literal["auto", "dense", "blocks", "flex"]
 BLOCKS_IMPL = "arbor_tree_blocks"

@@ -3,8 +3,8 @@
     problems → tree rollouts → rewards → dynamic sampling → advantages → packs →
     learner update → weight sync → metrics → periodic eval, trees and checkpoint
 
-:func:`arbor.run_context.start_run` starts and stops everything the phases use (Ray,
-learner ranks, engines, the reward pool, TensorBoard); :mod:`arbor.phases` holds the
+:func:`arbor.run.context.start_run` starts and stops everything the phases use (Ray,
+learner ranks, engines, the reward pool, TensorBoard); :mod:`arbor.run.phases` holds the
 phases, each handed the pieces it uses.
 """
 
@@ -15,20 +15,20 @@ import sys
 import time
 from collections.abc import Callable
 
-from arbor import phases
-from arbor.async_rollouts import busy_metrics, producer_for
 from arbor.config import Config
-from arbor.engine_recovery import EngineFailedError
-from arbor.orchestration import LearnerFailedError
-from arbor.rewards import RewardFailureError
-from arbor.run_context import RunContext, start_run
+from arbor.rollout.rewards import RewardFailureError
+from arbor.run import phases
+from arbor.run.async_rollouts import busy_metrics, producer_for
+from arbor.run.context import RunContext, start_run
+from arbor.run.orchestration import LearnerFailedError
+from arbor.run.recovery import EngineFailedError
 
 
 def train(cfg: Config, after_step: Callable[[RunContext, int, dict], None] | None = None) -> list[dict[str, float]]:
     """Run (or resume) ``cfg``; returns the metrics of the steps this call ran.
 
     ``after_step(ctx, step, metrics)`` is called after each step (notebooks, tests). With
-    ``algorithm.max_staleness`` ≥ 1 a producer thread samples ahead (:mod:`arbor.async_rollouts`)
+    ``algorithm.max_staleness`` ≥ 1 a producer thread samples ahead (:mod:`arbor.run.async_rollouts`)
     and the loss is the decoupled off-policy objective (``loss.behaviour_cap``).
     """
     history = []

@@ -8,7 +8,7 @@
 Per token o_t = min(r·A, clip(r, 1 − clip_low, 1 + clip_high)·A), r = exp(logp − logp_old).
 ``normalize="token"``: loss = −Σ_i Σ_{t∈path i} o_t / Σ_i T_i; ``"sequence"``:
 loss = −(1/L) Σ_i (1/T_i) Σ_t o_t — both defined on the linearised batch (each leaf its
-own sequence). Packed (:mod:`arbor.packing`) each token appears once and carries, per leaf b
+own sequence). Packed (:mod:`arbor.train.packing`) each token appears once and carries, per leaf b
 through it, Σ w_b·max(A,0) and Σ w_b·min(A,0) (w_b = 1 or 1/T_b): because r is the same for
 every leaf through the token, Σ_b min(r A_b, clip(r) A_b) = pos·min(r, clip r) + neg·max(r, clip r).
 
@@ -22,8 +22,8 @@ Off-Policy RL Training"): o_t = min(w, C)·min(u·A, clip(u)·A), u = π_θ/π_p
 (:func:`decoupled_objective`).
 
 The model forwards that produce ``logp`` and the per-token columns live beside the packing:
-:mod:`arbor.logprobs` (log-probs of packed trees or padded sequences) and
-:mod:`arbor.packed_loss` (``policy_loss``, ``pack_loss``, the SFT loss). This module imports
+:mod:`arbor.train.logprobs` (log-probs of packed trees or padded sequences) and
+:mod:`arbor.train.packed_loss` (``policy_loss``, ``pack_loss``, the SFT loss). This module imports
 torch only.
 """
 
@@ -191,5 +191,5 @@ def token_sums(
 
 def combine(sums: LossSums, denominator: float, kl_coef: float, entropy_coef: float) -> torch.Tensor:
     """The scalar loss: (−objective + kl_coef·KL − entropy_coef·entropy) / denominator (global:
-    :func:`arbor.packing.loss_denominator` over the whole batch, all ranks)."""
+    :func:`arbor.train.packing.loss_denominator` over the whole batch, all ranks)."""
     return (-sums.objective + kl_coef * sums.kl - entropy_coef * sums.entropy) / max(denominator, 1e-12)

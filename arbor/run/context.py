@@ -7,7 +7,7 @@
 
 :func:`start_run` refuses an output directory holding another run (unless ``run.resume``),
 saves the resolved config, loads the problems and resumes from the latest checkpoint. The
-phases (:mod:`arbor.phases`) never see this record: the trainer hands each the pieces it uses.
+phases (:mod:`arbor.run.phases`) never see this record: the trainer hands each the pieces it uses.
 """
 
 from __future__ import annotations
@@ -19,17 +19,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-from arbor import checkpoint
-from arbor.agents import fitting_problems, rollout_agent
 from arbor.config import Config, save_config
 from arbor.data import ProblemStream, load_problems, stop_token_ids
-from arbor.engine_recovery import EngineRecovery
 from arbor.engines.client import SGLangClient
-from arbor.metrics import MetricsLog
-from arbor.orchestration import EngineGroup, LearnerGroup, Placement, start_groups, start_ray
-from arbor.phases import Sampling
-from arbor.rewards import RewardPool
-from arbor.startup import StartupClock
+from arbor.rollout.agents import fitting_problems, rollout_agent
+from arbor.rollout.rewards import RewardPool
+from arbor.run import checkpoint
+from arbor.run.metrics import MetricsLog
+from arbor.run.orchestration import EngineGroup, LearnerGroup, Placement, start_groups, start_ray
+from arbor.run.phases import Sampling
+from arbor.run.recovery import EngineRecovery
+from arbor.run.startup import StartupClock
 
 T = TypeVar("T")
 
@@ -137,7 +137,7 @@ def _start(cfg: Config, closers: list[Callable[[], Any]], clock: StartupClock) -
     from transformers import AutoTokenizer
 
     from arbor.plugins import default_search_dirs
-    from arbor.rewards import RewardTerm
+    from arbor.rollout.rewards import RewardTerm
 
     out = Path(cfg.run.output_dir)
     previous = checkpoint.latest_checkpoint(out)

@@ -12,7 +12,7 @@ Each learner rank is a Ray actor that sets its torch.distributed variables (rank
 address and a free port there) before DeepSpeed initialises: NCCL on GPUs, gloo on CPU.
 Engines are actors that own a server process (SGLang on GPUs, ``arbor serve`` else) on
 their node; ``engine.kind: external`` adopts running servers instead. Reward checks run
-in the driver's process pool (:class:`arbor.rewards.RewardPool`).
+in the driver's process pool (:class:`arbor.rollout.rewards.RewardPool`).
 
 Start-up on one machine: engines and learner ranks start at once (the engines' model load
 overlaps DeepSpeed's init; the first failure of either stops both), this module imports
@@ -35,11 +35,11 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from arbor.config import Config, RayConfig
 from arbor.engines.auth import API_KEY_ENV, run_api_key
 from arbor.engines.launch import free_port
-from arbor.startup import StartupClock
+from arbor.run.startup import StartupClock
 
 if TYPE_CHECKING:
-    from arbor.learner import StepResult
-    from arbor.packing import PackedBatch
+    from arbor.train.learner import StepResult
+    from arbor.train.packing import PackedBatch
 
 # Nothing here imports torch, transformers or DeepSpeed at module level: an engine actor
 # imports this module before it starts its server, which would wait for them for nothing.
@@ -230,7 +230,7 @@ class LearnerWorker:
             # Rollout and training take turns, so each rank may use its share of the cores.
             torch.set_num_threads(cpu_threads(cfg, sharers=cfg.learner.num_ranks))
         torch.manual_seed(cfg.run.seed + self.rank)
-        from arbor.learner import Learner
+        from arbor.train.learner import Learner
 
         self.learner = Learner(cfg.model, cfg.learner, cfg.optim, cfg.loss, total_steps=total_steps,
                                temperature=cfg.rollout.temperature)
@@ -248,7 +248,7 @@ class LearnerWorker:
         buckets over a gloo/NCCL group, gathering the next while one is sent; ``disk`` writes an HF directory (``<run.output_dir>/weight-sync``)
         that the engines load (for engines the learner cannot reach over torch.distributed).
         """
-        from arbor.weight_sync import gathered_buckets
+        from arbor.train.weight_sync import gathered_buckets
 
         cfg = self.cfg
         if cfg.learner.weight_sync == "disk":
@@ -268,7 +268,7 @@ class LearnerWorker:
 
     def logprob_gap(self, samples: list[tuple[list[int], list[int], list[float]]]) -> float:
         """Mean |engine − learner| logprob over probe samples (every rank: ZeRO-3 forwards are collective)."""
-        from arbor.weight_sync import logprob_gap
+        from arbor.train.weight_sync import logprob_gap
 
         model = self.learner.model
         was_training = model.training
@@ -294,7 +294,7 @@ class LearnerWorker:
     def _weight_sync(self, urls: list[str]) -> Any:
         if self.sync is None or self.sync.client.urls != [u.rstrip("/") for u in urls]:
             from arbor.engines.client import SGLangClient
-            from arbor.weight_sync import WeightSync
+            from arbor.train.weight_sync import WeightSync
 
             client = SGLangClient(urls, timeout_s=self.cfg.engine.request_timeout_s,
                                   max_retries=self.cfg.engine.max_retries, api_key=self.cfg.engine.api_key)
@@ -372,7 +372,7 @@ class LearnerGroup:
         return gather(refs, ray.exceptions.RayActorError, self._lost)
 
     def _lost(self, rank: int, e: Exception) -> LearnerFailedError:
-        from arbor import checkpoint
+        from arbor.run import checkpoint
 
         cause = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         return LearnerFailedError(

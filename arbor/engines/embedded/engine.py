@@ -50,14 +50,14 @@ from pathlib import Path
 
 import torch
 
-from arbor.engines.decode_batch import (
+from arbor.engines.embedded.decode_batch import (
     DecodeBatch,
     make_cache,
     make_decoder,
     sample_rows,
     sample_token,
 )
-from arbor.engines.radix_cache import TOKENS, PrefixHit, RadixKVCache, stack_kv
+from arbor.engines.embedded.radix_cache import TOKENS, PrefixHit, RadixKVCache, stack_kv
 from arbor.engines.types import GenerateOutput, GenerateRequest
 
 

@@ -29,7 +29,7 @@ problems of the queued and in-flight batches again (under its restored weights).
 The producer has its own engine client (an aiohttp session belongs to one event loop and
 thread); the reward pool serialises its batches with the trainer's evals. An engine that
 dies mid-sampling stops an asynchronous run (the restart-and-resend path of
-:mod:`arbor.engine_recovery` pushes weights from the trainer's thread only).
+:mod:`arbor.run.recovery` pushes weights from the trainer's thread only).
 """
 
 from __future__ import annotations
@@ -41,12 +41,12 @@ from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, replace
 from typing import Any
 
-from arbor import phases
 from arbor.config import Config
 from arbor.data import ProblemStream
 from arbor.engines.client import SGLangClient
-from arbor.phases import Batch, Sampling
-from arbor.rewards import RewardPool
+from arbor.rollout.rewards import RewardPool
+from arbor.run import phases
+from arbor.run.phases import Batch, Sampling
 from arbor.tree import RolloutTree
 
 

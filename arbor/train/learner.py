@@ -9,7 +9,7 @@
 
 Log-probs are those of softmax(logits / T) with T the rollout temperature (the
 distribution the engines sampled from), in float32 whatever the training dtype, with
-the LM head run in chunks of ``learner.logit_chunk_tokens`` (:mod:`arbor.lm_head`).
+the LM head run in chunks of ``learner.logit_chunk_tokens`` (:mod:`arbor.train.lm_head`).
 
 Gradient accumulation is over packs: each pack's loss is already divided by the global
 denominator (the whole batch over all ranks), so the summed gradient is exactly that of
@@ -17,7 +17,7 @@ the linearised batch. DeepSpeed averages gradients over data-parallel ranks; the
 multiplied by the world size to turn that average back into the sum.
 
 Under ZeRO-3 the policy and the reference model are built partitioned over the ranks
-(:mod:`arbor.zero3`): no rank ever holds a whole copy of either. Checkpoints and
+(:mod:`arbor.train.zero3`): no rank ever holds a whole copy of either. Checkpoints and
 :meth:`Learner.export_hf` still hold the whole model (gathered in ``learner.sync_bucket_mb``
 buckets).
 
@@ -40,11 +40,11 @@ import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from arbor.config import LearnerConfig, LossConfig, ModelConfig, OptimConfig
-from arbor.lm_head import check_temperature
-from arbor.loss import LossStats
-from arbor.packed_loss import pack_loss
-from arbor.packing import PackedBatch
-from arbor.zero3 import build_partitioned, reference_engine
+from arbor.train.lm_head import check_temperature
+from arbor.train.loss import LossStats
+from arbor.train.packed_loss import pack_loss
+from arbor.train.packing import PackedBatch
+from arbor.train.zero3 import build_partitioned, reference_engine
 
 R = TypeVar("R")
 
@@ -159,7 +159,7 @@ class Learner:
         self.rank = int(os.environ.get("RANK", "0"))
         self.attention = learner_cfg.attention
         ds_config = deepspeed_config(learner_cfg, optim_cfg, self.dtype)
-        # ZeRO-3 builds the models partitioned (arbor.zero3): no rank holds a whole copy.
+        # ZeRO-3 builds the models partitioned (arbor.train.zero3): no rank holds a whole copy.
         sharded = learner_cfg.backend == "deepspeed" and learner_cfg.zero_stage == 3
         if learner_cfg.backend == "deepspeed":
             init_distributed("nccl" if self.device.type == "cuda" else "gloo")
@@ -209,7 +209,7 @@ class Learner:
         of one update); the records it returned with each loss, pack by pack.
 
         ``loss_of`` returns a loss already divided by its global denominator and a record of
-        it (:meth:`policy_pack_loss`'s :class:`~arbor.loss.LossStats`, SFT's loss value).
+        it (:meth:`policy_pack_loss`'s :class:`~arbor.train.loss.LossStats`, SFT's loss value).
         ``model`` is the DeepSpeed engine when there is one: DeepSpeed's forward advances the
         ZeRO-3 micro-step counter, without which each backward overwrites the last one's
         gradients instead of accumulating them. ``filler``: a pack for zero-loss passes when
@@ -237,7 +237,7 @@ class Learner:
     def policy_pack_loss(
         self, model: Any, pack: PackedBatch, denominator: float, behaviour_cap: float | None = None
     ) -> tuple[torch.Tensor, LossStats]:
-        """:func:`~arbor.packed_loss.pack_loss` with this learner's loss settings (``loss.*``);
+        """:func:`~arbor.train.packed_loss.pack_loss` with this learner's loss settings (``loss.*``);
         the pack's metric sums as plain floats (its graph is not kept past the backward).
         ``behaviour_cap``: the decoupled off-policy objective's cap (None: on-policy PPO)."""
         loss, sums = pack_loss(
@@ -340,7 +340,7 @@ class Learner:
         in every gather: ``learner.sync_bucket_mb`` buckets, one ``GatheredParameters`` each)."""
         if self.engine is None or self.cfg.zero_stage != 3:
             return {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()} if keep else {}
-        from arbor.weight_sync import gathered_buckets
+        from arbor.train.weight_sync import gathered_buckets
 
         out = {}
         for bucket in gathered_buckets(self.model, 3, self.cfg.sync_bucket_mb, copy=keep):

@@ -1,0 +1,1 @@
+"""Rollout: TreePO tree sampling and its budget rules, agents, tools, rewards, answer extraction."""
