@@ -1,7 +1,7 @@
 """Mutation testing of one core module against its own tests, with mutmut.
 
-    python scripts/mutation.py advantage            # or packing, loss, packed_loss, logprobs, sampler, ...
-    python scripts/mutation.py rewards --show       # also print the diff of every survivor
+    python scripts/mutation.py train.advantage      # or train.packing, train.loss, rollout.sampler, ...
+    python scripts/mutation.py rollout.rewards --show    # also print the diff of every survivor
     python scripts/mutation.py --list               # the modules and the tests each runs
 
 mutmut (``pip install -e '.[dev]'``) changes one thing at a time in the module (``<`` for
@@ -34,30 +34,30 @@ ROOT = Path(__file__).resolve().parent.parent
 
 # module -> the test files that are its own tests (what a developer changing it runs).
 TESTS: dict[str, list[str]] = {
-    "advantage": ["tests/test_advantage.py"],
-    "packing": ["tests/test_packing.py",
+    "train.advantage": ["tests/test_advantage.py"],
+    "train.packing": ["tests/test_packing.py",
                 # linearise_trees' own hand-worked tests (the rest of the file trains models)
                 "tests/test_linearise.py::test_each_leaf_becomes_a_chain_by_hand",
                 "tests/test_linearise.py::test_per_token_advantages_follow_their_leaf",
                 "tests/test_linearise.py::test_wrong_advantage_count_names_the_problem",
                 "tests/test_linearise.py::test_unique_tokens_of_chains_are_the_linearised_tokens"],
     # arbor/train/loss.py: the pure objective (token_sums, combine, ...), pinned by hand-worked numbers.
-    "loss": ["tests/test_loss.py"],
+    "train.loss": ["tests/test_loss.py"],
     # arbor/train/packed_loss.py: the forwards and packing around the objective (policy_loss,
     # pack_loss, the SFT loss), pinned by hand-worked numbers and tree == padded agreement.
-    "packed_loss": ["tests/test_loss.py", "tests/test_tree_vs_linear.py", "tests/test_logprobs.py",
+    "train.packed_loss": ["tests/test_loss.py", "tests/test_tree_vs_linear.py", "tests/test_logprobs.py",
                     "tests/test_linearise.py", "tests/test_lm_head.py",
                     "tests/test_sft.py::test_tree_sft_gradients_equal_linear_sft"],
     # arbor/train/logprobs.py: the log-prob forwards of packs and padded sequences.
-    "logprobs": ["tests/test_loss.py", "tests/test_logprobs.py", "tests/test_lm_head.py",
+    "train.logprobs": ["tests/test_loss.py", "tests/test_logprobs.py", "tests/test_lm_head.py",
                  "tests/test_tree_vs_linear.py"],
-    "sampler": ["tests/test_sampler.py", "tests/test_sampler_agents.py",
+    "rollout.sampler": ["tests/test_sampler.py", "tests/test_sampler_agents.py",
                 # partial rollouts (_resample_stale) on the embedded engine
                 "tests/test_async_rollouts.py::test_without_partial_rollouts_in_flight_segments_keep_the_old_version",
                 "tests/test_async_rollouts.py::test_partial_rollouts_sample_overtaken_segments_again_under_the_new_weights",
                 "tests/test_async_rollouts.py::test_partial_rollouts_count_every_time_a_segment_is_overtaken"],
-    "sampler_budget": ["tests/test_sampler.py"],
-    "rewards": ["tests/test_rewards.py"],
+    "rollout.budget": ["tests/test_sampler.py"],
+    "rollout.rewards": ["tests/test_rewards.py"],
 }
 
 # Mutant name -> why it cannot be told apart from the original by any test.
@@ -239,7 +239,7 @@ def _config(module: str) -> str:
     return (
         "[tool.mutmut]\n"
         'source_paths = ["arbor"]\n'
-        f'only_mutate = ["arbor/{module}.py"]\n'
+        f'only_mutate = ["arbor/{module.replace(".", "/")}.py"]\n'
         f"pytest_add_cli_args_test_selection = [{tests}]\n"
         '# -p no:cacheprovider: the copy has no .pytest_cache worth keeping\n'
         'pytest_add_cli_args = ["-q", "-p", "no:cacheprovider", "-p", "no:randomly"]\n'

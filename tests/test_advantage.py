@@ -458,7 +458,7 @@ def test_estimators_match_their_definitions(tree):
         assert tokens == approx(expected) and len(tokens) == leaf.end
 
 
-# -- behaviours pinned by mutation testing (scripts/mutation.py advantage) ------------------
+# -- behaviours pinned by mutation testing (scripts/mutation.py train.advantage) ------------------
 
 
 def test_reinforce_pp_over_groups_with_different_spreads():

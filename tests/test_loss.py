@@ -133,7 +133,7 @@ def test_old_logprobs_from_the_engine_match_the_learner_at_temperature(engine_an
         assert untempered["logprob_gap"] > 1e-3
 
 
-# -- behaviours pinned by mutation testing (scripts/mutation.py loss) ------------------------
+# -- behaviours pinned by mutation testing (scripts/mutation.py train.loss) ------------------------
 # A model whose weights are all 0 predicts the uniform distribution: log p = −log V for
 # every token, entropy log V. Behaviour log-probs chosen relative to that give any ratio.
 

@@ -152,7 +152,7 @@ def test_packed_columns_must_line_up():
         PackedBatch(**fields)
 
 
-# -- behaviours pinned by mutation testing (scripts/mutation.py packing) ---------------------
+# -- behaviours pinned by mutation testing (scripts/mutation.py train.packing) ---------------------
 
 
 def test_a_subtree_that_exactly_fills_the_budget_is_not_split():

@@ -269,7 +269,7 @@ def test_in_reward_worker_is_true_only_in_workers():
     assert result.scores == [1.0] and not in_reward_worker()
 
 
-# -- behaviours pinned by mutation testing (scripts/mutation.py rewards) ----------------------
+# -- behaviours pinned by mutation testing (scripts/mutation.py rollout.rewards) ----------------------
 
 
 def test_a_bool_is_neither_a_score_nor_a_weight():

@@ -447,7 +447,7 @@ def test_rejects_mismatched_inputs() -> None:
         asyncio.run(sample_trees(ScriptedEngine(4), [{}, {}], [PROMPT], cfg_of()))
 
 
-# -- budget helpers: edges pinned by scripts/mutation.py sampler_budget -----------------------
+# -- budget helpers: edges pinned by scripts/mutation.py rollout.budget -----------------------
 
 
 def test_budget_helper_edges() -> None:
@@ -470,7 +470,7 @@ def test_request_seeds_are_stable_across_versions() -> None:
     assert request_seed(7, 3, 12, 1) == 1063933157
 
 
-# -- requests, progress and the synchronous entry point (scripts/mutation.py sampler) --------
+# -- requests, progress and the synchronous entry point (scripts/mutation.py rollout.sampler) --------
 
 
 def test_requests_carry_the_sampling_settings_and_the_problem_reaches_the_tree() -> None:
