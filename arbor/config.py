@@ -67,7 +67,7 @@ class DataConfig:
 
 @dataclass
 class RolloutConfig:
-    """TreePO sampling (ALGORITHMS.md §1); ``mode: independent`` is the GRPO baseline."""
+    """TreePO sampling (docs/algorithms.md); ``mode: independent`` is the GRPO baseline."""
 
     # tree: TreePO sampling; independent: width separate answers per prompt (GRPO).
     mode: Literal["tree", "independent"] = "tree"
