@@ -73,7 +73,8 @@ def _field_meaning(node: ast.AnnAssign, comments: dict[int, tuple[str, bool]]) -
 def _class_fields(tree: ast.Module) -> dict[str, list[ast.AnnAssign]]:
     """Class name -> its annotated fields in source order (properties and methods skipped)."""
     return {
-        cls.name: [s for s in cls.body if isinstance(s, ast.AnnAssign) and isinstance(s.target, ast.Name)]
+        cls.name: [s for s in cls.body if isinstance(s, ast.AnnAssign) and isinstance(s.target, ast.Name)
+                   and not ast.unparse(s.annotation).startswith(("ClassVar", "typing.ClassVar"))]
         for cls in tree.body
         if isinstance(cls, ast.ClassDef)
     }
