@@ -35,7 +35,9 @@ class ModelConfig:
     # TreePO's base model (as configs/math.yaml): its context holds the default budget, 1,024 + 14 × 512.
     path: str = "Qwen/Qwen2.5-7B"  # HF directory or hub id (hub ids need network)
     dtype: Dtype = "auto"  # auto: bfloat16 on CUDA, float32 on CPU
+    # Run the model repository's own Python code (transformers, and SGLang's --trust-remote-code).
     trust_remote_code: bool = False
+    # Recompute activations in the backward instead of keeping them: less memory, more time.
     gradient_checkpointing: bool = False
     ref_path: str | None = None  # frozen reference model for KL; None: same as `path`
     chat_template: bool = True  # format prompts with the tokenizer's chat template
@@ -44,43 +46,57 @@ class ModelConfig:
 @dataclass
 class DataConfig:
     train_path: str = "data/math/train.jsonl"  # jsonl / parquet / HF dataset directory
+    # Held-out problems for the periodic eval (run.eval_every) and `arbor eval`; None: no eval set.
     eval_path: str | None = None
+    # Column (or dotted path into a nested one) holding a problem's id; absent: its place, file:line.
     id_key: str = "id"
+    # Column (or dotted path) holding the prompt: text or a list of chat messages.
     prompt_key: str = "prompt"
+    # Column (or dotted path) holding the gold answer reward functions compare with.
     answer_key: str = "answer"
     # Appended to every problem's prompt, e.g. the answer-format instruction.
     prompt_suffix: str = ""
+    # A system message put first, unless the problem's messages carry their own; None: none.
     system_prompt: str | None = None
+    # Longer prompts are skipped (never cut) and counted; also bounds the context check.
     max_prompt_tokens: int = 1024
     prompts_per_step: int = 32  # problems per RL step (each becomes one tree)
+    # A new problem order each epoch (seeded by run.seed); false: file order.
     shuffle: bool = True
 
 
 @dataclass
 class RolloutConfig:
-    """TreePO sampling (ALGORITHMS.md §1); ``mode: independent`` is the GRPO baseline."""
+    """TreePO sampling (docs/algorithms.md); ``mode: independent`` is the GRPO baseline."""
 
+    # tree: TreePO sampling; independent: width separate answers per prompt (GRPO).
     mode: Literal["tree", "independent"] = "tree"
     width: int = 16  # completed trajectories (leaves) per prompt: the group size
     branch: int = 2  # copies forked from a node before its next segment
+    # Tokens per segment: paths may fork after each one.
     segment_tokens: int = 512
     max_depth: int = 14  # segments per trajectory at most
     temperature: float = 1.0  # sampling T; the learner scores log-probs of softmax(logits / T) too
+    # Nucleus sampling; log-probs stay those of the untruncated tempered distribution.
     top_p: float = 1.0
     top_k: int = -1  # -1: off
     # Copies of the root before the first segment. null: rollout.branch (the paper's
     # Algorithm 1); k: k copies (1: every leaf shares its first segment); [lo, hi]: a random
     # count per tree (the paper's "More Init Divergence" is [2, 8]).
     root_fork: int | list[int] | None = None
+    # How each round's path budget is split: evenly, or by the paths' log-probs.
     branch_assignment: Literal["even", "logprob"] = "even"
     # logprob's score: the last segment's mean token log-prob (the paper), or the path's sum.
     branch_logprob: Literal["last_segment", "path"] = "last_segment"
     branch_temperature: float = 2.0  # softmax temperature of the logprob heuristic
+    # logprob assignment: favour paths of high or low score.
     branch_favor: Literal["high", "low"] = "high"
     # No active path and fewer than width leaves: fork from finished paths' segment
     # boundaries (or the root, when none is well-formed) until width. false: a shortfall.
     fallback: bool = True
+    # A segment repeating some substring this long repetition_count times ends its path as failed.
     repetition_window: int = 32
+    # Occurrences of a repetition_window-long substring that count as repetition.
     repetition_count: int = 8
     # module:attr of the agent deciding what follows each model turn; None: single turn.
     agent: str | None = None
@@ -97,16 +113,24 @@ class RolloutConfig:
 
 @dataclass
 class EngineConfig:
+    # auto: sglang where it is installed and a CUDA GPU is visible, else embedded (`arbor
+    # serve`); external: servers already running at engine.urls.
     kind: Literal["auto", "sglang", "embedded", "external"] = "auto"
     urls: list[str] = field(default_factory=list)  # kind=external: running servers
+    # Engine servers the run starts (one Ray actor each).
     num_engines: int = 1
+    # Address the engines bind on a single machine (on a cluster: their node's address).
     host: str = "127.0.0.1"
+    # Tensor-parallel GPUs per SGLang engine.
     tp_size: int = 1
     mem_fraction: float = 0.8  # SGLang --mem-fraction-static
     max_cached_tokens: int = 1_000_000  # embedded engine's radix cache bound
     extra_args: list[str] = field(default_factory=list)  # passed to the server command
+    # Seconds an engine may take to answer its health check after launch.
     startup_timeout_s: float = 600.0
+    # Seconds one HTTP request to an engine may take.
     request_timeout_s: float = 600.0
+    # Retries of a request after a connection error or a 5xx answer (with back-off).
     max_retries: int = 3
     # SGLang: --enable-deterministic-inference, so per-fork sampling seeds are honoured and
     # runs reproduce (slower kernels). Off: SGLang ignores seeds; forks use its randomness.
@@ -127,14 +151,18 @@ class EngineConfig:
 
 @dataclass
 class RewardTermConfig:
+    # module:attr or path/to/file.py:attr of fn(problem, completion) -> float.
     fn: str = "rewards/math.py:boxed_accuracy"
+    # The term's weight in the reward, the weighted sum of the terms.
     weight: float = 1.0
 
 
 @dataclass
 class RewardConfig:
+    # Reward terms ({fn, weight}); the first one also decides reward/accuracy and eval correctness.
     functions: list[RewardTermConfig] = field(default_factory=lambda: [RewardTermConfig()])
     timeout_s: float = 5.0  # a check past this is killed, scores 0, and is counted
+    # Processes that run reward checks in parallel.
     workers: int = 2
     # More than this share of a step's checks timed out or crashed: the run stops (a broken
     # reward function must not train on zeros). 1.0: never stop.
@@ -143,12 +171,15 @@ class RewardConfig:
 
 @dataclass
 class AlgorithmConfig:
+    # Advantage estimator: TreePO subgroups, GRPO groups, REINFORCE++ or TEMPO.
     advantage: Literal["treepo", "grpo", "reinforce_pp", "tempo"] = "treepo"
+    # treepo: how a leaf's subgroup advantages combine (the paper's plain mean, or weighted by subgroup size).
     treepo_aggregate: Literal["mean", "size_weighted"] = "mean"
     std_normalize: bool = True  # grpo: divide by the group std (False: Dr.GRPO)
     whiten: bool = True  # global token whitening after the estimator (REINFORCE++ style)
     dynamic_sampling: bool = True  # drop prompts whose rewards are all equal
     max_refill_rounds: int = 3  # extra sampling rounds to refill a filtered batch
+    # Passes over each rollout batch.
     ppo_epochs: int = 1
     minibatches: int = 1  # optimizer steps per epoch over one rollout batch
     # Asynchronous RL: the engines sample the next steps' trees while the learner trains, on
@@ -163,11 +194,18 @@ class LossConfig:
     # chain of its own (arbor.train.packing.linearise_trees), packed: the GRPO baseline's compute,
     # the same loss and gradients.
     mode: Literal["tree", "linear"] = "tree"
+    # PPO clip range below 1: the ratio is clipped at 1 - clip_low.
     clip_low: float = 0.2
+    # PPO clip range above 1 (DAPO's clip-higher when larger than clip_low).
     clip_high: float = 0.28
+    # token: the objective summed over trained tokens, divided by their count; sequence: each
+    # trajectory's mean, averaged over trajectories (both on the linearised batch).
     normalize: Literal["token", "sequence"] = "token"
+    # Weight of the KL penalty to the reference model (model.ref_path); 0: no reference model.
     kl_coef: float = 0.0
+    # KL estimator per token: k1 (log-ratio) or k3 (Schulman's unbiased, non-negative one).
     kl_estimator: Literal["k1", "k3"] = "k3"
+    # Weight of the entropy bonus.
     entropy_coef: float = 0.0
     # algorithm.max_staleness ≥ 1: the cap C of the behaviour weight π_prox/π_behav in the
     # decoupled objective (truncated importance sampling; 2 as in Yao et al. 2025).
@@ -176,21 +214,32 @@ class LossConfig:
 
 @dataclass
 class OptimConfig:
+    # AdamW learning rate (the peak, after warm-up).
     lr: float = 1e-6
+    # AdamW weight decay.
     weight_decay: float = 0.0
+    # AdamW betas.
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    # AdamW epsilon.
     eps: float = 1e-8
+    # Optimizer steps of linear warm-up from 0 to optim.lr.
     warmup_steps: int = 0
+    # Learning-rate decay after warm-up; its horizon is the run.steps the run started with.
     schedule: Literal["constant", "linear", "cosine"] = "constant"
+    # linear / cosine: the floor of the decay as a fraction of optim.lr.
     min_lr_ratio: float = 0.0
+    # Gradient norm clipping; 0: no clipping.
     max_grad_norm: float = 1.0
 
 
 @dataclass
 class LearnerConfig:
+    # deepspeed: ZeRO ranks placed by Ray; torch: one plain-torch rank, for debugging.
     backend: Literal["deepspeed", "torch"] = "deepspeed"
+    # DeepSpeed ZeRO stage (3: parameters, gradients and optimizer state sharded).
     zero_stage: int = 3
     num_ranks: int = 1  # data-parallel learner ranks (Ray actors)
+    # auto: cuda when a GPU is visible, else cpu.
     device: Literal["auto", "cpu", "cuda"] = "auto"
     dtype: Dtype = "auto"  # training dtype: auto = bfloat16 on CUDA, float32 on CPU
     pack_tokens: int = 16384  # token budget of one tree pack (one forward/backward)
@@ -200,7 +249,9 @@ class LearnerConfig:
     # Tree attention: auto = flex (FlexAttention) on CUDA, blocks (ancestor blocks) on CPU;
     # dense = an N x N mask with SDPA, the reference.
     attention: Literal["auto", "blocks", "dense", "flex"] = "auto"
+    # DeepSpeed: keep the optimizer state in CPU memory.
     offload_optimizer: bool = False
+    # DeepSpeed ZeRO-3: keep parameter shards in CPU memory.
     offload_params: bool = False
     # Weight sync (and HF export) gather and send ZeRO-3 parameters this many MiB at a time
     sync_bucket_mb: float = 512
@@ -212,11 +263,14 @@ class LearnerConfig:
 @dataclass
 class RayConfig:
     address: str | None = None  # None: start a local instance; "auto": join a cluster
+    # CPUs a local Ray instance offers; None: the machine's (at least what the run needs).
     num_cpus: int | None = None
+    # GPUs a local Ray instance offers; None: Ray detects them.
     num_gpus: int | None = None
     # Engines and learners share GPUs; the engines release their memory (KV cache, and on
     # GPUs the weights) while the learners train. On CPU only the release applies.
     colocate: bool = False
+    # Ray placement-group strategy for learner ranks and engines (STRICT_SPREAD: one bundle per node).
     placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
 
 
@@ -225,8 +279,11 @@ class SftConfig:
     """``arbor sft``: supervised fine-tuning on conversations or trees of branches (jsonl)."""
 
     train_path: str = "data/sft/train.jsonl"  # jsonl: {"messages": [...]} or {"prompt": ..., "branches": [...]}
+    # Passes over sft.train_path.
     epochs: int = 1
     batch_size: int = 32  # examples (conversations or trees) per optimizer step, over all ranks
+    # token: the NLL summed over trained tokens, divided by their count; sequence: divided by
+    # the number of root-to-leaf paths.
     normalize: Literal["token", "sequence"] = "token"
     max_steps: int = 0  # stop after this many optimizer steps; 0: when the epochs are done
     shuffle: bool = True  # a new order each epoch (seeded by run.seed)
@@ -241,6 +298,7 @@ class EvalConfig:
     max_problems: int = 0  # the first N problems of the set; 0: all
     samples: int = 1  # answers per problem (k of pass@k / maj@k)
     temperature: float = 0.0  # 0: greedy (then samples must be 1)
+    # Nucleus sampling of eval answers (with eval.temperature > 0).
     top_p: float = 1.0
     max_response_tokens: int | None = None  # None: rollout.segment_tokens · rollout.max_depth
     output: str | None = None  # `arbor eval`'s JSON report; None: <run.output_dir>/eval.json
@@ -249,16 +307,22 @@ class EvalConfig:
 
 @dataclass
 class RunConfig:
+    # The run's name, shown in the start-up line.
     name: str = "arbor"
+    # Where metrics, TensorBoard logs, checkpoints, trees and the final hf/ model go.
     output_dir: str = "runs/arbor"
+    # Seed of the problem order, sampling and initialisation.
     seed: int = 0
+    # RL steps of the run (also the learning-rate schedule's horizon).
     steps: int = 100
     log_every: int = 1  # a console line every N steps (and the last); metrics.jsonl and TensorBoard get every step
     eval_every: int = 0  # 0: never
     save_every: int = 50  # 0: only at the end
     keep_checkpoints: int = 2  # the newest N complete checkpoints are kept, older ones deleted
     save_trees_every: int = 10  # trees written for `arbor view`; 0: never
+    # Continue from output_dir's latest checkpoint (a new run refuses a used output_dir).
     resume: bool = False
+    # Write TensorBoard event files under output_dir/tensorboard.
     tensorboard: bool = True
     # torch threads of each CPU process (the engine server, each learner rank); 0: the machine's
     # cores (the engine all of them, each learner rank its share). Set 1 where other jobs share

@@ -223,7 +223,7 @@ class RolloutTree:
         return out
 
     def num_trainable(self, leaf: Node) -> int:
-        """Trainable tokens on the path of ``leaf`` (T_i in ALGORITHMS.md §4)."""
+        """Trainable tokens on the path of ``leaf`` (T_i of the loss, docs/algorithms.md)."""
         return sum(n.num_trainable() for n in self.path(leaf))
 
     def leaf_counts(self) -> dict[int, int]:

@@ -16,7 +16,7 @@ with numeric answers. One step, each phase timed:
    before each rollout, as after a weight update;
 2. reward: decode every leaf, score it with ``rewards/math.py:boxed_accuracy`` in a
    ``RewardPool`` (kept alive, as the trainer does);
-3. advantage: ``compute_advantages`` — ``treepo`` (token-whitened, ALGORITHMS.md §2) vs
+3. advantage: ``compute_advantages`` — ``treepo`` (token-whitened, docs/algorithms.md) vs
    ``grpo`` (plain group-normalised);
 4. pack: ``pack_trees`` on the trees vs on ``linearise_trees(...)`` (every leaf its own
    sequence: ordinary linear training through the same learner code);

@@ -9,7 +9,7 @@ then two pairs of learner ranks (``DS_ACCELERATOR=cpu``, gloo, ``OMP_NUM_THREADS
 - **load**: the peak resident memory of each rank (``VmHWM``, reset through
   ``/proc/self/clear_refs`` just before, minus the resident memory then) while the policy
   is loaded and partitioned: ``full`` loads the whole model on every rank
-  (``load_policy``, what the learner did before #23), then partitions it as
+  (``load_policy``, unsharded loading), then partitions it as
   ``deepspeed.initialize`` does (``zero.Init(module=model)``; transformers maps the
   safetensors file, so the whole model becomes resident only as it is read there);
   ``sharded`` builds it partitioned (``arbor.train.zero3.build_partitioned``). The larger rank
@@ -17,7 +17,7 @@ then two pairs of learner ranks (``DS_ACCELERATOR=cpu``, gloo, ``OMP_NUM_THREADS
 - **sync** (the sharded pair, after ``deepspeed.initialize``): seconds from the first
   gather to the engine's confirmed version, rank 0 pushing to an ``arbor serve`` engine
   over a gloo weight-update group: ``per_param`` gathers one parameter at a time (one
-  ``GatheredParameters`` each, the pre-#23 path) into ``--bucket-mb`` flat buckets;
+  ``GatheredParameters`` each) into ``--bucket-mb`` flat buckets;
   ``bucketed`` gathers ``--bucket-mb`` buckets (one ``GatheredParameters`` each), the
   next while one is broadcast. One untimed push first opens the group; best of ``--repeats``.
 

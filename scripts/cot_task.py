@@ -7,7 +7,7 @@ The model writes one column per clause, least significant digit first: the colum
 digits, the carry coming in, and the column sum (whose last digit is the answer's digit
 and whose tens are the next carry), then the answer in ``\\boxed{}``. Two six-digit
 operands make ~65 answer tokens with the digit-per-token tokenizer: long enough that the
-trees of a TreePO rollout share real prefixes (arbor's #19), short enough for a CPU.
+trees of a TreePO rollout share real prefixes, short enough for a CPU.
 
 ``corrupt``: the warm-up's data teaches a policy that slips. A corrupted solution gets one
 column sum off by one and carries the slip on consistently (later carries, the boxed

@@ -15,7 +15,7 @@ re-tests what changed (delete the folder to start over). Mutants listed in
 on, ...): they are left out of the score, each with the reason.
 
 Ends with ``RESULT module=M killed=K total=T score=S survived=...``. On 2 quiet cores a
-module takes 10–60 minutes; run it under ``nice`` (the README's development section).
+module takes 10–60 minutes; run it under ``nice`` (docs/development.md).
 """
 
 from __future__ import annotations

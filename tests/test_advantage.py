@@ -1,4 +1,4 @@
-"""Advantage estimators with hand-worked numbers (ALGORITHMS.md §2).
+"""Advantage estimators with hand-worked numbers (docs/algorithms.md).
 
 Every expected value is worked out in the comments next to it; a property test checks
 TreePO and TEMPO against direct transcriptions of their definitions on random trees.

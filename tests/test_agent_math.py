@@ -1,4 +1,4 @@
-"""configs/agent_math.yaml (issue #6): the Python-tool agent on models/tiny-arith-tool,
+"""configs/agent_math.yaml: the Python-tool agent on models/tiny-arith-tool,
 one short real run, and scripts/build_tool_model.py's warm-up in the episodes' format."""
 
 from __future__ import annotations

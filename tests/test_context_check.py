@@ -1,4 +1,4 @@
-"""Start-up checks against the model (issue #16): the longest request must fit the model's
+"""Start-up checks against the model: the longest request must fit the model's
 context, and prompts longer than data.max_prompt_tokens are skipped and counted, never cut."""
 
 import logging

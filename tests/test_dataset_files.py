@@ -1,4 +1,4 @@
-"""Datasets as users keep them (issue #16): parquet, arrow, save_to_disk folders, folders of
+"""Datasets as users keep them: parquet, arrow, save_to_disk folders, folders of
 shards, verl's nested rows; written here by the real ``datasets`` library from hand-made rows."""
 
 import json

@@ -1,4 +1,4 @@
-"""arbor's modules import one another without a cycle (STYLE.md rule 13).
+"""arbor's modules import one another without a cycle (docs/development.md, Layout).
 
 Every import counts, also one inside a function or under ``if TYPE_CHECKING:``: a cycle
 moved out of sight is still a cycle (the reader, and the next refactor, meet it). The

@@ -1,4 +1,4 @@
-"""Pure loss functions with hand-worked numbers (ALGORITHMS.md §4)."""
+"""Pure loss functions with hand-worked numbers (docs/algorithms.md)."""
 
 import math
 

@@ -1,4 +1,4 @@
-"""scripts/prepare_data.py (issue #16): hand-made rows in the layouts of MATH, MATH-500,
+"""scripts/prepare_data.py: hand-made rows in the layouts of MATH, MATH-500,
 GSM8K and verl's DeepScaleR / DAPO-Math-17k, each in a different container (jsonl, parquet,
 a save_to_disk folder), come out in arbor's columns and load with the default data keys."""
 

@@ -2,7 +2,8 @@
 
 A scripted engine (below) stands in for the server so every branching decision can be
 worked out by hand; tests/test_sampler_engine.py runs the sampler against `arbor serve`.
-"The paper" is TreePO (../shared/seeds/004_*.txt); "spmd:LINE" is the reference code,
+"The paper" is TreePO ("TreePO: Bridging the Gap of Policy Optimization and Efficacy and
+Inference Efficiency with Heuristic Tree-based Modeling", 2025); "spmd:LINE" is the reference code,
 github.com/multimodal-art-projection/TreePO at b86ce51,
 verl/workers/rollout/vllm_rollout/vllm_rollout_spmd.py
 (generate_sequences_tree_deepth_first_vanilla_mode).
@@ -195,7 +196,7 @@ def test_root_forks_branch_copies_then_doubles_to_width() -> None:
 
 
 def test_root_fork_one_is_a_single_root_path() -> None:
-    # rollout.root_fork: 1 is arbor's sampler before issue #18: every leaf shares its first
+    # rollout.root_fork: 1 keeps one root path: every leaf shares its first
     # segment, one more round to reach the width.
     engine = ScriptedEngine(segment=4)
     trees, _ = run(engine, cfg_of(max_depth=7, root_fork=1))

@@ -1,4 +1,4 @@
-"""Tree-packed training equals linear training: loss, gradients and metrics (ALGORITHMS.md §3).
+"""Tree-packed training equals linear training: loss, gradients and metrics (docs/algorithms.md).
 
 Random trees: random shapes, branch points inside segments (prefix-to-tree of random
 responses), masked segments, several trees per pack, partitioned trees (tiny budgets),

@@ -2,7 +2,7 @@
 
 Each check compares the sharded path with the path it replaces, on the same tiny models
 and packs: the whole model loaded on every rank, then partitioned (``Learner(model=...)``,
-what the learner did before #23), an unsharded reference copy, one gather per parameter.
+unsharded loading), an unsharded reference copy, one gather per parameter.
 """
 
 from pathlib import Path

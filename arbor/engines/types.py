@@ -1,6 +1,6 @@
 """Records exchanged with rollout engines, in token ids (never text).
 
-They mirror SGLang's native ``/generate`` API (ALGORITHMS.md §5): the HTTP client turns
+They mirror SGLang's native ``/generate`` API (docs/engines.md): the HTTP client turns
 a :class:`GenerateRequest` into ``{"input_ids", "sampling_params", "return_logprob"}``
 and the response's ``output_ids`` / ``meta_info`` into :class:`GenerateOutput`.
 """

@@ -1,4 +1,4 @@
-"""Agents: what follows each finished model turn of an episode (issue #6).
+"""Agents: what follows each finished model turn of an episode.
 
     agent = load_agent("agents/python_tool.py:PythonTool", key="rollout.agent")
     messages = agent.start(problem)                 # the first prompt, as chat messages

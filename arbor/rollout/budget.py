@@ -1,7 +1,7 @@
 """Pure helpers of the TreePO sampler: root fork, branching budget, branch assignment,
 fallback budget, early stops.
 
-Hand-checkable numbers (ALGORITHMS.md §1, w = 16, b = 2, nothing finishing early):
+Hand-checkable numbers (docs/algorithms.md, w = 16, b = 2, nothing finishing early):
 
     root_copies(None, branch=2, rng=random.Random(0))                        # 2
     next_total(active=2, finished=0, newly_finished=0, width=16, branch=2)   # 4

@@ -1,4 +1,4 @@
-"""TreePO segment-wise tree sampling (ALGORITHMS.md §1) over any :class:`RolloutEngine`.
+"""TreePO segment-wise tree sampling (docs/algorithms.md) over any :class:`RolloutEngine`.
 
     trees, stats = await sample_trees(client, problems, prompts, cfg.rollout,
                                       eos_token_ids=[tok.eos_token_id], seed=step)
@@ -15,8 +15,8 @@ multimodal-art-projection/TreePO at b86ce51, ``vllm_rollout_spmd.py``, cited "sp
 ``generate_sequences_tree_deepth_first_vanilla_mode`` with ``recipe/treepo/run_treepo_train.sh``):
 - The root is forked ``branch`` times before the first segment (Alg. 1 line 2; spmd:626),
   so paths per round go b, b², … up to ``width``. ``rollout.root_fork`` changes that:
-  ``k`` copies (``1``: one root path, every leaf sharing its first segment — arbor's
-  behaviour before issue #18, the most prefix sharing, which the paper does not use), or
+  ``k`` copies (``1``: one root path, every leaf sharing its first segment — the most
+  prefix sharing, which the paper does not use), or
   ``[lo, hi]``: ``randint(lo, hi)`` per tree (the paper's "More Init Divergence", 2 to 8;
   spmd:606-615). The reference's training script asks for 2 to 8 but the setting never
   arrives: it sets ``actor_rollout_ref.tree_random_first_div_max`` where

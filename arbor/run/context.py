@@ -182,7 +182,7 @@ def _start(cfg: Config, closers: list[Callable[[], Any]], clock: StartupClock) -
     with clock.phase("placement"):
         placement = Placement(cfg)
         closers.append(placement.remove)
-    # A resumed run keeps the schedule's original horizon (README: run.resume).
+    # A resumed run keeps the schedule's original horizon (docs/scale.md, Resume).
     schedule_steps = cfg.run.steps if previous is None else checkpoint.schedule_horizon(previous, cfg.run.steps)
     if schedule_steps != cfg.run.steps and cfg.optim.schedule != "constant":
         print(f"arbor train: run.steps is {cfg.run.steps}, but the {cfg.optim.schedule} learning-rate schedule "

@@ -6,7 +6,7 @@
     log.write(step, {"reward/mean": 0.4, ...})     # TensorBoard + jsonl + console line
     log.close()
 
-Metric names are ``group/name``; README.md ("Metrics") says what each one means.
+Metric names are ``group/name``; docs/metrics.md says what each one means.
 """
 
 from __future__ import annotations

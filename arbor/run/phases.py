@@ -1,4 +1,4 @@
-"""The phases of one RL step, each a function the trainer calls by name (ARCHITECTURE.md).
+"""The phases of one RL step, each a function the trainer calls by name (docs/scale.md).
 
     batch = collect_rollouts(ctx.sampling, ctx.rewards, ctx.stream, ctx.log, cfg, step)
     advantages = batch_advantages(batch.trees, cfg.algorithm)

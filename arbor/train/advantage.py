@@ -1,4 +1,4 @@
-"""Advantage estimators over rollout trees (ALGORITHMS.md §2). Pure functions.
+"""Advantage estimators over rollout trees (docs/algorithms.md). Pure functions.
 
 Every estimator takes a batch of trees whose leaves carry rewards and returns, per
 tree, one float per leaf in ``tree.leaves()`` order (TEMPO: one float per response

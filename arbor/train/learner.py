@@ -107,7 +107,7 @@ def init_distributed(backend: str) -> None:
     if missing:
         raise RuntimeError(f"DeepSpeed learner ranks need the environment variables {missing}")
     # DeepSpeed compiles a shared-memory op at first init on CPU (tens of seconds) that
-    # training never uses: skip it (ENVIRONMENT.md).
+    # training never uses: skip it.
     importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
     deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False)
 

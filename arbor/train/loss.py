@@ -1,4 +1,4 @@
-"""The policy objective as pure tensor functions: DAPO/TreePO clipped surrogate, KL, entropy (ALGORITHMS.md §4).
+"""The policy objective as pure tensor functions: DAPO/TreePO clipped surrogate, KL, entropy (docs/algorithms.md).
 
     sums = token_sums(logp, entropy, old_logp, ref_logp, weight, adv_pos, adv_neg, leaf_count,
                       n_pos, n_neg, clip_low=0.2, clip_high=0.28, kl_estimator="k3")   # [M] each
@@ -110,7 +110,7 @@ class LossStats:
 
     def metrics(self) -> dict[str, float]:
         """``loss``, ``clip_fraction``, ``approx_kl``, ``entropy``, ``logprob_gap``, ``kl`` (per
-        linearised token), ``tokens``, ``linearised_tokens`` (README: Metrics, ``train/*``)."""
+        linearised token), ``tokens``, ``linearised_tokens`` (``train/*`` in docs/metrics.md)."""
         n = max(self.linearised_tokens, 1.0)
         # Only off-policy runs (the decoupled objective) have behaviour weights to report.
         decoupled = {"behaviour_weight": self.behaviour_weight / n, "truncated_fraction": self.truncated / n}

@@ -173,7 +173,7 @@ def _padded_sums(
 
 
 def _check_mode(mode: str) -> None:
-    if mode == "linear":  # the name until #20, when it also meant the trainer's packed chains
+    if mode == "linear":  # loss.mode's name for packed chains, not this padded reference
         raise ValueError("mode 'linear' is now 'padded' (every leaf its own padded sequence); the trainer's "
                          "loss.mode: linear (every leaf its own packed chain) is arbor.train.packing.linearise_trees")
     if mode != "tree":

@@ -4,7 +4,7 @@ A tree is serialised in DFS pre-order (prompt first). For packed token ``i``:
 ``position_ids[i]`` is its position in the original sequence (RoPE needs it),
 ``parent[i]`` the packed index of the previous token on its path (the logit row that
 predicts token ``i``), and ``subtree_end[i]`` the exclusive end of its subtree, so
-token q may attend to token k iff ``k <= q < subtree_end[k]`` (ALGORITHMS.md §3).
+token q may attend to token k iff ``k <= q < subtree_end[k]`` (docs/algorithms.md).
 
 The linear objective sums every leaf's path separately; packed, a token appears once, so
 it carries the sums over the leaves through it: positive and negative advantage mass
