@@ -29,6 +29,7 @@ from arbor.rollout.agents import Agent, Render, episode_inputs, tool_turns
 from arbor.rollout.answers import has_final_answer
 from arbor.rollout.rewards import RewardPool, check_failure_fraction, failed_checks
 from arbor.rollout.sampler import SampleStats, sample_trees
+from arbor.rollout.tools import unsandboxed_calls
 from arbor.run.orchestration import EngineGroup, LearnerGroup, closing
 from arbor.run.recovery import EngineRecovery
 from arbor.train.advantage import compute_advantages, dynamic_sampling_filter
@@ -299,4 +300,6 @@ def rollout_metrics(batch: Batch) -> dict[str, float]:
         "agent/tool_calls_per_episode": sum(tool_turns(tree, leaf) for tree in batch.sampled for leaf in tree.leaves()) / n,
         "agent/tool_errors": float(sum(s.tool_errors for s in batch.stats)),
         "agent/timeouts": float(sum(s.agent_timeouts for s in batch.stats)),  # steps past rollout.agent_timeout_s
+        # Tool calls run without bubblewrap (agent_args.allow_unsandboxed), so far in this run.
+        "agent/unsandboxed_tool_calls": float(unsandboxed_calls()),
     }
