@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import random
 from collections.abc import Callable, Coroutine
 from contextlib import AbstractContextManager
@@ -207,7 +208,13 @@ def train_on_batch(
             norms.append(results[0].grad_norm)  # the same on every rank
             lrs.append(results[0].lr)
     metrics = {f"train/{k}": v for k, v in stats.metrics().items()}
-    metrics["train/grad_norm"] = sum(norms) / len(norms)
+    nonfinite = [i for i, n in enumerate(norms) if not math.isfinite(n)]
+    if nonfinite:  # the learner's log names the parameters; this names the step
+        log.warning("step %d: gradient norm not finite in update(s) %s of %d (train/nonfinite_grad_norms)",
+                    step, nonfinite, len(norms))
+    finite = [n for n in norms if math.isfinite(n)]
+    metrics["train/grad_norm"] = sum(finite) / len(finite) if finite else float("nan")
+    metrics["train/nonfinite_grad_norms"] = float(len(nonfinite))
     metrics["train/lr"] = lrs[-1]
     metrics["train/updates"] = float(len(norms))
     return metrics

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import logging
 import math
 import os
 from collections.abc import Callable, Sequence
@@ -47,6 +48,7 @@ from arbor.train.packing import PackedBatch
 from arbor.train.zero3 import build_partitioned, reference_engine
 
 R = TypeVar("R")
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -259,15 +261,34 @@ class Learner:
         return int(count.item())
 
     def optimizer_step(self) -> float:
-        """Clip, update, advance the schedule; returns the gradient norm before clipping."""
+        """Clip, update, advance the schedule; returns the gradient norm before clipping.
+
+        A NaN or infinite norm is warned about naming the update (and, without DeepSpeed,
+        the parameters whose gradients are not finite); the caller counts it
+        (``train/nonfinite_grad_norms``). Without DeepSpeed that update is skipped: applying
+        it would make every weight NaN. DeepSpeed decides for itself (it has stepped already)."""
         if self.engine is not None:
             self.engine.step()
             norm = self.engine.get_global_grad_norm()
             grad_norm = float(norm) if norm is not None else float("nan")
+            if not math.isfinite(grad_norm):
+                log.warning("learner update %d: gradient norm is %s%s (parameters not named: DeepSpeed "
+                            "holds the gradients partitioned)", self.steps, grad_norm,
+                            "" if norm is not None else " (DeepSpeed reported none)")
         else:
-            clip = self.max_grad_norm if self.max_grad_norm > 0 else float("inf")
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip))
-            self.optimizer.step()
+            named = [(name, p.grad) for name, p in self.model.named_parameters() if p.grad is not None]
+            norms = [g.detach().norm() for _, g in named]  # one pass, as clipping does anyway
+            total = torch.linalg.vector_norm(torch.stack(norms)) if norms else torch.zeros(())
+            grad_norm = float(total)
+            if math.isfinite(grad_norm):
+                if self.max_grad_norm > 0:
+                    torch.nn.utils.clip_grads_with_norm_(self.model.parameters(), self.max_grad_norm, total)
+                self.optimizer.step()
+            else:
+                bad = [name for (name, _), n in zip(named, norms) if not torch.isfinite(n)]
+                log.warning("learner update %d: gradient norm is %s; non-finite gradients in %d parameter(s): %s; "
+                            "the update is skipped", self.steps, grad_norm, len(bad),
+                            ", ".join(bad[:8]) + (", ..." if len(bad) > 8 else ""))
             self.scheduler.step()
             self.optimizer.zero_grad(set_to_none=True)
         self.steps += 1
