@@ -45,7 +45,7 @@ from arbor.train.lm_head import check_temperature
 from arbor.train.loss import LossStats
 from arbor.train.packed_loss import pack_loss
 from arbor.train.packing import PackedBatch
-from arbor.train.zero3 import build_partitioned, reference_engine
+from arbor.train.zero3 import build_partitioned, reference_engine, require_tested_deepspeed
 
 R = TypeVar("R")
 log = logging.getLogger(__name__)
@@ -109,7 +109,8 @@ def init_distributed(backend: str) -> None:
     if missing:
         raise RuntimeError(f"DeepSpeed learner ranks need the environment variables {missing}")
     # DeepSpeed compiles a shared-memory op at first init on CPU (tens of seconds) that
-    # training never uses: skip it (ENVIRONMENT.md).
+    # training never uses: skip it, in the release where that hook was checked.
+    require_tested_deepspeed("distributed start-up (comm.torch.build_shm_op)")
     importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
     deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False)
 
@@ -188,6 +189,7 @@ class Learner:
         if learner_cfg.backend == "deepspeed":
             import deepspeed
 
+            require_tested_deepspeed("unmanaged gradient accumulation over packs")
             self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
                 model=policy, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config,
             )
