@@ -1,13 +1,16 @@
 """An agent with a Python tool: the model writes a ```python block, the block runs in
-arbor's sandbox (time and memory limits, no network, a temporary directory), its output
+arbor's sandbox (bubblewrap: its own user, a read-only view of Python, time, memory and
+process limits, no network, a temporary directory), its output
 comes back as a tool message, and the model continues.
 
     rollout:
       agent: agents/python_tool.py:PythonTool
 
 The episode ends when a model turn has no code block, or after ``max_tool_calls`` calls.
-Where the machine cannot isolate tools from the network (no working ``unshare``), the
-agent refuses to start unless ``agent_args: {allow_network: true}`` says that is meant.
+Where bubblewrap cannot run, the agent refuses to start unless ``agent_args:
+{allow_unsandboxed: true}`` says that is meant (calls then run as arbor's own user,
+counted in ``agent/unsandboxed_tool_calls``); where the network cannot be cut off either,
+it also needs ``allow_network: true``. docs/sandbox.md says what the sandbox isolates.
 A tool that times out, raises, runs out of memory or prints megabytes gives an error
 message (marked ``"error": True`` for the tool-error metric); the rollout goes on.
 """
@@ -28,10 +31,12 @@ INSTRUCTION = (
 
 class PythonTool:
     def __init__(self, max_tool_calls: int = 3, timeout_s: float = 5.0, memory_mb: int = 512,
-                 max_output_chars: int = 2000, workers: int = 4, allow_network: bool = False) -> None:
+                 max_output_chars: int = 2000, workers: int = 4, allow_network: bool = False,
+                 allow_unsandboxed: bool = False, max_processes: int = 64) -> None:
         self.max_tool_calls, self.timeout_s = max_tool_calls, timeout_s
         self.memory_mb, self.max_output_chars = memory_mb, max_output_chars
-        self.pool = ToolPool(workers, allow_network=allow_network)
+        self.pool = ToolPool(workers, allow_network=allow_network, allow_unsandboxed=allow_unsandboxed,
+                             max_processes=max_processes)
 
     def start(self, problem: dict) -> list[dict]:
         # The prompt is text or chat messages; the instruction ends its last user message.

@@ -24,6 +24,7 @@ Bad rows fail with the file, the line (or row) and the problem id.
 
 from __future__ import annotations
 
+import logging
 import random
 from collections.abc import Sequence
 from pathlib import Path
@@ -31,6 +32,8 @@ from typing import Any
 
 from arbor.config import DataConfig
 from arbor.dataset_files import DataError, read_rows
+
+log = logging.getLogger(__name__)
 
 Message = dict[str, Any]  # {"role": "system" | "user" | "assistant" | "tool", "content": str, ...}
 
@@ -155,20 +158,34 @@ def stop_token_ids(tokenizer: Any, model_path: str | Path | None = None, trust_r
     stop on all of them. ``model_path`` defaults to where the tokenizer was loaded from.
 
         stop_token_ids(AutoTokenizer.from_pretrained("models/smollm2-135m-instruct"))  # [2]
+
+    A directory without ``generation_config.json`` or ``config.json`` (a tokenizer saved on
+    its own) is normal; a file that is there but cannot be read is warned about, naming it;
+    and no end-of-turn id at all is a :class:`DataError`: sampling would run every path to
+    its length limit.
     """
     from transformers import AutoConfig, GenerationConfig
 
     found = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
     path = str(model_path if model_path is not None else tokenizer.name_or_path)
-    try:
-        found |= _id_set(GenerationConfig.from_pretrained(path).eos_token_id)
-    except OSError:  # no generation_config.json: the model config's EOS is all there is
-        pass
-    try:
-        config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
-        found |= _id_set(getattr(config.get_text_config(), "eos_token_id", None))
-    except (OSError, ValueError):  # a tokenizer-only directory (tests, SFT data checks)
-        pass
+    failures = []
+    for name, read in (("generation_config.json", lambda: GenerationConfig.from_pretrained(path).eos_token_id),
+                       ("config.json", lambda: getattr(AutoConfig.from_pretrained(
+                           path, trust_remote_code=trust_remote_code).get_text_config(), "eos_token_id", None))):
+        if Path(path).is_dir() and not (Path(path) / name).exists():
+            continue  # a tokenizer-only directory (tests, SFT data checks): nothing to read
+        try:
+            found |= _id_set(read())
+        except (OSError, ValueError, TypeError) as e:
+            failures.append(f"{name}: {type(e).__name__}: {e}")
+            log.warning("model %s: could not read eos_token_id from %s (%s: %s); stop tokens so far: %s",
+                        path, name, type(e).__name__, e, sorted(found) or "none")
+    if not found:
+        raise DataError(
+            f"model {path}: no end-of-turn token: the tokenizer has no eos_token and no eos_token_id "
+            f"was found in generation_config.json or config.json{' (' + '; '.join(failures) + ')' if failures else ''}. "
+            "Set eos_token in the tokenizer or eos_token_id in the model's config."
+        )
     return sorted(found)
 
 

@@ -21,13 +21,24 @@ What is read, and why (each case scored a right answer 0 before, a wrong signal)
   letter, a subscript, primes, then ``=``) is kept, ``y_1 = 2``, so that swapped values do
   not match a labelled gold. A hedge gains nothing: math-verify compares a set with a
   single gold by size, so ``\\boxed{3} or \\boxed{5}`` (like ``\\boxed{3 \\text{ or } 5}``)
-  against 5 scores 0. Any other text between boxes ends the run: only the last one counts.
+  against 5 scores 0. A part label between boxes (``\\boxed{(3,3)} \\text{ for part (a) and }
+  \\boxed{(1,1)}``, ``(a) \\boxed{3}, (b) \\boxed{5}``) and one word naming what a box counts
+  before ``and``/``,`` (``\\boxed{1} papers and \\boxed{2} bins``) are separators too.
+  Any other text between boxes ends the run: only the last one counts.
 - **One trailing** ``.`` ``,`` or ``;`` inside a box is dropped (``\\boxed{42.}``, which
   math-verify cannot parse); ``...`` and the LaTeX spaces ``\\,`` ``\\;`` are kept.
 - **Digit groups**: a group of 1–3 digits followed by groups of exactly three, each after a
   space, ``\\,``, ``\\ `` or ``~``, is one number (``1 000``, ``12\\,345\\,678``) in gold and
   answer alike; math-verify would read ``1 000`` as ``1·000 = 0``. Comma forms are left to
   math-verify (``1,000`` is 1000, ``1,22`` a pair), and so are decimals (``3.141\\,592``).
+- **Decimal commas**, where unambiguous: an answer that is one number with one comma and no
+  thousands grouping (``1,22``, ``0,111``, ``1000,99``; not ``1,000``) is read as a decimal,
+  but only when that is what the other side is: a single number. ``1,22`` still matches a
+  gold ``1,22`` read as a pair and never matches ``122``.
+- **Relations in words**: ``x \\text{ is at least } 5``, ``greater than``, ``no more than``,
+  ``not equal to``, ``\\not=``, ``\\textless`` are read as ``\\geq``, ``>``, ``\\leq``,
+  ``\\neq``, ``<`` in gold and answer alike (math-verify already reads ``\\geq``, ``\\lt``,
+  ``\\neq``, ``\\le``, ``>=`` and ``≥``).
 
 These run inside arbor's reward workers (a main thread, so math-verify's SIGALRM
 timeouts work); the pool's hard timeout is the backstop for what signals cannot stop.
@@ -40,6 +51,7 @@ import re
 from fractions import Fraction
 from functools import lru_cache
 
+import sympy
 from math_verify import LatexExtractionConfig, parse, verify
 
 from arbor.rollout.answers import final_boxes, last_boxed
@@ -61,6 +73,25 @@ _TRAILING_PUNCTUATION = re.compile(r"(?:(?<![.\\])\.|(?<!\\)[,;])\s*\Z")
 # group is not part of a longer number or a decimal's fraction, each later one is exactly
 # three digits. "(1, 000)" has a comma, "2 \times 100" an operator: neither matches.
 _DIGIT_GROUPS = re.compile(r"(?<![\d.])\d{1,3}(?:(?:[ \t]*(?:\\[ ,]|~)[ \t]*|[ \t]+)\d{3}(?!\d))+")
+
+# One number with one comma that is no thousands grouping: 1,22  0,111  -1000,99 (not 1,000).
+_DECIMAL_COMMA = re.compile(r"-?\d+,\d+")
+_THOUSANDS = re.compile(r"-?[1-9]\d{0,2}(?:,\d{3})+")
+# Relations spelled in words (longest phrases first), optionally in \text{} and after is/are.
+_RELATION_WORDS = [
+    (r"greater\s+than\s+or\s+equal\s+to|at\s+least|no\s+less\s+than|not\s+less\s+than", r"\geq"),
+    (r"less\s+than\s+or\s+equal\s+to|at\s+most|no\s+more\s+than|not\s+more\s+than|not\s+greater\s+than", r"\leq"),
+    (r"greater\s+than|more\s+than|larger\s+than", ">"),
+    (r"less\s+than|smaller\s+than|fewer\s+than", "<"),
+    (r"not\s+equal\s+to|unequal\s+to", r"\neq"),
+    (r"equal\s+to|equals", "="),
+]
+_RELATIONS = [
+    (re.compile(rf"\\(?:text|textrm|textnormal|mbox|mathrm)\s*\{{\s*(?:(?:is|are)\s+)?(?:{words})\s*\}}"
+                rf"|(?<![A-Za-z\\])(?:(?:is|are)\s+)?(?:{words})(?![A-Za-z])"), symbol)
+    for words, symbol in _RELATION_WORDS
+] + [(re.compile(r"\\not\s*="), r"\neq"), (re.compile(r"\\textless(?![A-Za-z])"), "<"),
+     (re.compile(r"\\textgreater(?![A-Za-z])"), ">")]
 
 
 class _Truncate(logging.Filter):
@@ -95,6 +126,8 @@ def _parse_answer(latex: str) -> list:
     """math-verify's parse of a bare LaTeX answer: [sympy object, normalized string] or []."""
     latex = _DIGIT_GROUPS.sub(_join_digit_groups, latex)
     latex = _REPEATING.sub(_repeating_to_fraction, latex)
+    for relation, symbol in _RELATIONS:
+        latex = relation.sub(lambda _, symbol=symbol: f" {symbol} ", latex)
     return parse(f"\\boxed{{{latex}}}", extraction_config=_LATEX, parsing_timeout=PARSE_TIMEOUT_S)
 
 
@@ -131,9 +164,27 @@ def boxed_accuracy(problem: dict, completion: str) -> float:
     if not gold:
         raise ValueError(f"gold answer {str(problem['answer'])[:100]!r} does not parse")
     pred = _parse_answer(predicted)
-    if not pred:
+    if pred and verify(list(gold), pred, timeout_seconds=VERIFY_TIMEOUT_S):
+        return 1.0
+    # A decimal comma, read as one only where the other side is a single number.
+    gold_text = str(problem["answer"]).strip()
+    if _is_decimal_comma(predicted) and _is_number(gold):
+        pred = _parse_answer(predicted.strip().replace(",", "."))
+    elif _is_decimal_comma(gold_text) and _is_number(pred):
+        gold = _parse_gold(gold_text.replace(",", "."))
+    else:
         return 0.0
-    return 1.0 if verify(list(gold), pred, timeout_seconds=VERIFY_TIMEOUT_S) else 0.0
+    return 1.0 if pred and gold and verify(list(gold), pred, timeout_seconds=VERIFY_TIMEOUT_S) else 0.0
+
+
+def _is_decimal_comma(text: str) -> bool:
+    text = text.strip()
+    return _DECIMAL_COMMA.fullmatch(text) is not None and _THOUSANDS.fullmatch(text) is None
+
+
+def _is_number(parsed: list | tuple) -> bool:
+    """Whether math-verify's parse is one plain number (not a pair, set or expression)."""
+    return bool(parsed) and isinstance(parsed[0], sympy.Number)
 
 
 def boxed_format(problem: dict, completion: str) -> float:

@@ -95,18 +95,22 @@ def test_agent_args_from_the_config_build_the_class(tmp_path):
         load_config(config)
 
 
-def test_python_tool_agent_without_network_isolation_fails_at_start_up(tmp_path, monkeypatch, capsys):
-    """`arbor train` of the tool config on a machine that cannot isolate the network stops
-    before any work, saying why; `rollout.agent_args.allow_network=true` opts out."""
+def test_python_tool_agent_without_a_sandbox_fails_at_start_up(tmp_path, monkeypatch, capsys):
+    """`arbor train` of the tool config on a machine that can run neither bubblewrap nor
+    a network namespace stops before any work, saying why, at each step:
+    `rollout.agent_args.allow_unsandboxed=true` then `allow_network=true` opt out."""
     from arbor.cli import main
 
     monkeypatch.chdir(REPO)
-    monkeypatch.setenv("PATH", str(tmp_path))  # no `unshare` reachable
+    monkeypatch.setenv("PATH", str(tmp_path))  # no `bwrap`, no `unshare` reachable
     assert main(["train", "configs/agent_math.yaml", "--dry-run"]) == 2
     error = capsys.readouterr().err
-    assert "config error: tool sandbox: cannot cut tools off the network here (no `unshare`" in error
-    assert main(["train", "configs/agent_math.yaml", "--dry-run", "rollout.agent_args.allow_network=true"]) == 0
-    assert "allow_network: true" in capsys.readouterr().out
+    assert "config error: tool sandbox: cannot run tools in bubblewrap here (no `bwrap`" in error
+    unsandboxed = "rollout.agent_args.allow_unsandboxed=true"
+    assert main(["train", "configs/agent_math.yaml", "--dry-run", unsandboxed]) == 2
+    assert "config error: tool sandbox: cannot cut tools off the network here (no `unshare`" in capsys.readouterr().err
+    assert main(["train", "configs/agent_math.yaml", "--dry-run", unsandboxed, "rollout.agent_args.allow_network=true"]) == 0
+    assert "allow_unsandboxed: true" in capsys.readouterr().out
 
 
 def test_a_tool_messages_error_flag_never_reaches_the_chat_template():

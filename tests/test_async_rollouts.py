@@ -10,7 +10,7 @@ from tiny_model import build_tiny_model_dir
 from arbor.config import RolloutConfig
 from arbor.engines.embedded.engine import LocalEngine
 from arbor.engines.types import GenerateOutput, GenerateRequest
-from arbor.rollout.sampler import sample_trees_sync
+from arbor.rollout.sampler import MAX_RESAMPLE_ROUNDS, ResampleLimitError, sample_trees_sync
 from arbor.run.async_rollouts import drop_stale, updates_since, version_number
 from arbor.train.logprobs import padded_token_logprobs
 from arbor.train.packed_loss import pack_loss, padded_token_fields
@@ -115,6 +115,21 @@ def test_partial_rollouts_count_every_time_a_segment_is_overtaken(model_dir):
     assert {n.weight_version for n in tree.nodes()} == {"2"}
     assert stats.resampled == 2 * CFG.branch
 
+
+
+def test_resampling_gives_up_with_a_named_error_when_every_round_is_overtaken(model_dir):
+    """Weights pushed during every generation: after MAX_RESAMPLE_ROUNDS resends the
+    sampler stops with an error naming the problem, rather than looping for ever."""
+    engine = LocalEngine(model_dir)
+    racing = UpdateAfterFirstRound(engine, updates=10 * MAX_RESAMPLE_ROUNDS)
+    try:
+        with pytest.raises(ResampleLimitError, match=rf"problem 7: 1 request\(s\) still overtaken by a weight "
+                                                     rf"update after {MAX_RESAMPLE_ROUNDS} resample rounds"):
+            sample_trees_sync(racing, [{"id": 7}], [PROMPT], CFG, seed=0,
+                              is_stale=lambda version: version_number(version) < version_number(engine.weight_version))
+    finally:
+        engine.shutdown()
+    assert racing.calls == MAX_RESAMPLE_ROUNDS + 1  # the first send and each resend, then no more
 
 def test_the_decoupled_loss_weights_each_token_by_its_own_sampler(model_dir):
     """Paths mixing two versions: the packed loss equals −Σ min(π/π_behav, C)·A / denominator,

@@ -233,3 +233,26 @@ def test_a_template_default_system_prompt_is_kept_or_replaced(tmp_path):
     own = tokenizer.decode(format_prompt(problem, DataConfig(system_prompt="Be brief."), tokenizer, chat_template=True))
     assert own == ("<|im_start|>system\nBe brief.<|im_end|>\n"
                    "<|im_start|>user\nWhat is 2+3?<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_a_failed_eos_lookup_is_loud(tmp_path, caplog):
+    """A generation_config.json that is there but broken is warned about, naming the model
+    and the file; a model with no end-of-turn id anywhere is an error naming it (sampling
+    would otherwise run every path to max length)."""
+    from tiny_model import build_tiny_model_dir
+    from transformers import AutoTokenizer
+
+    path = build_tiny_model_dir(tmp_path / "tiny")
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    (path / "generation_config.json").write_text("{not json")
+    with caplog.at_level("WARNING", logger="arbor.data"):
+        assert stop_token_ids(tokenizer) == [0]  # the tokenizer's and config.json's EOS still
+    assert f"model {path}: could not read eos_token_id from generation_config.json" in caplog.text
+
+    (path / "generation_config.json").unlink()
+    config = json.loads((path / "config.json").read_text())
+    config.pop("eos_token_id", None)
+    (path / "config.json").write_text(json.dumps(config))
+    tokenizer.eos_token = None
+    with pytest.raises(DataError, match=rf"model {path}: no end-of-turn token"):
+        stop_token_ids(tokenizer)

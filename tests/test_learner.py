@@ -83,6 +83,29 @@ def test_torch_learner_accumulates_exact_gradients(tmp_path):
     assert any(not torch.equal(a, b) for a, b in zip(before, learner.model.parameters()))
 
 
+
+def test_a_nonfinite_gradient_norm_names_the_update_and_parameters_and_skips_it(tmp_path, caplog):
+    """A NaN in one parameter's gradient: the warning names the update and that parameter,
+    the weights are left as they were (applying it would make them all NaN), and the next
+    finite update steps as usual."""
+    path = tiny_model_dir(tmp_path / "m")
+    cfg = config(path, "learner.backend=torch", "learner.zero_stage=0", "optim.lr=1e-3", "optim.max_grad_norm=1.0")
+    learner = Learner(cfg.model, cfg.learner, cfg.optim, cfg.loss, total_steps=10)
+    trees, advantages = batch()
+    packs = pack_trees(trees, advantages, pack_tokens=2048)
+    loss_of = functools.partial(learner.policy_pack_loss, denominator=loss_denominator(trees, "token"))
+    learner.backward(packs, loss_of)
+    poisoned = "model.layers.1.mlp.down_proj.weight"
+    dict(learner.model.named_parameters())[poisoned].grad[0, 0] = float("nan")
+    before = [p.detach().clone() for p in learner.model.parameters()]
+    with caplog.at_level("WARNING", logger="arbor.train.learner"):
+        assert math.isnan(learner.optimizer_step())
+    assert f"learner update 0: gradient norm is nan; non-finite gradients in 1 parameter(s): {poisoned}" in caplog.text
+    assert all(torch.equal(a, b) for a, b in zip(before, learner.model.parameters()))
+    learner.backward(packs, loss_of)
+    assert math.isfinite(learner.optimizer_step()) and learner.steps == 2
+    assert any(not torch.equal(a, b) for a, b in zip(before, learner.model.parameters()))
+
 # Each rank trains on its share of the packs. With plain SGD at lr 1 and no clipping the
 # update is exactly minus the accumulated, all-reduced gradient, which must equal the
 # single-process gradient of the whole batch. (AdamW's first step is ~sign(grad) and

@@ -72,6 +72,11 @@ def test_has_final_answer_on_text_being_generated():
         (r"x = \boxed{5}", ["5"]),  # a single box is read as is, without its label
         (r"\boxed{4}, no wait: \boxed{5}", ["5"]),  # words end the run
         (r"\boxed{1} andy \boxed{2}", ["2"]),
+        (r"\boxed{(3, 3)} \text{ for part (a) and } \boxed{(1, 1)}", ["(3, 3)", "(1, 1)"]),
+        (r"(a) \boxed{3}; (b) \boxed{5}", ["3", "5"]),
+        (r"\boxed{1} papers and \boxed{2} bins", ["1", "2"]),  # a unit word before "and"
+        (r"\boxed{1} no and \boxed{2}", ["2"]),  # ... but not a word that takes it back
+        (r"\boxed{1} b \boxed{2}", ["2"]),  # a bare letter is no part label
         (r"\boxed{1} for \boxed{2}", ["2"]),
         (r"\boxed{}, \boxed{2}", ["2"]),  # an empty box ends the run
         (r"\fbox{\boxed{3}}", ["3"]),  # a box around the last one is not before it
@@ -188,13 +193,43 @@ DIGIT_GROUPS = [
     (r"-1\,500", r"\boxed{-1500}", ["0", "1500"]),
     (r"\$12 500", r"\boxed{12500}", ["0", "6000"]),
     # What the rule must leave alone: a pair, an operator, a point, a matrix's rows.
-    ("1,22", r"\boxed{1,22}", ["122", "1.22"]),
+    ("1,22", r"\boxed{1,22}", ["122", "12.2"]),
     ("200", r"\boxed{2 \times 100}", ["2100", "0"]),
     ("(1, 0)", r"\boxed{(1, 000)}", ["1000", "(1, 1)"]),
     (r"\begin{pmatrix} 100 \\ 200 \end{pmatrix}", r"\boxed{\begin{pmatrix}100\\200\end{pmatrix}}",
      [r"\begin{pmatrix} 100200 \end{pmatrix}"]),
 ]
-ISSUE_24 = RUNS_OF_BOXES + TRAILING_PUNCTUATION + DIGIT_GROUPS
+# Decimal commas where the other side is one number; thousands groupings stay thousands.
+DECIMAL_COMMAS = [
+    ("1.22", r"\boxed{1,22}", ["122", "1.2", "12.2"]),  # (1, 22) matches too: the pair reading
+    ("1,22", r"\boxed{1.22}", ["122", "1.2"]),  # a gold written with the comma
+    ("0.111", r"\boxed{0,111}", ["111", "0.11"]),
+    ("1000.99", r"\boxed{1000,99}", ["100099", "1000"]),
+    ("-2.5", r"\boxed{-2,5}", ["2.5", "-25"]),
+    ("1000", r"\boxed{1,000}", ["1", "1.0", "0"]),  # 3 digits after the comma: thousands
+]
+# Relations in words, inside \text{} or bare; symbols math-verify already reads stay read.
+RELATIONS_IN_WORDS = [
+    (r"x \geq 5", r"\boxed{x \text{ is at least } 5}", [r"x \leq 5", "x > 5", "5"]),
+    ("x > 5", r"\boxed{x \text{ greater than } 5}", ["x < 5", r"x \geq 5"]),
+    (r"x \leq 4", r"\boxed{x \text{ is less than or equal to } 4}", ["x < 4", r"x \geq 4"]),
+    (r"x \leq 4", r"\boxed{x \text{ no more than } 4}", [r"x \geq 4"]),
+    ("x < 3", r"\boxed{x \textless 3}", ["x > 3", r"x \leq 3"]),
+    (r"x \neq 3", r"\boxed{x \not= 3}", ["x = 3", r"x \neq 2"]),
+    (r"x \neq 3", r"\boxed{x \text{ not equal to } 3}", ["x = 3"]),
+    ("x >= 5", r"\boxed{x \geq 5}", [r"x \leq 5"]),
+    ("x < 3", r"\boxed{x \lt 3}", ["x > 3"]),
+    ("x != 3", r"\boxed{x \neq 3}", ["x = 3"]),
+    (r"x \le 2", r"\boxed{x \leq 2}", [r"x \geq 2"]),
+]
+# Answers split over boxes, one per part, or each followed by what it counts.
+PARTS = [
+    ("(3, 3), (1, 1)", r"$$\boxed{(3, 3)} \text{ for part (a) and } \boxed{(1, 1)}$$", ["(3, 3)", "(1, 1)", "(3, 3), (1, 2)"]),
+    ("3, 5", r"(a) \boxed{3}, (b) \boxed{5}", ["5", "3, 6"]),
+    (r"\{1, 2\}", r"\boxed{1} papers and \boxed{2} bins", ["2", r"\{1, 3\}"]),
+    ("2, 4", r"\boxed{2} \text{(i)}, \boxed{4} \text{(ii)}", ["4"]),
+]
+ISSUE_24 = RUNS_OF_BOXES + TRAILING_PUNCTUATION + DIGIT_GROUPS + DECIMAL_COMMAS + RELATIONS_IN_WORDS + PARTS
 # Golds that no right answer above equals: every right answer is re-run against them.
 WRONG_GOLDS = ["0", "7", "-1", r"\{0\}", "(0, 0)", r"\text{(E)}"]
 
@@ -230,6 +265,9 @@ def test_right_answers_do_not_match_wrong_golds(wrong_gold, completion):
         ("2", r"\boxed{2}, or maybe \boxed{3}"),  # words end the run: the last box counts
         ("0", r"\boxed{1 000}"),  # was a false positive: math-verify read 1·000
         ("0", r"\boxed{1\,000}"),
+        ("1.22", r"\boxed{1}, \boxed{22}"),  # two boxes are two numbers, never a decimal
+        (r"\{1, 2\}", r"\boxed{1} no no no no no \boxed{2}"),  # words, not a part or a unit: the last box only
+        ("4, 5", r"\boxed{4} maybe or \boxed{5}"),
     ],
 )
 def test_hedges_and_misreadings_score_zero(gold, completion):

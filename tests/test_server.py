@@ -210,3 +210,27 @@ def test_cli_arguments():
     assert (args.model, args.port, args.max_cached_tokens, args.host) == ("m", 5, 7, "127.0.0.1")
     with pytest.raises(SystemExit):
         parse_args(["--port", "5"])  # --model is required
+
+
+def test_a_failure_of_the_servers_own_is_500_with_a_logged_traceback(tmp_path, caplog):
+    """A valid request the server cannot serve (here: its engine was shut down under it)
+    is the server's failure, not the client's: 500 naming the exception, traceback in the
+    log, and the server keeps answering. An invalid request on the same server stays 400."""
+    engine = LocalEngine(build_tiny_model_dir(tmp_path / "m", seed=0))
+    with ServerThread(engine, None) as url:
+        engine.shutdown()
+        with caplog.at_level("ERROR", logger="arbor.engines.embedded.server"):
+            status, body = call(url, "POST", "/generate", {"input_ids": PROMPT})
+        assert status == 500, body
+        assert body["error"]["message"].startswith("internal server error: RuntimeError: engine is shut down")
+        [record] = [r for r in caplog.records if "POST /generate failed inside arbor serve" in r.getMessage()]
+        assert record.exc_info is not None and record.exc_info[0] is RuntimeError
+        assert call(url, "POST", "/generate", {"input_ids": [1, -2]})[0] == 400
+        assert call(url, "GET", "/health")[0] == 200
+
+
+def test_a_malformed_weight_update_is_400_not_500(served):
+    """The weight group's own checks of a request are the client's mistakes."""
+    url = served[0]
+    status, body = call(url, "POST", "/init_weights_update_group", {"backend": "mpi"})
+    assert status == 400 and "backend must be 'gloo' or 'nccl'" in body["error"]["message"]

@@ -251,6 +251,8 @@ def test_plain_torch_learner_linear_loss_and_disk_sync(run_inputs, tmp_path):
     # Two minibatches, two updates; the second one sees a policy that moved away from the
     # frozen reference (the initial model), so the KL term is live.
     assert metrics["train/updates"] == 2 and metrics["train/kl"] > 0
+    # Failures that would otherwise be silent are counted: here none happened.
+    assert metrics["train/nonfinite_grad_norms"] == 0 and metrics["run/checkpoint_cleanup_failures"] == 0
     # Linear training counts every trajectory's tokens: nothing is shared, nothing saved.
     assert metrics["train/tokens"] == metrics["train/linearised_tokens"] > 0
     assert (tmp_path / "c" / "weight-sync" / "model.safetensors").exists()
@@ -316,7 +318,7 @@ def test_multi_turn_agent_episodes_train(tmp_path):
     (metrics,) = train(cfg)
     # The tiny model ends its answer with <|im_end|> almost always: one tool turn per episode.
     assert 0.5 < metrics["agent/tool_calls_per_episode"] <= 1.0
-    assert metrics["agent/tool_errors"] > 0
+    assert metrics["agent/tool_errors"] > 0 and metrics["agent/unsandboxed_tool_calls"] == 0
     assert metrics["train/linearised_tokens"] > 0 and metrics["sync/logprob_gap"] <= 1e-4
 
 

@@ -5,6 +5,7 @@ and packs: the whole model loaded on every rank, then partitioned (``Learner(mod
 unsharded loading), an unsharded reference copy, one gather per parameter.
 """
 
+import re
 from pathlib import Path
 
 import pytest
@@ -14,7 +15,14 @@ from test_learner import run_two_ranks, tiny_model_dir
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from arbor.config import load_config
-from arbor.train.zero3 import SafetensorsReader, checkpoint_files, copy_flat_range
+from arbor.train.zero3 import (
+    TESTED_DEEPSPEED,
+    SafetensorsReader,
+    check_deepspeed_version,
+    checkpoint_files,
+    copy_flat_range,
+    partition_without_broadcast,
+)
 
 RANK_SCRIPT = """
 import dataclasses, functools, os, sys, torch
@@ -154,3 +162,27 @@ def test_copy_flat_range_reads_a_shard_across_partial_rows(tmp_path, first, last
     assert out[: last - first].tolist() == list(range(first, last))
     assert out[last - first :].tolist() == [-1.0, -1.0]
     assert torch.equal(reader.read_rows("b", 0, 7), torch.ones(7, dtype=torch.bfloat16))
+
+
+@pytest.mark.parametrize("version", ["0.19.8", "0.19.9", "0.19.12"])
+def test_tested_deepspeed_versions_pass(version):
+    check_deepspeed_version(version, "ZeRO-3 construction")
+
+
+@pytest.mark.parametrize("version", ["0.19.7", "0.20.0", "0.18.9", "1.0.0"])
+def test_an_untested_deepspeed_is_an_error_naming_it(version):
+    with pytest.raises(RuntimeError, match=rf"deepspeed {re.escape(version)} is untested with arbor's ZeRO-3 "
+                                           r"construction.*deepspeed<0.20,>=0.19.8"):
+        check_deepspeed_version(version, "ZeRO-3 construction")
+
+
+def test_the_installed_deepspeed_is_tested_and_its_patch_is_undone():
+    """The installed release passes the check inside the real patch, which is put back after."""
+    from deepspeed.runtime.zero.partition_parameters import Init
+
+    original = Init._zero_init_param
+    with partition_without_broadcast():
+        assert Init._zero_init_param is not original
+    assert Init._zero_init_param is original
+    pins = re.search(r'"deepspeed([^"]*)"', (Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())
+    assert pins is not None and pins.group(1) == ",".join(TESTED_DEEPSPEED)  # one range, two places

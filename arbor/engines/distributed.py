@@ -209,7 +209,8 @@ class WeightUpdateGroup:
         if name != self.group_name:
             raise ValueError(f"unknown group {name!r} (open: {self.group_name!r})")
         torch_dtypes = [parse_dtype(d) for d in dtypes]
-        shapes = [[int(s) for s in shape] for shape in shapes]
+        if not all(isinstance(shape, list) and all(isinstance(s, int) for s in shape) for shape in shapes):
+            raise ValueError(f"shapes must be lists of integers, got {shapes!r}")
         if load_format == FLATTENED:
             flat = self.buffer.take(flat_size(torch_dtypes, shapes), self.device)
             dist.broadcast(flat, src=0, group=self.group)

@@ -17,7 +17,8 @@ model should not be able to hedge with a good early box followed by junk.
 :func:`final_boxes` extends that last box backwards over a *run*: boxes that only
 separators divide (``\\boxed{(2,2)} \\quad\\text{and}\\quad \\boxed{(6,2)}``,
 ``\\boxed{1},\\boxed{2}``) together state one answer — a list of solutions, a pair of
-coordinates. Any other text between two boxes (``\\boxed{4}, no wait: \\boxed{5}``) ends
+coordinates. So do part labels (``(a) \\boxed{3}, (b) \\boxed{5}``) and one word naming
+what a box counts (``\\boxed{1} papers and \\boxed{2} bins``). Any other text between two boxes (``\\boxed{4}, no wait: \\boxed{5}``) ends
 the run, so an earlier box still never counts on its own.
 
 A scanner of our own rather than a regex: braces nest (``\\boxed{\\frac{a}{b}}``), and a
@@ -35,18 +36,26 @@ _COMMANDS = ("\\boxed", "\\fbox")
 
 # What may stand between two boxes of one run, or between a label and its box.
 _DELIMITER = r"\$|\\[()\[\]]"  # $ … $, \( … \), \[ … \]
+# The part a box answers: (a), (ii), part (b), for part (a) — parenthesised, so that a
+# lone letter between boxes (a hedge, a variable) still ends the run.
+_PART = r"(?:for\s+)?(?:part\s+)?\((?:[a-z]|[ivx]{1,4}|\d)\)"
+_CONJUNCTION = r"(?<![A-Za-z])(?:and|or)(?![A-Za-z])"
 _SEPARATOR = "|".join([
     r"\s", r"[,;~]", _DELIMITER,
     r"\\[,;:! ]",  # \, \; \: \! and "\ " (LaTeX spaces)
     r"\\(?:q?quad|enspace|thinspace)(?![A-Za-z])",
     r"\\\\",  # a line break between the lines of a display
-    r"(?<![A-Za-z])(?:and|or)(?![A-Za-z])",
-    r"\\(?:text|textrm|textnormal|mbox|mathrm)\s*\{[\s,;~]*(?:and|or)?[\s,;~]*\}",
+    _CONJUNCTION, _PART,
+    rf"\\(?:text|textrm|textnormal|mbox|mathrm)\s*\{{(?:[\s,;:~.]|{_CONJUNCTION}|{_PART})*\}}",
 ])
+# One word right after a box and before a conjunction names what it counts
+# (``\boxed{1} papers and \boxed{2} bins``); words that take an answer back do not.
+_UNIT = r"(?:\s*(?!(?:no|not|wait|maybe|but|actually|and|or)(?![A-Za-z]))[A-Za-z]{1,15}(?![A-Za-z])" \
+        rf"(?=\s*(?:[,;]|{_CONJUNCTION})))?"
 # A label names the value of the box after it: x, y_1, x_{12}, \alpha, a' — then "=".
 # It is kept (``y_1 = 2``): dropping it would let x = 3, y = 2 match a gold x = 2, y = 3.
 _LABEL = r"(?P<label>(?:[A-Za-z]|\\[A-Za-z]+)(?:_(?:[A-Za-z0-9]|\{[A-Za-z0-9]+\}))?'*)\s*="
-_GAP = re.compile(rf"(?:{_SEPARATOR})*(?:{_LABEL}(?:\s|{_DELIMITER})*)?")
+_GAP = re.compile(rf"{_UNIT}(?:{_SEPARATOR})*(?:{_LABEL}(?:\s|{_DELIMITER})*)?")
 # Before the first box of a run, a label must not end a longer name or product (2x = …).
 _LEADING_LABEL = re.compile(rf"(?<![A-Za-z0-9\\_^}}]){_LABEL}(?:\s|{_DELIMITER})*\Z")
 # Longest gap read between two boxes: separators and a label take a few dozen characters.

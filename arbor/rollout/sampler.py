@@ -78,6 +78,14 @@ from arbor.tree import Node, RolloutTree
 
 FINISHED = "stop"  # the only well-formed ending; everything else is an early stop
 AGENT_TIMEOUT = "agent_timeout"  # agent.step ran past rollout.agent_timeout_s
+# Partial rollouts: rounds of sending overtaken requests again before giving up. Each round
+# waits for a whole generation, and only a weight update landing during every one of them
+# overtakes it again: more rounds than this means updates outpace generation for good.
+MAX_RESAMPLE_ROUNDS = 8
+
+
+class ResampleLimitError(RuntimeError):
+    """Segments of a tree were overtaken by weight updates ``MAX_RESAMPLE_ROUNDS`` times in a row."""
 
 log = logging.getLogger(__name__)
 
@@ -272,7 +280,7 @@ class _TreeSampler:
             requests.append(GenerateRequest(input_ids, sampling, f"tree-{self.index}"))
         results = await _generate_all(self.engine, requests)
         if self.is_stale is not None:
-            results = await self._resample_stale(requests, results)
+            results = await self._resample_stale(tree, requests, results)
         self.stats.rounds += 1
         self.stats.requests += len(requests)
         survivors: list[_Path] = []
@@ -305,19 +313,28 @@ class _TreeSampler:
         return survivors, ended
 
     async def _resample_stale(
-        self, requests: list[GenerateRequest], results: list[list[GenerateOutput]]
+        self, tree: RolloutTree, requests: list[GenerateRequest], results: list[list[GenerateOutput]]
     ) -> list[list[GenerateOutput]]:
         """Send again every request whose segments a weight update overtook in flight (partial
-        rollouts), until none is: the path goes on from its parent under the new weights."""
+        rollouts), until none is: the path goes on from its parent under the new weights.
+        :class:`ResampleLimitError` after ``MAX_RESAMPLE_ROUNDS`` rounds still overtaken."""
         assert self.is_stale is not None
-        while True:
+        for round_ in range(MAX_RESAMPLE_ROUNDS + 1):
             stale = [i for i, outs in enumerate(results) if any(self.is_stale(o.weight_version) for o in outs)]
             if not stale:
                 return results
+            if round_ == MAX_RESAMPLE_ROUNDS:
+                break
             self.stats.resampled += sum(requests[i].sampling.n for i in stale)
             again = await _generate_all(self.engine, [requests[i] for i in stale])
             for i, outs in zip(stale, again):
                 results[i] = outs
+        versions = sorted({o.weight_version for i in stale for o in results[i]})
+        raise ResampleLimitError(
+            f"problem {tree.problem_id}: {len(stale)} request(s) still overtaken by a weight update after "
+            f"{MAX_RESAMPLE_ROUNDS} resample rounds (last sampled by weight version(s) {versions}): the weights "
+            "change faster than a segment is generated (engine.partial_rollouts)"
+        )
 
     async def _agent_step(self, tree: RolloutTree, node: Node) -> list[Message] | None:
         """``agent.step`` after the model turn ending at ``node``, given ``agent_timeout_s``.

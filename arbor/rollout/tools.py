@@ -6,11 +6,15 @@
 
 Every call is a fresh ``python -I`` process in its own temporary directory (its working
 directory and ``HOME``, deleted afterwards) with a minimal environment, limits on
-address space (``memory_mb``), CPU time and file size, no network (a private network
-namespace: ``unshare -n``, or ``unshare -rn`` for non-root users; :func:`network_isolation`
-says which), and a process group killed on timeout. Where no namespace can be made, a
-pool refuses to start (:class:`~arbor.errors.ConfigError` saying why) unless it was
-built with ``allow_network=True``: tools quietly reaching the network is never the default.
+address space (``memory_mb``), CPU time, file size and process count (``max_processes``),
+inside a bubblewrap sandbox (:mod:`arbor.rollout.sandbox`): its own unprivileged user, a
+read-only view of only what Python needs, no network, its own PID namespace (every process
+it starts dies with the call). Where bwrap cannot run, a pool refuses to start
+(:class:`~arbor.errors.ConfigError` saying why) unless it was built with
+``allow_unsandboxed=True``; calls then run as arbor's own user, counted in
+:func:`unsandboxed_calls`, and only cut off the network (``unshare -n``, or ``unshare -rn``
+for non-root users; :func:`network_isolation` says which) -- where that cannot be made
+either, the pool also needs ``allow_network=True``. Neither is ever the default.
 Nothing a tool does can crash a rollout: a timeout, an exception, a memory blow-up or a
 flood of output each becomes an error observation for the model. Calls of different
 branches run concurrently, at most ``workers`` at once.
@@ -20,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import logging
 import os
 import shutil
 import signal
@@ -32,16 +37,26 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from arbor.errors import ConfigError
+from arbor.rollout.sandbox import Sandbox, call_uid, read_only_paths
 
-# Runs inside the sandbox before the tool's code: the limits, then the code itself with
-# tracebacks showing only the tool's own frames.
+log = logging.getLogger(__name__)
+
+# Runs inside the sandbox before the tool's code: the switch to the call's own user (where
+# arbor is root; "-" otherwise), the limits, then the code itself with tracebacks showing
+# only the tool's own frames.
 _BOOTSTRAP = r"""
-import resource, sys, traceback
-memory, cpu, fsize = (int(x) for x in sys.argv[2:5])
-resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
-resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu))
-resource.setrlimit(resource.RLIMIT_FSIZE, (fsize, fsize))
-source = open(sys.argv[1]).read()
+import os, resource, sys, traceback
+script, memory, cpu, fsize, nproc, uid = sys.argv[1:7]
+if uid != "-":
+    os.setgroups([])
+    os.setgid(int(uid))
+    os.setuid(int(uid))
+os.chdir(os.path.dirname(script))
+for limit, value in ((resource.RLIMIT_AS, memory), (resource.RLIMIT_CPU, cpu),
+                     (resource.RLIMIT_FSIZE, fsize), (resource.RLIMIT_NPROC, nproc)):
+    if value != "-":
+        resource.setrlimit(limit, (int(value), int(value)))
+source = open(script).read()
 try:
     exec(compile(source, "<tool>", "exec"), {"__name__": "__main__"})
 except SystemExit:
@@ -107,22 +122,96 @@ def _probe_isolation(path: str) -> tuple[list[str] | None, str]:
     return None, "; ".join(failures)
 
 
+@functools.cache
+def _probe_sandbox(path: str, max_processes: int) -> tuple[Sandbox | None, str]:
+    """``(sandbox, "")`` where a call through bwrap (found on ``PATH=path``) runs and prints
+    here, else ``(None, why)``. Cached: probing starts a sandbox."""
+    bwrap = shutil.which("bwrap", path=path)
+    if bwrap is None:
+        return None, f"no `bwrap` program on PATH ({path or 'empty'}); install bubblewrap"
+    sandbox = Sandbox(bwrap, read_only_paths(), as_root=os.geteuid() == 0)
+    with tempfile.TemporaryDirectory(prefix="arbor-tool-") as workdir:
+        command, env = _call("print(6 * 7)", workdir, sandbox, timeout_s=10.0, memory_mb=512,
+                             max_file_mb=1, max_processes=max_processes)
+        try:
+            done = subprocess.run(command, cwd=workdir, env=env, capture_output=True, text=True, timeout=30)
+        except (OSError, subprocess.TimeoutExpired) as e:
+            return None, f"`{bwrap}` could not run a call: {e}"
+    if done.returncode != 0 or done.stdout != "42\n":
+        return None, f"`{bwrap}` exited {done.returncode}: {(done.stderr or done.stdout).strip()[-300:]}"
+    return sandbox, ""
+
+
+def _call(code: str, workdir: str, sandbox: Sandbox | None, *, timeout_s: float, memory_mb: int,
+          max_file_mb: int, max_processes: int, isolation: list[str] | None = None) -> tuple[list[str], dict[str, str]]:
+    """The command line and environment of one call whose code is written into ``workdir``."""
+    script = Path(workdir) / "tool.py"
+    script.write_text(code)
+    uid = call_uid() if sandbox is not None else None
+    if uid is not None:  # the call's own user must own its directory
+        for owned in (workdir, script):
+            os.chown(owned, uid, uid)
+    # Unsandboxed, RLIMIT_NPROC would count all of arbor's user's processes (and root is
+    # exempt): the process limit is the sandbox's alone ("-": leave the limit as it is).
+    limits = [str(memory_mb * 2**20), str(max(1, int(timeout_s) + 1)), str(max_file_mb * 2**20),
+              str(max_processes) if sandbox is not None else "-", "-" if uid is None else str(uid)]
+    prefix = sandbox.command(workdir) if sandbox is not None else (isolation or [])
+    command = [*prefix, sys.executable, "-I", "-c", _BOOTSTRAP, str(script), *limits]
+    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": workdir, "TMPDIR": workdir,
+           "LANG": "C.UTF-8", "OMP_NUM_THREADS": "1", "PYTHONDONTWRITEBYTECODE": "1"}
+    return command, env
+
+
+_unsandboxed_lock = threading.Lock()
+_unsandboxed_count = 0
+
+
+def unsandboxed_calls() -> int:
+    """Tool calls this process ran without the bubblewrap sandbox (pools built with
+    ``allow_unsandboxed=True`` where bwrap cannot run): the ``agent/unsandboxed_tool_calls`` metric."""
+    return _unsandboxed_count
+
+
+def _count_unsandboxed() -> None:
+    global _unsandboxed_count
+    with _unsandboxed_lock:
+        _unsandboxed_count += 1
+
+
 class ToolPool:
     """Runs tool calls concurrently, at most ``workers`` at a time, each sandboxed."""
 
-    def __init__(self, workers: int = 4, *, allow_network: bool = False) -> None:
-        """``allow_network=True`` runs tools without network isolation where none can be
-        made; otherwise such a machine is a :class:`ConfigError` here, at start-up."""
+    def __init__(self, workers: int = 4, *, allow_network: bool = False, allow_unsandboxed: bool = False,
+                 max_processes: int = 64) -> None:
+        """Where bwrap cannot run here, ``allow_unsandboxed=True`` runs calls as arbor's own
+        user (counted, :func:`unsandboxed_calls`), and ``allow_network=True`` further lets
+        them reach the network where no network namespace can be made either; otherwise
+        such a machine is a :class:`ConfigError` here, at start-up. ``max_processes``: the
+        processes and threads one call may have at once (RLIMIT_NPROC in the sandbox)."""
         if workers < 1:
             raise ValueError(f"workers must be ≥ 1, got {workers}")
-        self.workers = workers
-        self.isolation, why = _probe_isolation(os.environ.get("PATH", ""))
-        if self.isolation is None and not allow_network:
-            raise ConfigError(
-                f"tool sandbox: cannot cut tools off the network here ({why}). Run where `unshare -n` "
-                "(root) or `unshare -rn` (unprivileged user namespaces) works, or let tools reach the "
-                "network explicitly: rollout.agent_args: {allow_network: true}"
-            )
+        if max_processes < 1:
+            raise ValueError(f"max_processes must be ≥ 1, got {max_processes}")
+        self.workers, self.max_processes = workers, max_processes
+        path = os.environ.get("PATH", "")
+        self.sandbox, why = _probe_sandbox(path, max_processes)
+        self.isolation: list[str] | None = None
+        if self.sandbox is None:
+            if not allow_unsandboxed:
+                raise ConfigError(
+                    f"tool sandbox: cannot run tools in bubblewrap here ({why}). Install bubblewrap "
+                    "(apt-get install bubblewrap) where it can make namespaces, or run tools as arbor's own "
+                    "user explicitly: rollout.agent_args: {allow_unsandboxed: true}"
+                )
+            self.isolation, why_network = _probe_isolation(path)
+            if self.isolation is None and not allow_network:
+                raise ConfigError(
+                    f"tool sandbox: cannot cut tools off the network here ({why_network}). Run where `unshare -n` "
+                    "(root) or `unshare -rn` (unprivileged user namespaces) works, or let tools reach the "
+                    "network explicitly: rollout.agent_args: {allow_network: true}"
+                )
+            log.warning("tool calls run WITHOUT the bubblewrap sandbox (rollout.agent_args.allow_unsandboxed): "
+                        "%s; they are counted in agent/unsandboxed_tool_calls", why)
         self._semaphore: asyncio.Semaphore | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread_slots = threading.BoundedSemaphore(workers)
@@ -151,12 +240,11 @@ class ToolPool:
         """Run ``code`` with ``python -I`` in the sandbox; never raises for what the code does."""
         async with self._slots():
             with tempfile.TemporaryDirectory(prefix="arbor-tool-") as workdir:
-                script = Path(workdir) / "tool.py"
-                script.write_text(code)
-                limits = [str(memory_mb * 2**20), str(max(1, int(timeout_s) + 1)), str(max_file_mb * 2**20)]
-                command = [*(self.isolation or []), sys.executable, "-I", "-c", _BOOTSTRAP, str(script), *limits]
-                env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": workdir, "LANG": "C.UTF-8",
-                       "OMP_NUM_THREADS": "1", "PYTHONDONTWRITEBYTECODE": "1"}
+                command, env = _call(code, workdir, self.sandbox, timeout_s=timeout_s, memory_mb=memory_mb,
+                                     max_file_mb=max_file_mb, max_processes=self.max_processes,
+                                     isolation=self.isolation)
+                if self.sandbox is None:
+                    _count_unsandboxed()
                 return await _run(command, workdir, env, timeout_s, max_output_chars)
 
 

@@ -17,6 +17,7 @@ many complete checkpoints stay on disk.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import random
 import shutil
@@ -27,6 +28,7 @@ import numpy as np
 import torch
 
 LATEST = "latest"
+log = logging.getLogger(__name__)
 
 
 def checkpoint_root(output_dir: str | Path) -> Path:
@@ -58,15 +60,24 @@ def write_driver_state(directory: Path, state: dict[str, Any]) -> None:
     torch.save(rng_state(), directory / "rng.pt")
 
 
-def mark_latest(output_dir: str | Path, step: int, keep: int = 2) -> None:
-    """Point ``latest`` at ``step`` (atomic rename), then drop all but the newest ``keep``."""
+def mark_latest(output_dir: str | Path, step: int, keep: int = 2) -> list[Path]:
+    """Point ``latest`` at ``step`` (atomic rename), then drop all but the newest ``keep``.
+    Returns the old checkpoints that could not be removed (each warned about, naming it):
+    the run goes on, but the disk fills, so the caller counts them."""
     root = checkpoint_root(output_dir)
     tmp = root / f".{LATEST}.tmp"
     tmp.write_text(step_dir(output_dir, step).name)
     os.replace(tmp, root / LATEST)
     done = sorted(p for p in root.glob("step-*") if p.is_dir())
+    failed = []
     for old in done[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
+        try:
+            shutil.rmtree(old)
+        except OSError as e:
+            log.warning("checkpoint clean-up: could not remove %s (%s: %s); it stays on disk "
+                        "(run.keep_checkpoints=%d)", old, type(e).__name__, e, keep)
+            failed.append(old)
+    return failed
 
 
 def latest_checkpoint(output_dir: str | Path) -> Path | None:

@@ -52,6 +52,7 @@ class RunContext:
     schedule_steps: int  # run.steps the LR schedule spans (kept from the first run on resume)
     startup: StartupClock  # seconds per start-up phase (printed once everything is up)
     start_step: int = 0  # the last step done before this process started (0: a fresh run)
+    checkpoint_cleanup_failures: int = 0  # old checkpoints that could not be removed, so far
 
     @property
     def client(self) -> SGLangClient:
@@ -92,7 +93,8 @@ class RunContext:
         stream_state = self.stream.state_dict() if stream_state is None else stream_state
         checkpoint.write_driver_state(directory, {"step": step, "stream": stream_state,
                                                   "schedule_steps": self.schedule_steps})
-        checkpoint.mark_latest(self.cfg.run.output_dir, step, keep=self.cfg.run.keep_checkpoints)
+        failed = checkpoint.mark_latest(self.cfg.run.output_dir, step, keep=self.cfg.run.keep_checkpoints)
+        self.checkpoint_cleanup_failures += len(failed)
 
     def resume(self, directory: Path) -> None:
         """Continue from a checkpoint: learner state, data cursor, RNG, engine weights."""

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import random
 from collections.abc import Callable, Coroutine
 from contextlib import AbstractContextManager
@@ -29,6 +30,7 @@ from arbor.rollout.agents import Agent, Render, episode_inputs, tool_turns
 from arbor.rollout.answers import has_final_answer
 from arbor.rollout.rewards import RewardPool, check_failure_fraction, failed_checks
 from arbor.rollout.sampler import SampleStats, sample_trees
+from arbor.rollout.tools import unsandboxed_calls
 from arbor.run.orchestration import EngineGroup, LearnerGroup, closing
 from arbor.run.recovery import EngineRecovery
 from arbor.train.advantage import compute_advantages, dynamic_sampling_filter
@@ -206,7 +208,13 @@ def train_on_batch(
             norms.append(results[0].grad_norm)  # the same on every rank
             lrs.append(results[0].lr)
     metrics = {f"train/{k}": v for k, v in stats.metrics().items()}
-    metrics["train/grad_norm"] = sum(norms) / len(norms)
+    nonfinite = [i for i, n in enumerate(norms) if not math.isfinite(n)]
+    if nonfinite:  # the learner's log names the parameters; this names the step
+        log.warning("step %d: gradient norm not finite in update(s) %s of %d (train/nonfinite_grad_norms)",
+                    step, nonfinite, len(norms))
+    finite = [n for n in norms if math.isfinite(n)]
+    metrics["train/grad_norm"] = sum(finite) / len(finite) if finite else float("nan")
+    metrics["train/nonfinite_grad_norms"] = float(len(nonfinite))
     metrics["train/lr"] = lrs[-1]
     metrics["train/updates"] = float(len(norms))
     return metrics
@@ -299,4 +307,6 @@ def rollout_metrics(batch: Batch) -> dict[str, float]:
         "agent/tool_calls_per_episode": sum(tool_turns(tree, leaf) for tree in batch.sampled for leaf in tree.leaves()) / n,
         "agent/tool_errors": float(sum(s.tool_errors for s in batch.stats)),
         "agent/timeouts": float(sum(s.agent_timeouts for s in batch.stats)),  # steps past rollout.agent_timeout_s
+        # Tool calls run without bubblewrap (agent_args.allow_unsandboxed), so far in this run.
+        "agent/unsandboxed_tool_calls": float(unsandboxed_calls()),
     }

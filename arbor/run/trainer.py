@@ -68,6 +68,7 @@ def train(cfg: Config, after_step: Callable[[RunContext, int, dict], None] | Non
             if cfg.run.eval_every and step % cfg.run.eval_every == 0 and ctx.eval_problems:
                 metrics |= evaluate()
             metrics |= ctx.recovery.step_metrics()  # engine/restarts
+            metrics["run/checkpoint_cleanup_failures"] = float(ctx.checkpoint_cleanup_failures)  # so far
             metrics |= phases.throughput_metrics(batch, sum(ctx.log.phases.values()))
             engine_s = producer.engine_seconds() if producer else ctx.log.phases.get("rollout", 0.0)
             metrics |= busy_metrics(engine_s, ctx.log.phases.get("train", 0.0), time.perf_counter() - started)

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import logging
 import math
 import os
 from collections.abc import Callable, Sequence
@@ -44,9 +45,10 @@ from arbor.train.lm_head import check_temperature
 from arbor.train.loss import LossStats
 from arbor.train.packed_loss import pack_loss
 from arbor.train.packing import PackedBatch
-from arbor.train.zero3 import build_partitioned, reference_engine
+from arbor.train.zero3 import build_partitioned, reference_engine, require_tested_deepspeed
 
 R = TypeVar("R")
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -107,7 +109,8 @@ def init_distributed(backend: str) -> None:
     if missing:
         raise RuntimeError(f"DeepSpeed learner ranks need the environment variables {missing}")
     # DeepSpeed compiles a shared-memory op at first init on CPU (tens of seconds) that
-    # training never uses: skip it.
+    # training never uses: skip it, in the release where that hook was checked.
+    require_tested_deepspeed("distributed start-up (comm.torch.build_shm_op)")
     importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
     deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False)
 
@@ -186,6 +189,7 @@ class Learner:
         if learner_cfg.backend == "deepspeed":
             import deepspeed
 
+            require_tested_deepspeed("unmanaged gradient accumulation over packs")
             self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
                 model=policy, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config,
             )
@@ -259,15 +263,34 @@ class Learner:
         return int(count.item())
 
     def optimizer_step(self) -> float:
-        """Clip, update, advance the schedule; returns the gradient norm before clipping."""
+        """Clip, update, advance the schedule; returns the gradient norm before clipping.
+
+        A NaN or infinite norm is warned about naming the update (and, without DeepSpeed,
+        the parameters whose gradients are not finite); the caller counts it
+        (``train/nonfinite_grad_norms``). Without DeepSpeed that update is skipped: applying
+        it would make every weight NaN. DeepSpeed decides for itself (it has stepped already)."""
         if self.engine is not None:
             self.engine.step()
             norm = self.engine.get_global_grad_norm()
             grad_norm = float(norm) if norm is not None else float("nan")
+            if not math.isfinite(grad_norm):
+                log.warning("learner update %d: gradient norm is %s%s (parameters not named: DeepSpeed "
+                            "holds the gradients partitioned)", self.steps, grad_norm,
+                            "" if norm is not None else " (DeepSpeed reported none)")
         else:
-            clip = self.max_grad_norm if self.max_grad_norm > 0 else float("inf")
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip))
-            self.optimizer.step()
+            named = [(name, p.grad) for name, p in self.model.named_parameters() if p.grad is not None]
+            norms = [g.detach().norm() for _, g in named]  # one pass, as clipping does anyway
+            total = torch.linalg.vector_norm(torch.stack(norms)) if norms else torch.zeros(())
+            grad_norm = float(total)
+            if math.isfinite(grad_norm):
+                if self.max_grad_norm > 0:
+                    torch.nn.utils.clip_grads_with_norm_(self.model.parameters(), self.max_grad_norm, total)
+                self.optimizer.step()
+            else:
+                bad = [name for (name, _), n in zip(named, norms) if not torch.isfinite(n)]
+                log.warning("learner update %d: gradient norm is %s; non-finite gradients in %d parameter(s): %s; "
+                            "the update is skipped", self.steps, grad_norm, len(bad),
+                            ", ".join(bad[:8]) + (", ..." if len(bad) > 8 else ""))
             self.scheduler.step()
             self.optimizer.zero_grad(set_to_none=True)
         self.steps += 1

@@ -43,6 +43,11 @@ from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 from arbor.config import ModelConfig
 
 SAFETENSORS = "model.safetensors"
+# The DeepSpeed releases whose internals arbor patches or reads were tested against: Init's
+# _zero_init_param and _convert_to_deepspeed_param (partition_without_broadcast), the shard
+# layout of _partition_param (load_partitioned_weights) and comm.torch.build_shm_op
+# (learner.init_distributed). pyproject.toml pins the same range.
+TESTED_DEEPSPEED = (">=0.19.8", "<0.20")
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 READ_MB = 64  # the most one read from a checkpoint file holds (sharded loading's transient)
 # safetensors dtype codes (the format's header) -> torch dtypes
@@ -138,6 +143,31 @@ def build_partitioned(
     return model
 
 
+def check_deepspeed_version(version: str, needed_for: str) -> None:
+    """Raise where ``version`` is outside :data:`TESTED_DEEPSPEED`: a renamed or re-laid-out
+    internal could fail silently (a patch never called, a shard read at the wrong offset).
+
+        check_deepspeed_version("0.19.8", "x")   # fine
+        check_deepspeed_version("0.20.0", "x")   # RuntimeError naming 0.20.0
+    """
+    from packaging.specifiers import SpecifierSet
+
+    tested = SpecifierSet(",".join(TESTED_DEEPSPEED))
+    if version not in tested:
+        raise RuntimeError(
+            f"deepspeed {version} is untested with arbor's {needed_for}, which relies on DeepSpeed internals "
+            f"checked against deepspeed{tested}: install that (pip install 'deepspeed{tested}') "
+            "or use learner.backend: torch"
+        )
+
+
+def require_tested_deepspeed(needed_for: str) -> None:
+    """:func:`check_deepspeed_version` of the installed DeepSpeed."""
+    import deepspeed
+
+    check_deepspeed_version(deepspeed.__version__, needed_for)
+
+
 @contextmanager
 def partition_without_broadcast() -> Iterator[None]:
     """``zero.Init`` partitions each new parameter without first broadcasting it from rank 0.
@@ -147,6 +177,7 @@ def partition_without_broadcast() -> Iterator[None]:
     every parameter is then read from the checkpoint (``load_partitioned_weights`` refuses
     a missing one), so the broadcast only costs time and, on the receiving ranks, memory.
     """
+    require_tested_deepspeed("ZeRO-3 construction (partition_parameters.Init._zero_init_param)")
     from deepspeed.runtime.zero.partition_parameters import Init
 
     original = Init._zero_init_param
@@ -174,6 +205,7 @@ def load_partitioned_weights(model: PreTrainedModel, path: str | Path, read_mb: 
     checkpoint (an error names the first missing one); checkpoint tensors the model has no
     parameter for (a tied head's copy) are skipped, as ``from_pretrained`` skips them.
     """
+    require_tested_deepspeed("sharded checkpoint loading (the ds_tensor shard layout)")
     files = checkpoint_files(path)
     missing = [name for name, _ in model.named_parameters() if name not in files]
     if missing:

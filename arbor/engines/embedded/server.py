@@ -18,7 +18,9 @@ Endpoints (request / response fields as SGLang 0.5 names them):
 - ``POST /flush_cache``, ``/release_memory_occupation``, ``/resume_memory_occupation``;
 - ``GET /model_info`` (= ``/get_model_info``), ``/get_weight_version``, ``/server_info`` (=
   ``/get_server_info``: ``tp_size`` 1 and engine counters), ``/health``, ``/health_generate``.
-Malformed requests get ``400 {"error": {"message": ...}}`` and the server keeps serving.
+Malformed requests get ``400 {"error": {"message": ...}}`` and the server keeps serving; a
+failure of the server's own (a bug, an engine that stopped) is ``500`` with the exception's
+type and message, its traceback in the server's log.
 
 Keys (:mod:`arbor.engines.auth`, SGLang's rules): with ``ARBOR_ENGINE_API_KEY`` (and/or
 ``ARBOR_ENGINE_ADMIN_API_KEY``) in the server's environment, requests need ``Authorization:
@@ -30,7 +32,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
+import logging
 import os
 import sys
 import threading
@@ -52,6 +56,8 @@ from arbor.engines.embedded.engine import EngineReleased, LocalEngine
 from arbor.engines.launch import free_port
 from arbor.engines.types import GenerateOutput, GenerateRequest, SamplingParams
 
+log = logging.getLogger(__name__)
+
 DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's default
 # The endpoints SGLang 0.5.23 marks ADMIN_OPTIONAL (they change weights, cache or memory);
 # the rest are NORMAL, /health* open.
@@ -64,6 +70,16 @@ ADMIN_PATHS = (
 
 class BadRequest(ValueError):
     """A request the server refuses with a 4xx and a message."""
+
+
+@contextlib.contextmanager
+def _checking_request() -> Any:
+    """Around the engine's and the weight group's checks of a request's content: their
+    ``ValueError`` is the client's mistake (400); anything raised outside is the server's (500)."""
+    try:
+        yield
+    except ValueError as exc:
+        raise BadRequest(str(exc)) from exc
 
 
 def _error(status: int, message: str) -> web.Response:
@@ -187,15 +203,19 @@ def build_app(
     routes = web.RouteTableDef()
 
     def handler(fn):
-        """Turn BadRequest / ValueError into 400 and a released engine into 409."""
+        """An invalid request (BadRequest) is 400, a released engine 409, and any other
+        exception the server's own failure: 500, its traceback logged."""
 
         async def wrapped(request: web.Request) -> web.StreamResponse:
             try:
                 return await fn(request)
-            except (BadRequest, ValueError, TypeError, KeyError) as exc:
+            except BadRequest as exc:
                 return _error(400, str(exc))
             except EngineReleased as exc:
                 return _error(409, str(exc))
+            except Exception as exc:  # noqa: BLE001 -- answered and logged, the server keeps serving
+                log.exception("%s %s failed inside arbor serve", request.method, request.path)
+                return _error(500, f"internal server error: {type(exc).__name__}: {exc} (traceback in the server log)")
 
         return wrapped
 
@@ -215,8 +235,9 @@ def build_app(
         if params is None:
             params = [parse_sampling_params(raw_params)] * len(prompts)
         requests = [GenerateRequest(p, sp) for p, sp in zip(prompts, params)]
-        for r in requests:
-            engine.validate(r)
+        with _checking_request():
+            for r in requests:
+                engine.validate(r)
         start = time.perf_counter()
         results = await asyncio.gather(*(engine.generate(r) for r in requests))
         latency = time.perf_counter() - start
@@ -252,7 +273,8 @@ def build_app(
     async def init_group(request: web.Request) -> web.Response:
         body = await _json_body(request)
         loop = asyncio.get_running_loop()
-        message = await loop.run_in_executor(None, state.group.init_from_request, body)
+        with _checking_request():
+            message = await loop.run_in_executor(None, state.group.init_from_request, body)
         return web.json_response({"success": True, "message": message})
 
     @routes.post("/destroy_weights_update_group")
@@ -290,10 +312,11 @@ def build_app(
             return refused("update_weights_from_distributed must run between "
                            "begin_weight_update() and end_weight_update()")
         loop = asyncio.get_running_loop()
-        tensors = await loop.run_in_executor(None, state.group.receive, body)
-        flush = bool(body.get("flush_cache", True))
-        version = body.get("weight_version")
-        await loop.run_in_executor(None, lambda: engine.load_weights(tensors, version, flush=flush))
+        with _checking_request():  # names, shapes and dtypes the model does not have
+            tensors = await loop.run_in_executor(None, state.group.receive, body)
+            flush = bool(body.get("flush_cache", True))
+            version = body.get("weight_version")
+            await loop.run_in_executor(None, lambda: engine.load_weights(tensors, version, flush=flush))
         return web.json_response({"success": True, "message": f"updated {len(tensors)} tensors"})
 
     @routes.route("*", "/flush_cache")
