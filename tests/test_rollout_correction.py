@@ -172,6 +172,50 @@ def test_attach_learner_logprobs_maps_packs_back_to_nodes():
     assert math.isnan(got[4][0]) and got[4][1] == 3.0
 
 
+def test_asynchronous_behaviour_cap_and_the_correction_share_one_weight(uniform_model):
+    """The decoupled objective (off-policy, ``behaviour_cap``) weights the same w by token-level
+    TIS at its cap; a tis/mis correction takes its place. Shared-node tree, A = [+1, −1]:
+    behaviour_cap 1.5: s [1.2, 1.0] (cancel), a 1.25, b min(2.5, 1.5) = 1.5 → loss (1.5 − 1.25)/6,
+    one token in six above the cap; with a tis correction (cap 2): (2 − 1.25)/6 as above."""
+    (pack,) = pack_trees([shared_node_tree()], [[1.0, -1.0]])
+    decoupled, sums = pack_loss(uniform_model, pack, 6.0, behaviour_cap=1.5, correction=Correction())
+    assert decoupled.item() == pytest.approx(0.25 / 6)
+    assert sums.stats.mismatch.metrics()["truncated_fraction"] == pytest.approx(1 / 6)
+    assert sums.stats.metrics()["behaviour_weight"] == pytest.approx((2 * 1.2 + 2 * 1.0 + 1.25 + 1.5) / 6)
+    corrected, _ = pack_loss(uniform_model, pack, 6.0, behaviour_cap=1.5, correction=Correction("tis", cap=2.0))
+    assert corrected.item() == pytest.approx(0.75 / 6)
+
+
+def test_the_learner_recomputes_old_logprobs_before_the_update(tmp_path):
+    """π_old from :meth:`Learner.old_logprobs` is the model's own forward (the padded reference
+    agrees), and one corrected update then starts at ratio 1 (nothing clipped)."""
+    from test_learner import batch, config, tiny_model_dir
+    from transformers import Qwen2ForCausalLM
+
+    from arbor.train.learner import Learner
+    from arbor.train.logprobs import padded_token_logprobs
+
+    path = tiny_model_dir(tmp_path / "m")
+    cfg = config(path, "learner.backend=torch", "learner.zero_stage=0", "loss.rollout_correction=tis")
+    trees, advantages = batch()
+    learner = Learner(cfg.model, cfg.learner, cfg.optim, cfg.loss, total_steps=2)
+    packs = pack_trees(trees, None, pack_tokens=20)  # several packs
+    attach_learner_logprobs(trees, packs, learner.old_logprobs(packs))
+    with torch.no_grad():
+        reference, _, owners = padded_token_logprobs(Qwen2ForCausalLM.from_pretrained(path), trees)
+    for (tree_index, leaf_index, flat) in owners:
+        tree = trees[tree_index]
+        path_old = [x for n in tree.path(tree.leaves()[leaf_index]) for x in n.learner_logprobs]
+        assert path_old == pytest.approx(reference[flat].tolist(), abs=1e-5)
+    train_packs = pack_trees(trees, advantages, pack_tokens=20)
+    result = learner.step(train_packs, loss_denominator(trees, "token"))
+    assert result.stats.metrics()["clip_fraction"] == 0.0
+    # The "engine's" log-probs here are random in [−2, 0], above the model's (≈ −log 40): a
+    # large mismatch with w < 1, reported; mis's default bounds would mask some tokens.
+    mismatch = result.stats.mismatch_metrics()
+    assert mismatch["kl"] > 0.1 and mismatch["is_weight_mean"] < 1 and mismatch["masked_fraction"] > 0
+
+
 # -- tree-packed equals the linearised batch ---------------------------------------------------------
 
 
