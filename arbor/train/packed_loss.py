@@ -81,7 +81,9 @@ def pack_loss(
     ``correction`` (``loss.rollout_correction*``) tis/mis: the same objective around π_old =
     ``pack.prox_logprobs`` (recomputed by the learner before the update; the trees' nodes
     must carry ``learner_logprobs``), its weight truncated or masked as chosen; it takes
-    the place of ``behaviour_cap``'s truncation. Its cap and bounds also define the
+    the place of ``behaviour_cap``'s truncation. At sequence level the leaves' weights must
+    already sit in the pack's advantage columns (``pack_trees(..., correction_weights=
+    leaf_correction_weights(trees, correction)[0])``). Its cap and bounds also define the
     ``mismatch/*`` fractions reported in every mode.
 
     Log-probs are those of softmax(logits / ``temperature``), the distribution the engine
