@@ -308,12 +308,12 @@ def quickstart_mismatch(out, *overrides):
 
 def test_a_bf16_engine_shows_a_mismatch_the_float32_engine_does_not(tmp_path):
     """The quickstart's learner is float32; `model.dtype` is the engine's. A float32 engine
-    agrees with it to float rounding (KL ~1e-9 measured); a bf16 engine's log-probs differ
-    (KL ~1e-4–1e-3 measured), and with tis the run trains on the corrected objective."""
+    agrees with it to float rounding (KL 2e-9–3e-9 measured); a bf16 engine's log-probs differ
+    (KL 1e-5–7e-4 measured, weights up to ~1.3), and with tis the run trains on the corrected objective."""
     same = quickstart_mismatch(tmp_path / "f32", "model.dtype=float32", "learner.dtype=float32")
     bf16 = quickstart_mismatch(tmp_path / "bf16", "model.dtype=bfloat16", "learner.dtype=float32",
                                "loss.rollout_correction=tis")
     assert set(same) == set(bf16) == {"kl", "is_weight_mean", "is_weight_max", "truncated_fraction", "masked_fraction"}
-    assert same["kl"] < 1e-6 and abs(same["is_weight_max"] - 1) < 1e-3
-    assert bf16["kl"] > 1e-5 and bf16["kl"] > 100 * same["kl"]
+    assert same["kl"] < 1e-7 and abs(same["is_weight_max"] - 1) < 1e-3
+    assert bf16["kl"] > 1e-6 and bf16["kl"] > 100 * same["kl"]
     assert bf16["is_weight_max"] > 1.01
