@@ -210,6 +210,15 @@ class LossConfig:
     # algorithm.max_staleness ≥ 1: the cap C of the behaviour weight π_prox/π_behav in the
     # decoupled objective (truncated importance sampling; 2 as in Yao et al. 2025).
     behaviour_cap: float = 2.0
+    # Engine–learner mismatch (docs/rollout-correction.md): none | tis (weight each token's
+    # loss by min(π_old/π_rollout, rollout_is_cap)) | mis (no loss where the weight is outside
+    # rollout_mask_bounds). With tis/mis π_old is the learner's forward before the update.
+    rollout_correction: Literal["none", "tis", "mis"] = "none"
+    rollout_correction_level: Literal["token", "sequence"] = "token"  # sequence: a leaf's path weight
+    # tis: the cap on the importance weight π_old/π_rollout.
+    rollout_is_cap: float = 2.0
+    # mis: [lo, hi]; a token (or leaf) whose weight falls outside carries no loss.
+    rollout_mask_bounds: list[float] = field(default_factory=lambda: [0.5, 2.0])
 
 
 @dataclass
@@ -579,6 +588,10 @@ def validate(cfg: Config, where: Callable[[str], str] | None = None) -> None:
     need(a.minibatches >= 1, "algorithm.minibatches", "must be ≥ 1")
     need(a.max_staleness >= 0, "algorithm.max_staleness", f"must be ≥ 0 (0: on-policy), got {a.max_staleness}")
     need(lo.behaviour_cap > 0, "loss.behaviour_cap", f"must be > 0, got {lo.behaviour_cap}")
+    need(lo.rollout_is_cap > 0, "loss.rollout_is_cap", f"must be > 0, got {lo.rollout_is_cap}")
+    bounds = lo.rollout_mask_bounds
+    need(len(bounds) == 2 and 0 <= bounds[0] <= 1 <= bounds[1], "loss.rollout_mask_bounds",
+         f"must be [lo, hi] with 0 ≤ lo ≤ 1 ≤ hi (a weight of 1, no mismatch, is never masked), got {bounds}")
     # The engines keep sampling while the learners train: they cannot give their memory up.
     need(not (a.max_staleness and cfg.ray.colocate), "algorithm.max_staleness",
          "must be 0 with ray.colocate (colocated engines release their memory while the learners train, "

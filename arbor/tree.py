@@ -41,6 +41,7 @@ class Node:
         "start",
         "token_ids",
         "logprobs",
+        "learner_logprobs",
         "loss_mask",
         "reward",
         "finish_reason",
@@ -63,6 +64,9 @@ class Node:
         self.start = 0 if parent is None else parent.start + len(parent.token_ids)
         self.token_ids = token_ids
         self.logprobs = logprobs
+        # π_old: the learner's log-probs of these tokens before the update, set by the
+        # trainer when loss.rollout_correction needs them (arbor.train.rollout_correction).
+        self.learner_logprobs: list[float] | None = None
         self.loss_mask = loss_mask
         self.reward: float | None = None
         self.finish_reason: str | None = None

@@ -4,6 +4,7 @@ import math
 
 import pytest
 import torch
+from tiny_model import uniform_qwen2
 
 from arbor.train.lm_head import logprobs_and_entropy
 from arbor.train.loss import (
@@ -142,15 +143,7 @@ V = 32  # vocabulary of the uniform model
 
 @pytest.fixture(scope="module")
 def uniform_model():
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    config = Qwen2Config(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
-                         intermediate_size=32, vocab_size=V, attn_implementation="sdpa")
-    model = Qwen2ForCausalLM(config).double()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.zero_()
-    return model
+    return uniform_qwen2(V)
 
 
 @pytest.fixture(scope="module")

@@ -348,6 +348,23 @@ def test_a_too_small_local_ray_instance_is_restarted_or_refused():
         ray.shutdown()
 
 
+def test_async_run_with_a_sequence_level_mis_correction(run_inputs, tmp_path):
+    """loss.rollout_correction on an off-policy run: π_old recomputed before each update, each
+    leaf's weight (linear chains here) in place of the decoupled objective's truncation."""
+    root, model, data = run_inputs
+    cfg = config(root, model, data, tmp_path / "mis", "learner.backend=torch", "learner.zero_stage=0",
+                 "algorithm.max_staleness=1", "loss.mode=linear", "loss.rollout_correction=mis",
+                 "loss.rollout_correction_level=sequence", "loss.rollout_mask_bounds=[0.9, 1.1]")
+    history = train(cfg)
+    assert len(history) == 2
+    for metrics in history:
+        assert "train/behaviour_weight" not in metrics  # the correction, not behaviour_cap, weighted it
+        assert metrics["mismatch/kl"] >= 0 and metrics["mismatch/is_weight_max"] >= metrics["mismatch/is_weight_mean"] > 0
+        assert 0 <= metrics["mismatch/masked_fraction"] <= 1
+    # The first batch was sampled by the weights that train it: float32 on both sides, no mismatch.
+    assert history[0]["mismatch/kl"] < 1e-6 and history[0]["mismatch/masked_fraction"] == 0
+
+
 def test_async_run_keeps_the_staleness_bound_and_resumes_without_samples_in_flight(run_inputs, tmp_path):
     root, model, data = run_inputs
     out = tmp_path / "async"

@@ -2,6 +2,7 @@
 
     path = build_tiny_model_dir(tmp_path / "tiny")   # config.json, *.safetensors, tokenizer
     AutoModelForCausalLM.from_pretrained(path); AutoTokenizer.from_pretrained(path)
+    model = uniform_qwen2(vocab_size=32)             # in memory: every weight 0, π = 1/32 everywhere
 
 The tokenizer is a byte-level BPE (256 bytes, ``<|endoftext|>``/``<|im_start|>``/
 ``<|im_end|>``, letter-pair merges up to ``vocab_size``) built in place, so it needs no
@@ -100,3 +101,18 @@ def _byte_level_tokenizer(vocab_size: int):
     )
     tokenizer.chat_template = CHAT_TEMPLATE
     return tokenizer
+
+
+def uniform_qwen2(vocab_size: int):
+    """A float64 one-layer Qwen2 whose weights are all 0: it predicts the uniform distribution,
+    log p = −log ``vocab_size`` for every token (loss tests choose behaviour log-probs around it)."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                         intermediate_size=32, vocab_size=vocab_size, attn_implementation="sdpa")
+    model = Qwen2ForCausalLM(config).double()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+    return model

@@ -241,6 +241,10 @@ class LearnerWorker:
     ) -> StepResult:
         return self.learner.step(packs, denominator, filler, behaviour_cap)
 
+    def old_logprobs(self, packs: Sequence[PackedBatch], filler: PackedBatch | None = None) -> list[Any]:
+        """π_old of this rank's packs before the update (:meth:`arbor.train.learner.Learner.old_logprobs`)."""
+        return self.learner.old_logprobs(packs, filler)
+
     def push_weights(self, urls: list[str], version: str) -> None:
         """Gather the parameters (collective) and, on rank 0, send them to every engine.
 
@@ -393,6 +397,15 @@ class LearnerGroup:
         return self.results([
             w.step.remote(list(p), denominator, None if p else filler, behaviour_cap)
             for w, p in zip(self.workers, packs_per_rank)
+        ])
+
+    def old_logprobs(
+        self, packs_per_rank: Sequence[Sequence[PackedBatch]], filler: PackedBatch | None = None
+    ) -> list[list[Any]]:
+        """Per rank, per pack of its: the learner's log-probs of the trained tokens, no update
+        (π_old of ``loss.rollout_correction``); a rank without packs forwards ``filler``."""
+        return self.results([
+            w.old_logprobs.remote(list(p), None if p else filler) for w, p in zip(self.workers, packs_per_rank)
         ])
 
     # Every method below runs on all ranks at once (collectives need every rank); results by rank.

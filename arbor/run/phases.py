@@ -20,7 +20,7 @@ import math
 import random
 from collections.abc import Callable, Coroutine
 from contextlib import AbstractContextManager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol, TypeVar
 
 from arbor.config import AlgorithmConfig, Config, DataConfig, EvalConfig, LossConfig, RolloutConfig
@@ -36,6 +36,11 @@ from arbor.run.recovery import EngineRecovery
 from arbor.train.advantage import compute_advantages, dynamic_sampling_filter
 from arbor.train.loss import LossStats
 from arbor.train.packing import assign_to_ranks, loss_denominator, pack_trees
+from arbor.train.rollout_correction import (
+    attach_learner_logprobs,
+    correction_of,
+    leaf_correction_weights,
+)
 from arbor.tree import RolloutTree
 
 T = TypeVar("T")
@@ -185,8 +190,14 @@ def train_on_batch(
 
     ``pack_tokens``: ``learner.pack_tokens``; ``seed``: ``run.seed`` (the epochs' shuffles);
     ``behaviour_cap``: ``loss.behaviour_cap`` for off-policy batches (the decoupled objective),
-    None on-policy.
+    None on-policy. With ``loss.rollout_correction`` tis/mis the learners first score the whole
+    batch without an update (π_old, :func:`recompute_old_logprobs`); at sequence level each
+    leaf's weight then scales its advantage mass in the packs. ``mismatch/*`` every step.
     """
+    correction = correction_of(loss_cfg)
+    leaf_level = correction.recompute and correction.level == "sequence"
+    if correction.recompute:
+        recompute_old_logprobs(learners, trees, pack_tokens)
     stats, norms, lrs = LossStats(), [], []
     order = list(range(len(trees)))
     for epoch in range(algorithm.ppo_epochs):
@@ -200,7 +211,9 @@ def train_on_batch(
                 from arbor.train.packing import linearise_trees
 
                 sub_trees, sub_adv = linearise_trees(sub_trees, sub_adv)
-            packs = pack_trees(sub_trees, sub_adv, pack_tokens=pack_tokens, normalize=loss_cfg.normalize)
+            weights = leaf_correction_weights(sub_trees, correction)[0] if leaf_level else None
+            packs = pack_trees(sub_trees, sub_adv, pack_tokens=pack_tokens, normalize=loss_cfg.normalize,
+                               correction_weights=weights)
             per_rank = [[packs[i] for i in r] for r in assign_to_ranks(packs, learners.world_size)]
             denominator = loss_denominator(sub_trees, loss_cfg.normalize)
             results = learners.step(per_rank, denominator, filler=packs[0], behaviour_cap=behaviour_cap)
@@ -217,7 +230,23 @@ def train_on_batch(
     metrics["train/nonfinite_grad_norms"] = float(len(nonfinite))
     metrics["train/lr"] = lrs[-1]
     metrics["train/updates"] = float(len(norms))
+    mismatch = stats.mismatch
+    if leaf_level:  # the weights are the leaves' (per leaf); the KL stays per token
+        mismatch = replace(leaf_correction_weights(trees, correction)[1], kl=mismatch.kl, tokens=mismatch.tokens)
+    metrics |= {f"mismatch/{k}": v for k, v in mismatch.metrics().items()}
     return metrics
+
+
+def recompute_old_logprobs(learners: LearnerGroup, trees: list[RolloutTree], pack_tokens: int) -> None:
+    """π_old for ``loss.rollout_correction``: the learners' log-probs of every trained token of
+    ``trees`` under the weights before this batch's updates, into ``node.learner_logprobs``."""
+    packs = pack_trees(trees, None, pack_tokens=pack_tokens)
+    ranks = assign_to_ranks(packs, learners.world_size)
+    results = learners.old_logprobs([[packs[i] for i in r] for r in ranks], filler=packs[0])
+    by_pack: dict[int, Any] = {}
+    for indices, logps in zip(ranks, results):
+        by_pack.update(zip(indices, logps))
+    attach_learner_logprobs(trees, packs, [by_pack[i] for i in range(len(packs))])
 
 
 def sync_weights(

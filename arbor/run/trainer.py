@@ -29,7 +29,8 @@ def train(cfg: Config, after_step: Callable[[RunContext, int, dict], None] | Non
 
     ``after_step(ctx, step, metrics)`` is called after each step (notebooks, tests). With
     ``algorithm.max_staleness`` ≥ 1 a producer thread samples ahead (:mod:`arbor.run.async_rollouts`)
-    and the loss is the decoupled off-policy objective (``loss.behaviour_cap``).
+    and the loss is the decoupled off-policy objective (``loss.behaviour_cap``, or the treatment
+    ``loss.rollout_correction`` chooses for the same weight: docs/rollout-correction.md).
     """
     history = []
     with start_run(cfg) as ctx, producer_for(cfg, ctx.sampling, ctx.rewards, ctx.stream,

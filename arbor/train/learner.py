@@ -42,9 +42,11 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from arbor.config import LearnerConfig, LossConfig, ModelConfig, OptimConfig
 from arbor.train.lm_head import check_temperature
+from arbor.train.logprobs import pack_token_logprobs
 from arbor.train.loss import LossStats
 from arbor.train.packed_loss import pack_loss
 from arbor.train.packing import PackedBatch
+from arbor.train.rollout_correction import correction_of
 from arbor.train.zero3 import build_partitioned, reference_engine, require_tested_deepspeed
 
 R = TypeVar("R")
@@ -154,6 +156,7 @@ class Learner:
         temperature: float = 1.0,
     ) -> None:
         self.cfg, self.loss_cfg = learner_cfg, loss_cfg
+        self.correction = correction_of(loss_cfg)  # loss.rollout_correction*
         check_temperature(temperature)  # log-probs are scored at the sampling temperature
         self.temperature = temperature
         self.device = resolve_device(learner_cfg.device)
@@ -249,8 +252,28 @@ class Learner:
             kl_coef=self.loss_cfg.kl_coef, kl_estimator=self.loss_cfg.kl_estimator,
             entropy_coef=self.loss_cfg.entropy_coef, ref_model=self.ref_model, attention=self.attention,
             temperature=self.temperature, chunk_tokens=self.cfg.logit_chunk_tokens, behaviour_cap=behaviour_cap,
+            correction=self.correction,
         )
         return loss, sums.stats
+
+    def old_logprobs(self, packs: Sequence[PackedBatch], filler: PackedBatch | None = None) -> list[torch.Tensor]:
+        """π_old of ``loss.rollout_correction``: this rank's log-probs of each pack's trained tokens
+        (``pack.trained`` order; float64 on CPU), from the current weights without a graph.
+
+        The same forward as training's (mode, temperature, LM-head chunks), so with one update
+        per batch the PPO ratio π_θ/π_old starts at 1. Every rank runs as many passes as the
+        rank with the most packs (ZeRO-3 gathers parameters collectively in each forward).
+        """
+        out: list[torch.Tensor] = []
+        with torch.no_grad():
+            for i in range(self._passes(len(packs), filler is not None)):
+                pack = packs[min(i, len(packs) - 1)] if packs else filler
+                select = pack.trained.nonzero()[:, 0]
+                logp, _ = pack_token_logprobs(self.model, pack, select, self.attention, temperature=self.temperature,
+                                              chunk_tokens=self.cfg.logit_chunk_tokens)
+                if i < len(packs):
+                    out.append(logp.to(device="cpu", dtype=torch.float64))
+        return out
 
     def _passes(self, n: int, has_filler: bool) -> int:
         """Forward/backward passes this rank runs: the most packs any rank has."""

@@ -21,6 +21,11 @@ importance sampling, Yao et al. 2025, "Your Efficient RL Framework Secretly Brin
 Off-Policy RL Training"): o_t = min(w, C)·min(u·A, clip(u)·A), u = π_θ/π_prox
 (:func:`decoupled_objective`).
 
+The engine–learner mismatch correction (``loss.rollout_correction``: TIS/MIS,
+:mod:`arbor.train.rollout_correction`) is the same objective with π_prox = π_old, the
+learner's forward recomputed before the update, and the weight truncated or masked as
+chosen: :func:`weighted_objective` is the one code path of both.
+
 The model forwards that produce ``logp`` and the per-token columns live beside the packing:
 :mod:`arbor.train.logprobs` (log-probs of packed trees or padded sequences) and
 :mod:`arbor.train.packed_loss` (``policy_loss``, ``pack_loss``, the SFT loss). This module imports
@@ -30,10 +35,12 @@ torch only.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Literal
 
 import torch
+
+from arbor.train.rollout_correction import Correction, MismatchStats, is_weights, token_mismatch
 
 KLEstimator = Literal["k1", "k3"]
 
@@ -74,9 +81,28 @@ def decoupled_objective(
     >>> decoupled_objective(lp, lp, torch.log(torch.tensor([0.25])), torch.ones(1), torch.zeros(1), 0.2, 0.28, 2.0)[0]
     tensor([2.])
     """
-    weight = torch.exp(prox_logp - old_logp).clamp(max=behaviour_cap).detach()
+    weight = is_weights(prox_logp - old_logp, Correction("tis", cap=behaviour_cap)).detach()
+    objective, ratio = weighted_objective(logp, prox_logp, adv_pos, adv_neg, clip_low, clip_high, weight)
+    return objective, ratio, weight
+
+
+def weighted_objective(
+    logp: torch.Tensor,  # [M] learner log-probabilities (with graph)
+    prox_logp: torch.Tensor,  # [M] π_prox = π_old, the learner before the update (no graph)
+    adv_pos: torch.Tensor,  # [M]
+    adv_neg: torch.Tensor,  # [M]
+    clip_low: float,
+    clip_high: float,
+    weight: torch.Tensor,  # [M] importance weight of each token (no graph)
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """weight·Σ_b min(u·A_b, clip(u)·A_b), u = π_θ/π_prox, and u; [M] each.
+
+    The objective of off-policy batches (weight = min(π_prox/π_behav, C)) and of the
+    rollout correction (weight = TIS/MIS of π_old/π_rollout, or 1 where a sequence-level
+    weight already sits in ``adv_pos``/``adv_neg``).
+    """
     objective, ratio = clipped_objective(logp, prox_logp.detach(), adv_pos, adv_neg, clip_low, clip_high)
-    return weight * objective, ratio, weight
+    return weight.detach() * objective, ratio
 
 
 def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: KLEstimator) -> torch.Tensor:
@@ -104,9 +130,14 @@ class LossStats:
     truncated: float = 0.0  # linearised tokens whose behaviour weight hit the cap C
     tokens: float = 0.0  # unique trained tokens
     linearised_tokens: float = 0.0  # Σ_i T_i of these tokens
+    mismatch: MismatchStats = field(default_factory=MismatchStats)  # engine vs learner (``mismatch/*``)
 
     def __add__(self, other: LossStats) -> LossStats:
         return LossStats(*(getattr(self, f.name) + getattr(other, f.name) for f in fields(self)))
+
+    def mismatch_metrics(self) -> dict[str, float]:
+        """``mismatch/*`` without the prefix (:meth:`arbor.train.rollout_correction.MismatchStats.metrics`)."""
+        return self.mismatch.metrics()
 
     def metrics(self) -> dict[str, float]:
         """``loss``, ``clip_fraction``, ``approx_kl``, ``entropy``, ``logprob_gap``, ``kl`` (per
@@ -157,18 +188,34 @@ def token_sums(
     kl_estimator: KLEstimator,
     prox_logp: torch.Tensor | None = None,  # [M] or None
     behaviour_cap: float = math.inf,
+    correction: Correction | None = None,
 ) -> LossSums:
     """Loss and metric sums of M trained tokens, each standing for ``leaf_count`` linear tokens.
 
     ``prox_logp`` None: PPO's clipped surrogate against the behaviour log-probs (on-policy
-    runs); given: :func:`decoupled_objective` around it, behaviour weights capped at ``behaviour_cap``.
+    runs, ``correction`` mode none). Given: :func:`weighted_objective` around it — with a
+    ``correction`` (tis/mis; ``prox_logp`` = π_old recomputed before the update) its
+    weights at token level, or 1 at sequence level (already in the advantage columns);
+    with none, :func:`decoupled_objective`'s behaviour weights capped at ``behaviour_cap``.
+    ``stats.mismatch`` compares ``old_logp`` (the engine's) with ``prox_logp``, or with
+    ``logp`` (this forward) where there is none.
     """
+    correction = correction or Correction()
     behaviour = None
     if prox_logp is None:
+        if correction.recompute:
+            raise ValueError(f"loss.rollout_correction {correction.mode!r} needs π_old (prox_logp) recomputed")
         objective, ratio = clipped_objective(logp, old_logp, adv_pos, adv_neg, clip_low, clip_high)
+        learner_logp = logp.detach()
     else:
-        objective, ratio, behaviour = decoupled_objective(logp, prox_logp, old_logp, adv_pos, adv_neg,
-                                                          clip_low, clip_high, behaviour_cap)
+        decoupled = not correction.recompute
+        if decoupled:  # the decoupled objective: token-level TIS at behaviour_cap
+            correction = replace(correction, mode="tis", level="token", cap=behaviour_cap)
+        weight_t = (is_weights(prox_logp - old_logp, correction) if correction.level == "token"
+                    else torch.ones_like(logp))
+        behaviour = weight_t if decoupled else None
+        objective, ratio = weighted_objective(logp, prox_logp, adv_pos, adv_neg, clip_low, clip_high, weight_t)
+        learner_logp = prox_logp.detach()
     kl = kl_penalty(logp, ref_logp, kl_estimator) if ref_logp is not None else torch.zeros_like(logp)
     with torch.no_grad():
         diff = logp - old_logp
@@ -183,9 +230,10 @@ def token_sums(
             tokens=int(logp.numel()),
             linearised_tokens=float(lin.sum()),
         )
-        if behaviour is not None:
+        stats.mismatch = token_mismatch(learner_logp, old_logp, lin, correction)
+        if behaviour is not None:  # the decoupled objective's own metrics (README: train/behaviour_weight)
             stats.behaviour_weight = float((lin * behaviour).sum())
-            stats.truncated = float((lin * (behaviour >= behaviour_cap)).sum())
+            stats.truncated = float((lin * (torch.exp(learner_logp - old_logp) > correction.cap)).sum())
     return LossSums(objective=objective.sum(), kl=(weight * kl).sum(), entropy=(weight * entropy).sum(), stats=stats)
 
 

@@ -42,6 +42,7 @@ from arbor.train.packing import (
     loss_denominator,
     pack_trees,
 )
+from arbor.train.rollout_correction import Correction
 from arbor.train.tree_attention import Attention
 from arbor.tree import RolloutTree
 
@@ -66,6 +67,7 @@ def pack_loss(
     temperature: float = 1.0,
     chunk_tokens: int = 0,
     behaviour_cap: float | None = None,
+    correction: Correction | None = None,
 ) -> tuple[torch.Tensor, LossSums]:
     """One pack's share of the loss (already divided by the global ``denominator``), and its
     sums (``sums.stats.loss`` is this loss's value).
@@ -75,6 +77,14 @@ def pack_loss(
     with the proximal policy = these weights before this update, i.e. this forward's log-probs
     without their graph: exact for one update per batch (``algorithm.ppo_epochs`` 1), where it
     reduces to the truncated-IS policy gradient min(π_θ/π_behav, C)·A·∇log π_θ.
+
+    ``correction`` (``loss.rollout_correction*``) tis/mis: the same objective around π_old =
+    ``pack.prox_logprobs`` (recomputed by the learner before the update; the trees' nodes
+    must carry ``learner_logprobs``), its weight truncated or masked as chosen; it takes
+    the place of ``behaviour_cap``'s truncation. At sequence level the leaves' weights must
+    already sit in the pack's advantage columns (``pack_trees(..., correction_weights=
+    leaf_correction_weights(trees, correction)[0])``). Its cap and bounds also define the
+    ``mismatch/*`` fractions reported in every mode.
 
     Log-probs are those of softmax(logits / ``temperature``), the distribution the engine
     sampled from and reported; they and every per-token weight are float32 or wider
@@ -92,11 +102,19 @@ def pack_loss(
     if ref_model is not None and kl_coef:
         with torch.no_grad():
             ref_logp = pack_token_logprobs(ref_model, pack, select, attention, **scoring)[0].to(dtype)
+    prox: dict = {}
+    if correction is not None and correction.recompute:
+        prox_logp = field(pack.prox_logprobs)
+        if torch.isnan(prox_logp).any():
+            raise ValueError(f"loss.rollout_correction {correction.mode!r}: {int(torch.isnan(prox_logp).sum())} "
+                             "trained tokens have no recomputed π_old (node.learner_logprobs)")
+        prox = {"prox_logp": prox_logp}
+    elif behaviour_cap is not None:
+        prox = {"prox_logp": logp.detach(), "behaviour_cap": behaviour_cap}
     sums = token_sums(
         logp, entropy, field(pack.old_logprobs), ref_logp, field(pack.weight), field(pack.adv_pos),
         field(pack.adv_neg), field(pack.leaf_count), field(pack.n_pos), field(pack.n_neg),
-        clip_low=clip_low, clip_high=clip_high, kl_estimator=kl_estimator,
-        **({} if behaviour_cap is None else {"prox_logp": logp.detach(), "behaviour_cap": behaviour_cap}),
+        clip_low=clip_low, clip_high=clip_high, kl_estimator=kl_estimator, correction=correction, **prox,
     )
     loss = combine(sums, denominator, kl_coef, entropy_coef)
     sums.stats.loss = float(loss.detach())

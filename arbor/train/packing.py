@@ -19,6 +19,7 @@ path), with ``"token"`` by 1; the denominator (Σ T_b or the number of leaves) i
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 from typing import Literal
@@ -52,10 +53,13 @@ class PackedBatch:
     owned: torch.Tensor  # [N] bool, response token computed for its tree here (not context only)
     trained: torch.Tensor  # [N] bool, owned and loss mask 1: the token enters the loss
     old_logprobs: torch.Tensor  # [N] float64, behaviour logprobs (0 where not trained)
+    # [N] float64, π_old: the learner's log-probs before the update (node.learner_logprobs;
+    # loss.rollout_correction); 0 where not trained, NaN on trained tokens not recomputed.
+    prox_logprobs: torch.Tensor
     leaf_count: torch.Tensor  # [N] float64, leaves whose path holds the token (linearised multiplicity)
     weight: torch.Tensor  # [N] float64, Σ over those leaves of w_b (normalisation × loss weight; SFT's loss)
-    adv_pos: torch.Tensor  # [N] float64, Σ_b w_b · max(A_b,t, 0)
-    adv_neg: torch.Tensor  # [N] float64, Σ_b w_b · min(A_b,t, 0)
+    adv_pos: torch.Tensor  # [N] float64, Σ_b w_b · c_b · max(A_b,t, 0) (c_b: sequence-level correction, else 1)
+    adv_neg: torch.Tensor  # [N] float64, Σ_b w_b · c_b · min(A_b,t, 0)
     n_pos: torch.Tensor  # [N] float64, leaves with A_b,t > 0 (for the clip fraction)
     n_neg: torch.Tensor  # [N] float64, leaves with A_b,t < 0
     blocks: list[AttentionBlock] = field(default_factory=list)  # for block-sparse attention
@@ -138,6 +142,7 @@ def linearise_trees(
             for node in tree.path(leaf):
                 tip = chain.add_segment(tip, node.token_ids, node.logprobs, node.loss_mask)
                 tip.finish_reason, tip.weight_version = node.finish_reason, node.weight_version
+                tip.learner_logprobs = node.learner_logprobs
             tip.reward = leaf.reward
             out_trees.append(chain)
             out_adv.append([float(a) if isinstance(a, (int, float)) else [float(x) for x in a]])
@@ -158,9 +163,14 @@ class _NodeWeights:
 
 
 def _node_weights(
-    tree: RolloutTree, advantages: Sequence, normalize: Normalize, loss_weights: Sequence[float] | None = None
+    tree: RolloutTree, advantages: Sequence, normalize: Normalize, loss_weights: Sequence[float] | None = None,
+    correction_weights: Sequence[float] | None = None,
 ) -> dict[int, _NodeWeights]:
-    """Per node, per token: sums over the leaves below it (every token of a node has the same leaves)."""
+    """Per node, per token: sums over the leaves below it (every token of a node has the same leaves).
+
+    ``correction_weights`` (one per leaf) scale only the leaf's advantage mass: a leaf's
+    sequence-level importance weight multiplies its policy objective, not its KL or entropy.
+    """
     leaves = tree.leaves()
     if len(advantages) != len(leaves):
         raise ValueError(
@@ -171,6 +181,9 @@ def _node_weights(
         if len(loss_weights) != len(leaves):
             raise ValueError(f"problem {tree.problem_id}: {len(loss_weights)} loss weights for {len(leaves)} leaves")
         w = [a * b for a, b in zip(w, loss_weights)]
+    if correction_weights is not None and len(correction_weights) != len(leaves):
+        raise ValueError(f"problem {tree.problem_id}: {len(correction_weights)} correction weights for {len(leaves)} leaves")
+    c = correction_weights if correction_weights is not None else [1.0] * len(leaves)
     # Per leaf: its advantage along the response, one value per response token.
     per_token = []
     for leaf, adv in zip(leaves, advantages):
@@ -199,11 +212,12 @@ def _node_weights(
             continue
         a = torch.stack([per_token[b][node.start : node.end] for b in idx])  # [leaves, n]
         wb = torch.tensor([w[b] for b in idx], dtype=torch.float64)[:, None]  # [leaves, 1]
+        wc = wb * torch.tensor([c[b] for b in idx], dtype=torch.float64)[:, None]  # [leaves, 1]
         out[node.id] = _NodeWeights(
             leaf_count=torch.full((n,), float(len(idx)), dtype=torch.float64),
             weight=wb.expand(-1, n).sum(0),
-            adv_pos=(wb * a.clamp(min=0)).sum(0),
-            adv_neg=(wb * a.clamp(max=0)).sum(0),
+            adv_pos=(wc * a.clamp(min=0)).sum(0),
+            adv_neg=(wc * a.clamp(max=0)).sum(0),
             n_pos=(a > 0).double().sum(0),
             n_neg=(a < 0).double().sum(0),
         )
@@ -280,6 +294,7 @@ def pack_trees(
     normalize: Normalize = "token",
     require_logprobs: bool = True,
     loss_weights: Sequence[Sequence[float]] | None = None,
+    correction_weights: Sequence[Sequence[float]] | None = None,
 ) -> list[PackedBatch]:
     """Pack ``trees`` into batches of at most ``pack_tokens`` tokens (DFS order, exact weights).
 
@@ -289,6 +304,8 @@ def pack_trees(
     trained tokens must carry behaviour logprobs (not needed for SFT or scoring).
     ``loss_weights`` per tree per leaf (default 1): a factor on the leaf's w_b, so each
     token's ``weight`` is Σ_b w_b · loss_weight_b (SFT's example weights).
+    ``correction_weights`` per tree per leaf (default 1): the leaf's sequence-level
+    importance weight c_b on its advantage mass only (:mod:`arbor.train.rollout_correction`).
     """
     if advantages is None:
         advantages = [[0.0] * len(t.leaves()) for t in trees]
@@ -296,6 +313,8 @@ def pack_trees(
         raise ValueError(f"{len(advantages)} advantage lists for {len(trees)} trees")
     if loss_weights is not None and len(loss_weights) != len(trees):
         raise ValueError(f"{len(loss_weights)} loss weight lists for {len(trees)} trees")
+    if correction_weights is not None and len(correction_weights) != len(trees):
+        raise ValueError(f"{len(correction_weights)} correction weight lists for {len(trees)} trees")
     parts: list[list[_Part]] = [[]]
     used = 0
     for t, tree in enumerate(trees):
@@ -321,7 +340,8 @@ def pack_trees(
             current = _Part(t, {n.id: False for n in context} | {n.id: True for n in trained})
             parts[-1].append(current)
             used += cost
-    weights = [_node_weights(tree, adv, normalize, loss_weights[t] if loss_weights is not None else None)
+    weights = [_node_weights(tree, adv, normalize, loss_weights[t] if loss_weights is not None else None,
+                             correction_weights[t] if correction_weights is not None else None)
                for t, (tree, adv) in enumerate(zip(trees, advantages))]
     return [_serialise(pack, trees, weights, require_logprobs) for pack in parts if pack]
 
@@ -332,7 +352,7 @@ def _serialise(
     weights: list[dict[int, _NodeWeights]],
     require_logprobs: bool,
 ) -> PackedBatch:
-    cols: dict[str, list] = {k: [] for k in ("ids", "pos", "parent", "end", "owned", "trained", "old")}
+    cols: dict[str, list] = {k: [] for k in ("ids", "pos", "parent", "end", "owned", "trained", "old", "prox")}
     wcols: dict[str, list[torch.Tensor]] = {k: [] for k in _NodeWeights.__dataclass_fields__}
     blocks: list[AttentionBlock] = []
     origin: list[tuple[int, int, int]] = []
@@ -351,6 +371,7 @@ def _serialise(
         cols["owned"] += [False] * p
         cols["trained"] += [False] * p
         cols["old"] += [0.0] * p
+        cols["prox"] += [0.0] * p
         origin += [(part.tree_index, 0, i) for i in range(p)]
         for k in wcols:
             wcols[k].append(zeros(p))
@@ -385,6 +406,7 @@ def _serialise(
             if require_logprobs and any(trained) and node.logprobs is None:
                 raise ValueError(f"problem {tree.problem_id}: node {node.id} has trainable tokens but no logprobs")
             cols["old"] += node.logprobs if node.logprobs is not None else [0.0] * n
+            cols["prox"] += node.learner_logprobs if node.learner_logprobs is not None else [math.nan] * n
             origin += [(part.tree_index, node.id, k) for k in range(n)]
             nw = weights[part.tree_index][node.id]
             for k in wcols:
@@ -406,6 +428,7 @@ def _serialise(
             for i in range(start, start + n):
                 cols["end"][i] = end_of[node.id]
     old = torch.tensor(cols["old"], dtype=torch.float64)
+    prox = torch.tensor(cols["prox"], dtype=torch.float64)
     trained = torch.tensor(cols["trained"], dtype=torch.bool)
     return PackedBatch(
         input_ids=torch.tensor(cols["ids"], dtype=torch.long),
@@ -415,6 +438,7 @@ def _serialise(
         owned=torch.tensor(cols["owned"], dtype=torch.bool),
         trained=trained,
         old_logprobs=torch.where(trained, old, torch.zeros_like(old)),
+        prox_logprobs=torch.where(trained, prox, torch.zeros_like(prox)),
         blocks=blocks,
         origin=origin,
         **{k: torch.cat(v) for k, v in wcols.items()},
