@@ -29,7 +29,10 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import functools
+import logging
 import os
+import signal
+import sys
 import threading
 from collections.abc import Callable, Coroutine, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -79,6 +82,12 @@ def start_ray_early(cfg: Config) -> None:
     global _early_start
     if _early_start is not None:
         return
+    if threading.current_thread() is threading.main_thread():
+        # What ray.init does in the main thread, and skips (with a warning, dropped here)
+        # in ours: a SIGTERM exits through sys.exit, so the run's shutdown code still runs.
+        signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(signum))
+        logging.getLogger("ray._private.worker").addFilter(
+            lambda record: "SIGTERM handler is not set" not in record.getMessage())
     future: concurrent.futures.Future[None] = concurrent.futures.Future()
 
     def run() -> None:
