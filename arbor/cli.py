@@ -124,6 +124,10 @@ def main(argv: list[str] | None = None) -> int:
     args.overrides += extra
     try:
         cfg = load_config(args.config, args.overrides)
+        if args.command == "train" and not args.dry_run:
+            from arbor.run.orchestration import start_ray_early
+
+            start_ray_early(cfg)  # Ray comes up while the checks, imports and data load run
         check_extensions(cfg)
         if args.command in ("train", "eval") and not args.dry_run:  # --dry-run reads no model
             check_model_context(cfg, args.command)

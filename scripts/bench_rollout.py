@@ -4,6 +4,7 @@
         [--max-depth 8] [--prompts 16] [--repeats 3] [--hidden 512] [--layers 4]
         [--heads 8] [--kv-heads 1] [--intermediate 2752] [--threads 1]
         [--engine embedded|sglang] [--model PATH] [--device cpu|cuda] [--dtype bfloat16]
+        [--batching across_trees|per_tree]
 
 Starts ``python -m arbor.engines.embedded.server`` (through the launcher) on a random Qwen2 model
 built into a temp dir by ``tests/tiny_model.py`` — or, with ``--engine sglang`` on a GPU
@@ -21,11 +22,16 @@ each batch, a new seed per repeat):
   sample w independent answers (one prefill, one continuous-batching run, no round
   barriers), which is what TreePO's "+40% trajectories/s" is measured against.
 
+The sampler batches each round's paths: ``--batching across_trees`` (the default, as
+training runs) sends the rounds that all trees submit together as one ``/generate``;
+``per_tree`` sends one per round of each tree. Run it both ways to compare.
+
 Both stop on EOS. Reported per mode: trajectories/s (leaves / wall time), tokens/s
 (response tokens per trajectory summed over trajectories, i.e. linearised, / s),
 tokens computed (prefill + decode = Σ prompt − cached + generated, summed over
 outputs), the cached-token ratio (cached / prompt tokens), and the embedded server's
-decode steps and rows per step (round barriers show up as extra steps). Ends with
+decode steps and rows per step (round barriers show up as extra steps), the paths sent
+and the ``/generate`` calls they went out in (``calls/batch``, ``paths/call``). Ends with
 ``RESULT trajps_ratio=<tree/independent trajectories/s> compute_ratio=<independent/tree
 tokens computed> cpu_trajps_ratio=<the same per server CPU second, embedded only>``.
 Timings are noisy on a shared machine: compare the two modes of one run only.
@@ -87,7 +93,9 @@ class Totals:
     generated: int = 0  # unique tokens sampled (each tree node once)
     prompt_tokens: int = 0
     cached_tokens: int = 0
-    requests: int = 0
+    paths: int = 0  # requests the sampler made (one per path and round)
+    calls: int = 0  # /generate calls they went out in
+    batches: int = 0
     decode_steps: int = 0  # the server's batched decode forwards
     row_steps: int = 0  # rows summed over those forwards
     rounds: list[int] = field(default_factory=list)
@@ -113,7 +121,8 @@ class Totals:
             f"computed={self.computed:7d} (prefill {self.prompt_tokens - self.cached_tokens}, "
             f"decode {self.generated}) cached_ratio={self.cached_tokens / self.prompt_tokens:.3f} "
             f"trajectories={self.trajectories} mean_len={self.linear_tokens / self.trajectories:.1f} "
-            f"requests={self.requests} {self.engine_counters()} seconds={self.seconds:.2f} "
+            f"paths={self.paths} calls={self.calls} calls/batch={self.calls / self.batches:.1f} "
+            f"paths/call={self.paths / max(self.calls, 1):.1f} {self.engine_counters()} seconds={self.seconds:.2f} "
             f"endings={self.reasons}"
         )
 
@@ -145,17 +154,23 @@ async def one_batch(
     eos_ids: list[int],
     seed: int,
     into: Totals,
+    across_trees: bool = True,
 ) -> None:
     """One batch of ``cfg.mode`` over ``prompts``, added to ``into``; ``pid``: the server
-    process whose CPU time is counted (None: not counted)."""
+    process whose CPU time is counted (None: not counted); ``across_trees``: the sampler's
+    batching (one call per round of all trees, or of each tree)."""
     async with SGLangClient([url]) as client:
         await client.flush_cache()  # both modes start cold
         counters = server_counters(url)
         start, cpu = time.perf_counter(), cpu_seconds(pid) if pid else 0.0
+        calls = client.generate_calls
         trees, stats = await sample_trees(
-            client, [None] * len(prompts), prompts, cfg, eos_token_ids=eos_ids, seed=seed
+            client, [None] * len(prompts), prompts, cfg, eos_token_ids=eos_ids, seed=seed,
+            across_trees=across_trees,
         )
         into.seconds += time.perf_counter() - start
+        into.calls += client.generate_calls - calls
+        into.batches += 1
         into.server_cpu += cpu_seconds(pid) - cpu if pid else 0.0
     after = server_counters(url)
     if counters and after:
@@ -167,7 +182,7 @@ async def one_batch(
         into.generated += s.tokens_generated
         into.prompt_tokens += s.prompt_tokens
         into.cached_tokens += s.cached_tokens
-        into.requests += s.requests
+        into.paths += s.requests
         into.rounds.append(s.rounds)
         for reason, count in s.finish_reasons.items():
             into.reasons[reason] = into.reasons.get(reason, 0) + count
@@ -197,6 +212,8 @@ def main() -> None:
     parser.add_argument("--device", default="cpu", help="the embedded engine's device")
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
                         help="the engine's dtype (default: bfloat16 on cuda, else the server's float32)")
+    parser.add_argument("--batching", choices=["across_trees", "per_tree"], default="across_trees",
+                        help="one /generate per round of all trees, or of each tree")
     args = parser.parse_args()
 
     common = dict(
@@ -252,15 +269,16 @@ def main() -> None:
             print(
                 f"{args.engine} {url}: {described}, {args.threads} thread(s); {args.prompts} "
                 f"prompts of {args.prompt_tokens} tokens, width {args.width}, branch "
-                f"{args.branch}, {args.max_depth} x {args.segment_tokens} tokens",
+                f"{args.branch}, {args.max_depth} x {args.segment_tokens} tokens, batching {args.batching}",
                 flush=True,
             )
             # Warm-up, not timed: one full batch of each mode. The first steps at each new
             # batch shape are slow (allocator growth, oneDNN kernel selection), and tree
             # sampling meets many more shapes (rows 4, 8, 16, ... per step) than one n = w
             # request; a training run amortises these over thousands of steps.
+            across = args.batching == "across_trees"
             for cfg in (tree_cfg, indep_cfg):
-                asyncio.run(one_batch(url, pid, cfg, prompts, eos_ids, 10_000, Totals()))
+                asyncio.run(one_batch(url, pid, cfg, prompts, eos_ids, 10_000, Totals(), across))
             tree, indep = Totals(), Totals()
             for repeat in range(args.repeats):
                 before = [(t.seconds, t.trajectories) for t in (tree, indep)]
@@ -268,7 +286,7 @@ def main() -> None:
                 if repeat % 2:  # alternate which mode goes first
                     order.reverse()
                 for cfg, totals in order:
-                    asyncio.run(one_batch(url, pid, cfg, prompts, eos_ids, repeat, totals))
+                    asyncio.run(one_batch(url, pid, cfg, prompts, eos_ids, repeat, totals, across))
                 (tree_s, tree_n), (indep_s, indep_n) = (
                     (t.seconds - s0, t.trajectories - n0)
                     for t, (s0, n0) in zip((tree, indep), before)

@@ -11,7 +11,8 @@ and then sends one rollout request (a prompt of the training set, 1 new token), 
 - ``imports``: ``arbor.cli`` and ``arbor.run.trainer`` (torch, transformers, Ray, ...);
 - ``config``: loading the config, resolving rewards/agents, the model's context check;
 - the phases ``start_run`` times itself (``tokenizer``, ``data``, ``metrics``, ``rewards``,
-  ``ray``, ``placement``, ``engines``, ``learners``; engines and learners may overlap);
+  ``ray``, ``placement``, ``engines``, ``learners``; engines and learners may overlap;
+  ``ray`` is what remains of Ray's start, begun in the background right after the config);
 - ``first_request``: the first ``/generate`` round trip.
 
 ``startup_s`` is process start to the moment the first request is sent. The run's output
@@ -59,8 +60,10 @@ def profile_once(config: str, overrides: list[str]) -> dict[str, float]:
         from arbor.cli import check_extensions, check_model_context
         from arbor.config import load_config
         from arbor.run.context import start_run
+        from arbor.run.orchestration import start_ray_early
     with clock.phase("config"):
         cfg = load_config(config, overrides)
+        start_ray_early(cfg)  # as `arbor train` does: Ray starts while the rest runs
         check_extensions(cfg)
         check_model_context(cfg, "train")
     with clock.phase("imports_trainer"):

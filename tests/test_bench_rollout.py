@@ -18,14 +18,19 @@ def test_bench_rollout_runs_both_modes_and_ends_with_its_result_line():
     assert run.returncode == 0, run.stderr[-3000:]
     out = run.stdout
     assert len(re.findall(r"^repeat \d: tree [\d.]+s, independent [\d.]+s, trajectories/s ratio [\d.]+$", out, re.M)) == 2
-    tree = re.search(r"^tree .*trajectories=(\d+) .*requests=(\d+) decode_steps=(\d+)", out, re.M)
-    indep = re.search(r"^independent .*trajectories=(\d+) .*requests=(\d+) decode_steps=(\d+)", out, re.M)
+    pattern = r".*trajectories=(\d+) .*paths=(\d+) calls=(\d+) calls/batch=([\d.]+) paths/call=[\d.]+ decode_steps=(\d+)"
+    tree = re.search("^tree " + pattern, out, re.M)
+    indep = re.search("^independent " + pattern, out, re.M)
     assert tree and indep, out
     # Both modes made width leaves for every prompt in every repeat; the tree took one
     # request per path and round, the baseline one request per prompt.
     assert int(tree[1]) == int(indep[1]) == 2 * 2 * 4
     assert int(indep[2]) == 2 * 2 and int(tree[2]) > int(indep[2])
-    assert int(tree[3]) > 0 and int(indep[3]) > 0
+    # Batched across trees: the baseline's one round is one call per batch, plus the
+    # prompts committed before their forks; the tree's 3 rounds at most 3 calls more.
+    assert int(indep[3]) == 2 * 2 and float(indep[4]) == 2.0
+    assert 2 * 2 < int(tree[3]) <= 2 * (3 + 2) and int(tree[3]) < int(tree[2])
+    assert int(tree[5]) > 0 and int(indep[5]) > 0
     result = re.search(r"^RESULT trajps_ratio=([\d.]+) compute_ratio=([\d.]+) cpu_trajps_ratio=([\d.]+)$", out, re.M)
     assert result, out
     assert float(result[2]) > 1.0  # the tree computes fewer tokens than the baseline

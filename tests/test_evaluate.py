@@ -152,6 +152,27 @@ def test_greedy_eval_is_one_answer_at_temperature_zero(rewards):
     assert {r.sampling.max_new_tokens for r in engine.requests} == {cfg.rollout.max_response_tokens}
 
 
+class BatchingEngine(ScriptedEngine):
+    """The scripted answers through a batch call, as the HTTP client sends a batched ``/generate``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.batches: list[int] = []  # requests per batch call
+
+    async def generate_many(self, requests: list[GenerateRequest]) -> list[list[GenerateOutput]]:
+        self.batches.append(len(requests))
+        return [await self.generate(r) for r in requests]
+
+
+def test_an_eval_is_one_batch_of_every_problem(rewards):
+    cfg = load_config(None, ["model.chat_template=false"])  # greedy: one answer per problem
+    engine, tok = BatchingEngine(), CharTokenizer()
+    prompts = [tok(p["prompt"])["input_ids"] for p in PROBLEMS]
+    report = run_eval(engine, rewards, PROBLEMS, prompts, cfg.eval, cfg.rollout, decode=tok.decode)
+    assert engine.batches == [len(PROBLEMS)]  # one call: the engine batches every problem at once
+    assert report.metrics["eval/accuracy"] == 3 / 4  # the same answers as one request each
+
+
 def test_the_trainers_eval_phase_logs_the_same_metrics(rewards):
     cfg = eval_config("eval.max_problems=3")
     statuses: list[str] = []

@@ -185,3 +185,33 @@ def test_zero3_two_ranks_match_single_process(tmp_path, limit, chunk, tied):
         update = torch.load(out + str(rank))
         for name, p in reference.named_parameters():
             torch.testing.assert_close(update[name], p.grad, rtol=1e-4, atol=1e-7)
+
+
+UNCOMPILED_SCRIPT = """
+import os, sys
+sys.path.insert(0, {tests!r})
+from test_learner import config
+from arbor.train.learner import Learner
+
+cfg = config({path!r}, "learner.backend=deepspeed", "learner.zero_stage=3")
+Learner(cfg.model, cfg.learner, cfg.optim, cfg.loss, total_steps=10)
+print("muon", "deepspeed.runtime.zero.muon.original_muon" in sys.modules)
+print("inductor", "torch._inductor.compile_fx" in sys.modules)
+print("env", os.environ.get("TORCHDYNAMO_DISABLE"))
+"""
+
+
+def test_a_deepspeed_rank_starts_without_compiling_deepspeeds_muon_kernels(tmp_path):
+    """DeepSpeed's ZeRO optimizers import its Muon kernels, which torch.compile themselves at
+    import (loading TorchInductor: seconds of a rank's start-up); the learner imports them with
+    TorchDynamo off, and leaves TorchDynamo as it found it."""
+    script = tmp_path / "rank.py"
+    script.write_text(UNCOMPILED_SCRIPT.format(tests=str(Path(__file__).parent),
+                                               path=str(tiny_model_dir(tmp_path / "m"))))
+    env = dict(os.environ, RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+               MASTER_PORT=str(free_port()), OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu")
+    env.pop("TORCHDYNAMO_DISABLE", None)
+    done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    lines = done.stdout.splitlines()
+    assert "muon True" in lines and "inductor False" in lines and "env None" in lines, done.stdout[-2000:]

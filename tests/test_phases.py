@@ -20,7 +20,8 @@ def test_rollout_metrics_by_hand():
     a, b = tree([1.0, 0.0]), tree([0.0, 0.0])
     stats = [SampleStats(leaves=2, rounds=3, fallbacks=2, root_restarts=0, tokens_generated=4),
              SampleStats(leaves=2, rounds=5, fallbacks=0, root_restarts=1, tokens_generated=4)]
-    batch = Batch(trees=[a], sampled=[a, b], stats=stats, correct=[True, False, False, False], rounds=2)
+    batch = Batch(trees=[a], sampled=[a, b], stats=stats, correct=[True, False, False, False], rounds=2,
+                  requests=9)
     m = rollout_metrics(batch)
     assert m["reward/mean"] == pytest.approx(0.25)
     assert m["reward/accuracy"] == pytest.approx(0.25)
@@ -28,6 +29,7 @@ def test_rollout_metrics_by_hand():
     assert m["rollout/fallbacks"] == 2 and m["rollout/root_restarts"] == 1
     assert m["rollout/rounds_per_tree"] == pytest.approx(4.0)
     assert m["rollout/tokens_generated"] == 8
+    assert m["rollout/requests"] == 9
     assert m["response/length_mean"] == pytest.approx(3.0)  # 2 + 1 response tokens per leaf
     # Each tree: 2 leaves of 5 tokens linearised (10) over 6 unique (prompt 2, stem 2, 1 + 1).
     assert m["tree/sharing_ratio"] == pytest.approx(10 / 6)

@@ -126,3 +126,37 @@ def test_independent_mode_against_server(server):
     for tree in trees:
         assert len(tree.leaves()) == 4 and all(leaf.depth == 1 for leaf in tree.leaves())
         assert all(len(leaf.token_ids) <= 12 for leaf in tree.leaves())
+
+
+def test_batched_rounds_sample_the_same_trees_in_fewer_requests(server):
+    """One call per request, one per round of a tree, one per round of all trees: the
+    same seeded trees (tokens exactly, logprobs to float noise), ever fewer /generate calls."""
+    prompts = [PROMPTS[i % 2][: 5 + i] for i in range(4)]
+    problems = [{"id": str(i)} for i in range(4)]
+
+    def run(mode: str) -> tuple[list[RolloutTree], int]:
+        async def main():
+            async with SGLangClient([server[0]], max_retries=1) as client:
+                await client.flush_cache()
+                engine = Recorder(client) if mode == "unbatched" else client
+                before = client.generate_calls
+                trees, _ = await sample_trees(engine, problems, prompts, CFG, eos_token_ids=[0], seed=3,
+                                              across_trees=mode == "across_trees")
+                return trees, client.generate_calls - before
+        return asyncio.run(main())
+
+    single, single_calls = run("unbatched")
+    per_tree, per_tree_calls = run("per_tree")
+    across, across_calls = run("across_trees")
+    assert dump(single) == dump(per_tree) == dump(across)
+    for trees in (per_tree, across):
+        for a, b in zip(single, trees):
+            for x, y in zip(a.nodes(), b.nodes()):
+                assert all(math.isclose(p, q, abs_tol=1e-5) for p, q in zip(x.logprobs, y.logprobs))
+    paths = sum(len(list(t.nodes())) - 1 for t in single)  # every node but the roots was sampled once...
+    assert single_calls <= paths  # ...and forks of one path shared a request
+    rounds = max(len({n.depth for n in t.nodes()}) - 1 for t in single)  # rounds of the deepest tree
+    assert across_calls < per_tree_calls < single_calls  # here 5 < 20 < 41
+    # Across trees: one call per round (trees in step), plus the root prompts committed
+    # before their forks; a fallback round may fall out of step once.
+    assert across_calls <= 2 * rounds + 1, (across_calls, rounds)

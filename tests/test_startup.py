@@ -109,3 +109,27 @@ def test_an_engine_that_fails_while_learners_start_stops_everything_naming_it(ru
     assert actor_processes() == []
     # The placement group is gone: every CPU is free again for the next run.
     assert ray.available_resources().get("CPU") == ray.cluster_resources().get("CPU")
+
+
+def test_ray_started_early_is_awaited_and_outlives_the_thread_that_started_it(tmp_path):
+    """`arbor train` starts Ray in a thread while it reads the model and data; start_ray then
+    waits for it. Ray's processes die with the thread that spawned them (PR_SET_PDEATHSIG), so
+    that thread must live on: the GCS and raylet are still running after it started them."""
+    import ray
+
+    from arbor.run import orchestration
+
+    cfg = load_config(TESTS.parent / "configs" / "quickstart.yaml",
+                      [f"run.output_dir={tmp_path}"])
+    ray.shutdown()
+    try:
+        orchestration.start_ray_early(cfg)
+        orchestration.start_ray(cfg.ray, needs_cpus=orchestration.ray_cpus(cfg))
+        assert ray.is_initialized() and orchestration._early_start is None
+        time.sleep(1.0)  # a killed GCS / raylet would have exited by now
+        node = ray._private.worker._global_node
+        for kind in ("gcs_server", "raylet"):
+            assert all(p.process.poll() is None for p in node.all_processes[kind]), kind
+        assert ray.get(ray.remote(lambda: 6 * 7).remote()) == 42
+    finally:
+        ray.shutdown()

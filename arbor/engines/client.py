@@ -112,6 +112,8 @@ class SGLangClient:
         self._session: aiohttp.ClientSession | None = None
         self._semaphore: asyncio.Semaphore | None = None
         self.prefixes = CachedPrefixes()
+        # /generate calls sent (a batch is one; retries are not counted): rollout/requests.
+        self.generate_calls = 0
         api_key = api_key or os.environ.get(API_KEY_ENV)
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
@@ -387,6 +389,7 @@ class SGLangClient:
     ) -> Any:
         """One HTTP call with retries; returns the decoded JSON (or text) body."""
         retries = self.max_retries if retries is None else retries
+        self.generate_calls += path == "/generate"
         loop = asyncio.get_running_loop()
         if self._loop is not loop:
             self._loop, self._session = loop, None

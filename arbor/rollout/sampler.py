@@ -6,9 +6,11 @@
     stats[0].shortfall_reason    # None, or why that tree has fewer
 
 Each tree runs its own loop of rounds (trees run concurrently, so a slow tree never
-holds up another); a round sends one request per active path, with ``n`` = the copies
+holds up another); a round has one request per active path, with ``n`` = the copies
 that path forks into, so the server's radix cache computes the shared prefix once. All
 requests of a tree carry ``affinity_key = "tree-<index>"`` so they reach one server.
+The rounds that trees submit together go out as one batched call per server
+(:mod:`arbor.rollout.batching`; ``across_trees=False``: one call per round of a tree).
 
 What it does, against paper Algorithm 1 and the reference code (github
 multimodal-art-projection/TreePO at b86ce51, ``vllm_rollout_spmd.py``, cited "spmd:LINE";
@@ -65,6 +67,7 @@ from typing import Any
 from arbor.config import RolloutConfig
 from arbor.engines.types import GenerateOutput, GenerateRequest, RolloutEngine, SamplingParams
 from arbor.rollout.agents import Agent, Message
+from arbor.rollout.batching import RoundBatcher
 from arbor.rollout.budget import (
     assign_branches,
     fallback_copies,
@@ -95,7 +98,7 @@ class SampleStats:
     """What sampling one tree cost, and why it has fewer than ``width`` leaves if so."""
 
     leaves: int = 0
-    requests: int = 0
+    requests: int = 0  # paths sent (one request each; the rounds go out batched)
     rounds: int = 0
     tokens_generated: int = 0  # Σ output tokens
     prompt_tokens: int = 0  # Σ over outputs of their input length
@@ -136,8 +139,12 @@ async def sample_trees(
     agent: Agent | None = None,
     render: Callable[[list[Message]], list[int]] | None = None,
     is_stale: Callable[[str], bool] | None = None,
+    across_trees: bool = True,
 ) -> tuple[list[RolloutTree], list[SampleStats]]:
     """One tree per prompt, sampled concurrently; returns ``(trees, stats)`` in prompt order.
+
+    ``across_trees``: the rounds trees submit together share one engine call (the default:
+    fewest calls); False: each round of each tree is its own call. The trees are the same.
 
     ``is_stale(weight_version)`` (partial rollouts, ``engine.partial_rollouts``): whether a
     segment that comes back sampled by that version was overtaken by a weight update while
@@ -166,9 +173,11 @@ async def sample_trees(
     if cfg.mode not in ("tree", "independent"):
         raise ValueError(f"rollout.mode must be 'tree' or 'independent', got {cfg.mode!r}")
 
+    batcher = RoundBatcher(engine, across_trees=across_trees)
+
     async def one(index: int) -> tuple[RolloutTree, SampleStats]:
         sampler = _TreeSampler(
-            engine, cfg, index, list(eos_token_ids), seed, is_final_answer, decode, agent, render, is_stale
+            batcher, cfg, index, list(eos_token_ids), seed, is_final_answer, decode, agent, render, is_stale
         )
         tree = RolloutTree(list(prompts[index]), problems[index])
         stats = await sampler.run(tree)
@@ -190,7 +199,7 @@ class _TreeSampler:
 
     def __init__(
         self,
-        engine: RolloutEngine,
+        batcher: RoundBatcher,
         cfg: RolloutConfig,
         index: int,
         stop_ids: list[int],
@@ -201,7 +210,7 @@ class _TreeSampler:
         render: Callable[[list[Message]], list[int]] | None = None,
         is_stale: Callable[[str], bool] | None = None,
     ) -> None:
-        self.engine, self.cfg, self.index = engine, cfg, index
+        self.batcher, self.cfg, self.index = batcher, cfg, index
         self.is_stale = is_stale
         self.agent, self.render = agent, render
         self.tool_messages: dict[int, list[Message]] = {}  # tool node id → the agent's messages
@@ -278,7 +287,7 @@ class _TreeSampler:
             )
             input_ids = tree.prompt_ids + _response_upto(tree, path.node)
             requests.append(GenerateRequest(input_ids, sampling, f"tree-{self.index}"))
-        results = await _generate_all(self.engine, requests)
+        results = await self.batcher.generate(requests)
         if self.is_stale is not None:
             results = await self._resample_stale(tree, requests, results)
         self.stats.rounds += 1
@@ -326,7 +335,7 @@ class _TreeSampler:
             if round_ == MAX_RESAMPLE_ROUNDS:
                 break
             self.stats.resampled += sum(requests[i].sampling.n for i in stale)
-            again = await _generate_all(self.engine, [requests[i] for i in stale])
+            again = await self.batcher.generate([requests[i] for i in stale])
             for i, outs in zip(stale, again):
                 results[i] = outs
         versions = sorted({o.weight_version for i in stale for o in results[i]})
@@ -525,11 +534,3 @@ def _reasons(tree: RolloutTree) -> str:
         counts[leaf.finish_reason or "?"] = counts.get(leaf.finish_reason or "?", 0) + 1
     return ", ".join(f"{k}: {v}" for k, v in sorted(counts.items())) or "no leaves"
 
-
-async def _generate_all(engine: RolloutEngine, requests: list[GenerateRequest]) -> list[list[GenerateOutput]]:
-    """A round's requests, through the engine's batch call when it has one (the HTTP
-    client sends the round as one ``/generate``), else one call each, concurrently."""
-    many = getattr(engine, "generate_many", None)
-    if many is not None:
-        return await many(requests)
-    return list(await asyncio.gather(*(engine.generate(r) for r in requests)))

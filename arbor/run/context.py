@@ -26,7 +26,14 @@ from arbor.rollout.agents import fitting_problems, rollout_agent
 from arbor.rollout.rewards import RewardPool
 from arbor.run import checkpoint
 from arbor.run.metrics import MetricsLog
-from arbor.run.orchestration import EngineGroup, LearnerGroup, Placement, start_groups, start_ray
+from arbor.run.orchestration import (
+    EngineGroup,
+    LearnerGroup,
+    Placement,
+    ray_cpus,
+    start_groups,
+    start_ray,
+)
 from arbor.run.phases import Sampling
 from arbor.run.recovery import EngineRecovery
 from arbor.run.startup import StartupClock
@@ -180,7 +187,7 @@ def _start(cfg: Config, closers: list[Callable[[], Any]], clock: StartupClock) -
         closers.append(rewards.close)
     log.status("starting Ray, engines and learner ranks…")
     with clock.phase("ray"):
-        start_ray(cfg.ray, needs_cpus=cfg.learner.num_ranks + cfg.engine.num_engines)
+        start_ray(cfg.ray, needs_cpus=ray_cpus(cfg))
     with clock.phase("placement"):
         placement = Placement(cfg)
         closers.append(placement.remove)

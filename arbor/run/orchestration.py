@@ -27,8 +27,13 @@ training). ``ray.address: auto`` joins a cluster started with ``ray start``.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import functools
+import logging
 import os
+import signal
+import sys
+import threading
 from collections.abc import Callable, Coroutine, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -58,6 +63,47 @@ def uses_gpu(cfg: Config) -> bool:
 
 
 _started_here = False  # whether the running Ray instance is a local one start_ray made
+_early_start: concurrent.futures.Future[None] | None = None  # start_ray_early's, until start_ray takes it
+
+
+def ray_cpus(cfg: Config) -> int:
+    """Logical CPUs a run's actors ask Ray for: one per learner rank and engine."""
+    return cfg.learner.num_ranks + cfg.engine.num_engines
+
+
+def start_ray_early(cfg: Config) -> None:
+    """Begin :func:`start_ray` in a background thread; the next ``start_ray`` waits for it.
+
+    ``arbor train`` calls this as soon as the config is read: Ray's processes (GCS, raylet,
+    agents: seconds of start-up) come up while the driver imports torch and transformers,
+    checks the model and loads the tokenizer and data. What the start raised, ``start_ray``
+    raises.
+    """
+    global _early_start
+    if _early_start is not None:
+        return
+    if threading.current_thread() is threading.main_thread():
+        # What ray.init does in the main thread, and skips (with a warning, dropped here)
+        # in ours: a SIGTERM exits through sys.exit, so the run's shutdown code still runs.
+        signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(signum))
+        logging.getLogger("ray._private.worker").addFilter(
+            lambda record: "SIGTERM handler is not set" not in record.getMessage())
+    future: concurrent.futures.Future[None] = concurrent.futures.Future()
+
+    def run() -> None:
+        try:
+            _start_ray(cfg.ray, ray_cpus(cfg))
+        except BaseException as exc:  # handed to the start_ray that waits for it
+            future.set_exception(exc)
+        else:
+            future.set_result(None)
+        # Ray's processes die with the *thread* that started them (Linux PR_SET_PDEATHSIG
+        # follows the creating thread): this one must outlive the run. A daemon: it holds
+        # nothing, and a run that stops meanwhile (a config error) does not wait for it.
+        threading.Event().wait()
+
+    _early_start = future
+    threading.Thread(target=run, name="arbor-ray-start", daemon=True).start()
 
 
 def start_ray(ray_cfg: RayConfig, needs_cpus: int) -> None:
@@ -67,6 +113,14 @@ def start_ray(ray_cfg: RayConfig, needs_cpus: int) -> None:
     process) is restarted when arbor started it; one the user started is refused, since
     the placement group would wait for CPUs that never come.
     """
+    global _early_start
+    early, _early_start = _early_start, None
+    if early is not None:
+        early.result()  # the start begun by start_ray_early (re-raises its error)
+    _start_ray(ray_cfg, needs_cpus)
+
+
+def _start_ray(ray_cfg: RayConfig, needs_cpus: int) -> None:
     import ray
 
     global _started_here

@@ -60,6 +60,7 @@ class Batch:
     reward_crashed: int = 0  # checks whose worker died (killed, segfault); scored 0
     reward_failures: list[str] = field(default_factory=list)  # one line per timed-out / crashed check
     rounds: int = 0
+    requests: int = 0  # /generate calls the rollouts sent (batched: one per round of all trees)
 
 
 @dataclass
@@ -118,12 +119,14 @@ def collect_rollouts(
     batch = Batch(trees=[])
     for round_ in range(rounds):
         problems = stream.next_batch(target - len(batch.trees))
+        calls = sampling.client.generate_calls
         with log.phase("rollout"):
             trees, stats = sample(sampling, problems, cfg.rollout, step_seed(cfg.run.seed, step, round_), log.status)
         with log.phase("reward"):
             correct = score_trees(rewards, sampling.decode, trees, batch, log.status)
         batch.sampled += trees
         batch.stats += stats
+        batch.requests += sampling.client.generate_calls - calls
         batch.correct += correct
         batch.rounds = round_ + 1
         batch.trees += dynamic_sampling_filter(trees) if cfg.algorithm.dynamic_sampling else trees
@@ -328,6 +331,7 @@ def rollout_metrics(batch: Batch) -> dict[str, float]:
         "rollout/fallbacks": float(sum(s.fallbacks for s in batch.stats)),
         "rollout/root_restarts": float(sum(s.root_restarts for s in batch.stats)),
         "rollout/rounds_per_tree": sum(s.rounds for s in batch.stats) / max(len(batch.stats), 1),
+        "rollout/requests": float(batch.requests),  # /generate calls (a batch is one)
         "rollout/tokens_generated": float(sum(s.tokens_generated for s in batch.stats)),
         "rollout/tokens_computed": float(computed),
         "rollout/cached_ratio": sum(s.cached_tokens for s in batch.stats) / max(prompt, 1),

@@ -32,6 +32,7 @@ import importlib
 import logging
 import math
 import os
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -193,6 +194,7 @@ class Learner:
             import deepspeed
 
             require_tested_deepspeed("unmanaged gradient accumulation over packs")
+            _import_muon_uncompiled()  # before DeepSpeed imports (and compiles) it
             self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
                 model=policy, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config,
             )
@@ -394,3 +396,27 @@ class Learner:
                 out.update((name, tensor.cpu()) for name, tensor in bucket)
         return out
 
+
+# DeepSpeed 0.19's ZeRO optimizers import its Muon optimizer (to check whether ours is one),
+# and that module torch.compiles its kernels as it is imported, which loads TorchInductor:
+# more than half of a CPU rank's set-up on the quickstart, for kernels arbor never runs
+# (its optimizer is AdamW). Imported first with TorchDynamo off (read at each torch.compile
+# call, so only these decorators see it), the kernels stay plain functions.
+_MUON_MODULE = "deepspeed.runtime.zero.muon.original_muon"
+
+
+def _import_muon_uncompiled() -> None:
+    """Import DeepSpeed's Muon kernels (when it has them) without compiling them."""
+    if _MUON_MODULE in sys.modules:
+        return
+    previous = os.environ.get("TORCHDYNAMO_DISABLE")
+    os.environ["TORCHDYNAMO_DISABLE"] = "1"
+    try:
+        importlib.import_module(_MUON_MODULE)
+    except ImportError:  # a DeepSpeed without Muon: nothing to skip
+        pass
+    finally:
+        if previous is None:
+            del os.environ["TORCHDYNAMO_DISABLE"]
+        else:
+            os.environ["TORCHDYNAMO_DISABLE"] = previous
