@@ -20,7 +20,7 @@ import torch
 
 from arbor.engines.client import SGLangClient, rank_layout
 from arbor.engines.distributed import FlatBuffer, flat_chunks, flatten, unflatten
-from arbor.engines.embedded.server import free_port
+from arbor.engines.ports import free_port
 from arbor.train.weight_sync import (
     WeightSync,
     accepts_flattened_bucket,

@@ -14,7 +14,7 @@ import pytest
 from aiohttp import web
 
 from arbor.engines.client import EngineError, SGLangClient, generate_payload, parse_output
-from arbor.engines.embedded.server import free_port
+from arbor.engines.ports import free_port
 from arbor.engines.types import GenerateRequest, SamplingParams
 
 

@@ -30,7 +30,7 @@ import hashlib
 import itertools
 import os
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import replace
 from typing import Any, TypeVar
 
@@ -548,6 +548,15 @@ def _check_success(result: Any, url: str) -> Any:
     if isinstance(result, dict) and result.get("success") is False:
         raise EngineError(str(result.get("message", "request failed")), url=url)
     return result
+
+
+async def closing(client: Any, coroutine: Coroutine[Any, Any, T]) -> T:
+    """Await ``coroutine``, then close ``client``'s HTTP session (it belongs to this event
+    loop): ``asyncio.run(closing(client, client.flush_cache()))`` from synchronous code."""
+    try:
+        return await coroutine
+    finally:
+        await client.close()
 
 
 def run_sync(

@@ -31,7 +31,6 @@ import atexit
 import importlib.util
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -46,6 +45,7 @@ from typing import Any
 import yaml
 
 from arbor.engines.auth import ADMIN_API_KEY_ENV, API_KEY_ENV
+from arbor.engines.ports import free_port
 
 KINDS = ("auto", "sglang", "embedded", "external")
 
@@ -326,13 +326,6 @@ def _cuda_count() -> int:
     import torch
 
     return torch.cuda.device_count()
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port free on ``host`` now (the OS picks it)."""
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
 
 
 def _signal_group(process: subprocess.Popen, sig: int) -> None:

@@ -264,10 +264,9 @@ def main(cfg: Config) -> int:
     from transformers import AutoTokenizer
 
     from arbor.data import load_problems, stop_token_ids
-    from arbor.engines.client import SGLangClient
+    from arbor.engines.client import SGLangClient, closing
     from arbor.plugins import default_search_dirs
     from arbor.rollout.agents import episode_inputs, fitting_problems, rollout_agent
-    from arbor.run.orchestration import closing
 
     e = cfg.eval
     path = e.path or cfg.data.eval_path

@@ -29,12 +29,13 @@ from __future__ import annotations
 import asyncio
 import functools
 import os
-from collections.abc import Callable, Coroutine, Sequence
-from typing import TYPE_CHECKING, Any, TypeVar
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 from arbor.config import Config, RayConfig
 from arbor.engines.auth import API_KEY_ENV, run_api_key
-from arbor.engines.launch import free_port
+from arbor.engines.client import closing
+from arbor.engines.ports import free_port
 from arbor.run.startup import StartupClock
 
 if TYPE_CHECKING:
@@ -46,7 +47,6 @@ if TYPE_CHECKING:
 
 # Environment every actor needs: no Ray auth token files, CPU DeepSpeed where no CUDA.
 _ACTOR_ENV = ("RAY_AUTH_MODE", "DS_ACCELERATOR", "HF_HUB_OFFLINE", "PYTHONPATH", "TRANSFORMERS_OFFLINE", "PYTHONWARNINGS")
-T = TypeVar("T")
 
 
 def uses_gpu(cfg: Config) -> bool:
@@ -182,14 +182,6 @@ class Placement:
         from ray.util.placement_group import remove_placement_group
 
         remove_placement_group(self.group)
-
-
-async def closing(client: Any, coroutine: Coroutine[Any, Any, T]) -> T:
-    """Await ``coroutine``, then close ``client``'s HTTP session (it belongs to this event loop)."""
-    try:
-        return await coroutine
-    finally:
-        await client.close()
 
 
 def node_address() -> str:

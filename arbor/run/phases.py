@@ -24,12 +24,12 @@ from typing import Any, Protocol, TypeVar
 
 from arbor.config import AlgorithmConfig, Config, DataConfig, EvalConfig, LossConfig, RolloutConfig
 from arbor.data import ProblemStream
-from arbor.engines.client import SGLangClient
+from arbor.engines.client import SGLangClient, closing
 from arbor.rollout.agents import Agent, Render, episode_inputs, tool_turns
 from arbor.rollout.answers import has_final_answer
 from arbor.rollout.rewards import RewardPool, check_failure_fraction, failed_checks
 from arbor.rollout.sampler import SampleStats, sample_trees
-from arbor.run.orchestration import EngineGroup, LearnerGroup, closing
+from arbor.run.orchestration import EngineGroup, LearnerGroup
 from arbor.run.recovery import EngineRecovery
 from arbor.train.advantage import compute_advantages, dynamic_sampling_filter
 from arbor.train.loss import LossStats

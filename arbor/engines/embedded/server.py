@@ -49,7 +49,7 @@ from arbor.engines.auth import (
 )
 from arbor.engines.distributed import DEFAULT_GROUP, WeightUpdateGroup
 from arbor.engines.embedded.engine import EngineReleased, LocalEngine
-from arbor.engines.launch import free_port
+from arbor.engines.ports import free_port
 from arbor.engines.types import GenerateOutput, GenerateRequest, SamplingParams
 
 DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's default
