@@ -14,9 +14,10 @@
 - ``generate_many`` sends a round as one batch per server, forks as seeded items; a
   multi-fork prompt the server has not cached yet is first committed with
   ``max_new_tokens: 0``, so its forks share one prefill (:class:`CachedPrefixes`).
-- ``client.recover = fn``: when a retryable call still fails, ``await fn(url, error)``
-  (the trainer restarts that server and restores its weights) and the call is sent again
-  once; what ``fn`` raises ends the call.
+- ``SGLangClient(urls, recover=fn)``: when a retryable call still fails, ``await fn(url, error)``
+  (a run's engine recovery, which builds its client with it, restarts that server and
+  restores its weights) and the call is sent again once; what ``fn`` raises ends the call.
+- :func:`engine_client` builds the client a run's config describes (timeouts, retries, key).
 - Control calls (weights, cache, memory, health) go to every server; weight pushes run in
   SGLang's sessions (``/begin_weight_update`` ... ``/end_weight_update``).
 - Every request carries ``Authorization: Bearer <api_key>`` (default:
@@ -32,14 +33,19 @@ import os
 import time
 from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import replace
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import aiohttp
 
 from arbor.engines.auth import API_KEY_ENV
 from arbor.engines.types import GenerateOutput, GenerateRequest, SamplingParams
 
+if TYPE_CHECKING:
+    from arbor.config import EngineConfig
+
 T = TypeVar("T")
+# What a client awaits when a server stopped answering: bring it back (or raise).
+Recover = Callable[[str, "EngineError"], Awaitable[None]]
 
 
 class EngineError(RuntimeError):
@@ -94,6 +100,7 @@ class SGLangClient:
         backoff_s: float = 0.5,
         max_concurrency: int = 1024,
         api_key: str | None = None,
+        recover: Recover | None = None,
     ) -> None:
         urls = [urls] if isinstance(urls, str) else list(urls)
         if not urls:
@@ -104,8 +111,8 @@ class SGLangClient:
         self.backoff_s = backoff_s
         self.max_concurrency = max_concurrency
         self._round_robin = itertools.cycle(range(len(self.urls)))
-        # Called when a retryable call to a server kept failing (it died): restart it, or raise.
-        self.recover: Callable[[str, EngineError], Awaitable[None]] | None = None
+        # Awaited when a retryable call to a server kept failing (it died): restart it, or raise.
+        self.recover = recover
         # Both belong to one event loop; a client used from a new loop (e.g. a second
         # asyncio.run) makes new ones.
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -548,6 +555,13 @@ def _check_success(result: Any, url: str) -> Any:
     if isinstance(result, dict) and result.get("success") is False:
         raise EngineError(str(result.get("message", "request failed")), url=url)
     return result
+
+
+def engine_client(engine_cfg: EngineConfig, urls: list[str], *, recover: Recover | None = None) -> SGLangClient:
+    """The client for a run's engines: ``engine.request_timeout_s``, ``engine.max_retries``
+    and the run's key (``engine.api_key``, settled at start-up: :func:`arbor.run.startup.settled`)."""
+    return SGLangClient(urls, timeout_s=engine_cfg.request_timeout_s, max_retries=engine_cfg.max_retries,
+                        api_key=engine_cfg.api_key, recover=recover)
 
 
 async def closing(client: Any, coroutine: Coroutine[Any, Any, T]) -> T:

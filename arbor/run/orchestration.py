@@ -33,7 +33,6 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from arbor.config import Config, RayConfig
-from arbor.engines.auth import API_KEY_ENV, run_api_key
 from arbor.engines.client import closing
 from arbor.engines.ports import free_port
 from arbor.run.startup import StartupClock
@@ -274,23 +273,21 @@ class LearnerWorker:
         """An engine of the weight-update group was restarted (outside it now): the engines
         still in it (``alive_urls``) leave it, and the next push opens a new group with all."""
         if self.sync is not None:  # only rank 0 holds one, after its first push
-            from arbor.engines.client import run_sync
+            from arbor.engines.client import engine_client
 
             group = self.sync.group_name
             if group is not None and alive_urls:
-                run_sync(lambda client: client.destroy_weights_update_group(group), alive_urls,
-                         api_key=self.cfg.engine.api_key)
+                client = engine_client(self.cfg.engine, alive_urls)
+                asyncio.run(closing(client, client.destroy_weights_update_group(group)))
             self.sync.close_local()
         self.sync = None
 
     def _weight_sync(self, urls: list[str]) -> Any:
         if self.sync is None or self.sync.client.urls != [u.rstrip("/") for u in urls]:
-            from arbor.engines.client import SGLangClient
+            from arbor.engines.client import engine_client
             from arbor.train.weight_sync import WeightSync
 
-            client = SGLangClient(urls, timeout_s=self.cfg.engine.request_timeout_s,
-                                  max_retries=self.cfg.engine.max_retries, api_key=self.cfg.engine.api_key)
-            self.sync = WeightSync(client, self.cfg.learner.weight_sync, master_address=node_address(),
+            self.sync = WeightSync(engine_client(self.cfg.engine, urls), self.cfg.learner.weight_sync, master_address=node_address(),
                                    export_dir=self.sync_dir)
         return self.sync
 
@@ -489,14 +486,8 @@ class EngineWorker:
             # Ray gives actors one thread; the server has the cores while rollouts run.
             os.environ["OMP_NUM_THREADS"] = str(cpu_threads(cfg, sharers=1))
         host = node_address() if bind_node_address else cfg.engine.host
-        self.handle = launch_engines(
-            cfg.engine.kind, model_path=cfg.model.path, num_engines=1, host=host,
-            dtype=None if cfg.model.dtype == "auto" else cfg.model.dtype,
-            device=None if cfg.learner.device == "auto" else cfg.learner.device,
-            extra_args=engine_args(cfg), log_dir=os.path.join(log_dir, f"engine-{index}"),
-            startup_timeout_s=cfg.engine.startup_timeout_s, gpus_per_engine=cfg.engine.tp_size,
-            api_key=cfg.engine.api_key,
-        )
+        self.handle = launch_engines(**launch_options(cfg), num_engines=1, host=host,
+                                     log_dir=os.path.join(log_dir, f"engine-{index}"))
         self.startup_timeout_s = cfg.engine.startup_timeout_s
 
     def urls(self) -> list[str]:
@@ -527,12 +518,26 @@ def _not_started(index: int, e: Exception) -> Exception:
     return EngineLaunchError(f"engine {index} did not start: {reason}")
 
 
-def engine_args(cfg: Config) -> list[str]:
-    """Server flags from the config (the embedded server's cache bound, SGLang's memory)."""
-    from arbor.engines.launch import sglang_available, sglang_flags
+def launch_options(cfg: Config) -> dict[str, Any]:
+    """:func:`~arbor.engines.launch.launch_engines` arguments from a settled config
+    (:func:`~arbor.run.startup.settled`), the same for the run's engine actors and ``arbor eval``;
+    the caller adds how many engines, where, and their log directory."""
+    return dict(
+        kind=cfg.engine.kind, model_path=cfg.model.path, urls=cfg.engine.urls or None,
+        dtype=None if cfg.model.dtype == "auto" else cfg.model.dtype,
+        device=None if cfg.learner.device == "auto" else cfg.learner.device, extra_args=engine_args(cfg),
+        startup_timeout_s=cfg.engine.startup_timeout_s, gpus_per_engine=cfg.engine.tp_size,
+        api_key=cfg.engine.api_key,
+    )
 
-    sglang = cfg.engine.kind == "sglang" or (cfg.engine.kind == "auto" and sglang_available())
-    if sglang:
+
+def engine_args(cfg: Config) -> list[str]:
+    """Server flags from a settled config (the embedded server's cache bound, SGLang's memory)."""
+    from arbor.engines.launch import sglang_flags
+
+    if cfg.engine.kind == "auto":
+        raise ValueError("engine.kind is still auto: settle the config first (arbor.run.startup.settled)")
+    if cfg.engine.kind == "sglang":
         # With model.dtype auto, the learner's (on GPUs its auto is bfloat16); an explicit
         # model.dtype reaches the server as launch_engines(dtype=...).
         dtype = None if cfg.model.dtype != "auto" else cfg.learner.dtype.replace("auto", "bfloat16")
@@ -549,20 +554,14 @@ def engine_args(cfg: Config) -> list[str]:
 class EngineGroup:
     """The run's rollout engines: Ray actors owning servers, or ``engine.urls`` (external).
 
-    Settles the run's engine key first (:func:`~arbor.engines.auth.run_api_key`) into
-    ``cfg.engine.api_key``, which the engine and learner actors receive with ``cfg``, and into
-    this process's ``$ARBOR_ENGINE_API_KEY``, which the driver's clients read (restored at
-    :meth:`shutdown`, so a later run in this process settles its own).
+    ``cfg`` is settled (:func:`~arbor.run.startup.settled`): the actors start the kind and
+    require the key it names.
     """
 
     def __init__(self, cfg: Config, placement: Placement, log_dir: str, wait: bool = True) -> None:
         """Start the engines; with ``wait=False`` return at once and fill ``urls`` in :meth:`started`."""
         import ray
 
-        self._env_key = os.environ.get(API_KEY_ENV)
-        cfg.engine.api_key = run_api_key(cfg.engine.api_key, launch=cfg.engine.kind != "external")
-        if cfg.engine.api_key:
-            os.environ[API_KEY_ENV] = cfg.engine.api_key
         self.workers: list[Any] = []
         self.starting: list[Any] = []  # ref i: engine i's URLs, once its server is healthy
         self.startup_timeout_s = cfg.engine.startup_timeout_s
@@ -598,9 +597,6 @@ class EngineGroup:
     def shutdown(self) -> None:
         import ray
 
-        os.environ.pop(API_KEY_ENV, None)
-        if self._env_key is not None:
-            os.environ[API_KEY_ENV] = self._env_key
         # An engine still starting (a learner rank failed meanwhile) runs shutdown only after its
         # start: wait that long, since killing the actor first would orphan its server process.
         starting = self.starting and ray.wait(self.starting, num_returns=len(self.starting), timeout=0)[1]
