@@ -270,6 +270,11 @@ def test_quickstart_command_runs(tmp_path):
     assert "step 2/2" in done.stdout and "eval acc" in done.stdout
     logged = read_metrics(out)
     assert [m["step"] for m in logged] == [0, 1, 2] and "eval/accuracy" in logged[0]
+    # Step 2 evaluated: its throughput is the training's, over the step's time without the eval.
+    last = logged[2]
+    assert last["time/eval_s"] > 0
+    working = sum(v for k, v in last.items() if k.startswith("time/") and k not in ("time/step_s", "time/eval_s"))
+    assert last["throughput/tokens_per_s"] == pytest.approx(last["rollout/tokens_generated"] / working)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     exported = AutoModelForCausalLM.from_pretrained(out / "hf")  # the HF export loads as a model

@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Mapping
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
@@ -252,9 +252,18 @@ def evaluate(
     return report.metrics
 
 
-def throughput_metrics(batch: Batch, seconds: float) -> dict[str, float]:
-    """Trajectories and generated tokens per second of a step that took ``seconds``."""
-    seconds = seconds or 1e-9
+EVAL_PHASE = "eval"  # the periodic eval's phase name (time/eval_s)
+
+
+def working_seconds(phase_seconds: Mapping[str, float]) -> float:
+    """A step's own time: its timed phases (``time/<phase>_s``) but the periodic eval's,
+    which samples other problems for no update (counted, every eval step's throughput dips)."""
+    return sum(seconds for name, seconds in phase_seconds.items() if name != EVAL_PHASE)
+
+
+def throughput_metrics(batch: Batch, phase_seconds: Mapping[str, float]) -> dict[str, float]:
+    """Trajectories and generated tokens per second of the step's own work (:func:`working_seconds`)."""
+    seconds = working_seconds(phase_seconds) or 1e-9
     leaves = sum(len(t.leaves()) for t in batch.sampled)
     tokens = sum(s.tokens_generated for s in batch.stats)
     return {"throughput/trajectories_per_s": leaves / seconds, "throughput/tokens_per_s": tokens / seconds}

@@ -36,7 +36,7 @@ def train(cfg: Config, after_step: Callable[[RunContext, int, dict], None] | Non
                                              ctx.start_step + 1) as producer:
 
         def evaluate() -> dict[str, float]:
-            with ctx.log.phase("eval"):
+            with ctx.log.phase(phases.EVAL_PHASE):
                 return phases.evaluate(ctx.sampling, ctx.rewards, ctx.eval_problems, cfg.eval, cfg.rollout,
                                        cfg.run.seed, ctx.log.status)
 
@@ -68,9 +68,11 @@ def train(cfg: Config, after_step: Callable[[RunContext, int, dict], None] | Non
             if cfg.run.eval_every and step % cfg.run.eval_every == 0 and ctx.eval_problems:
                 metrics |= evaluate()
             metrics |= ctx.recovery.step_metrics()  # engine/restarts
-            metrics |= phases.throughput_metrics(batch, sum(ctx.log.phases.values()))
+            # Neither counts the periodic eval: throughput is the training's.
+            metrics |= phases.throughput_metrics(batch, ctx.log.phases)
             engine_s = producer.engine_seconds() if producer else ctx.log.phases.get("rollout", 0.0)
-            metrics |= busy_metrics(engine_s, ctx.log.phases.get("train", 0.0), time.perf_counter() - started)
+            wall_s = time.perf_counter() - started - ctx.log.phases.get(phases.EVAL_PHASE, 0.0)
+            metrics |= busy_metrics(engine_s, ctx.log.phases.get("train", 0.0), wall_s)
             history.append(ctx.log.write(step, metrics | ctx.data_metrics))
             if after_step is not None:
                 after_step(ctx, step, history[-1])
