@@ -385,7 +385,7 @@ def _build(cls: type, raw: Any, prefix: str, where: _Where) -> Any:
 def _coerce(value: Any, tp: Any, key: str, where: _Where) -> Any:
     """Check ``value`` against the annotation ``tp``; return it (ints widen to floats)."""
     origin = typing.get_origin(tp)
-    if dataclasses.is_dataclass(tp):
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
         return _build(tp, value, key + ".", where)
     if origin is typing.Union or origin is types.UnionType:
         args = typing.get_args(tp)
@@ -473,8 +473,7 @@ def validate(cfg: Config, where: Callable[[str], str] | None = None) -> None:
     need(0 < r.top_p <= 1, "rollout.top_p", f"must be in (0, 1], got {r.top_p}")
     need(r.top_k == -1 or r.top_k >= 1, "rollout.top_k", f"must be -1 (off) or ≥ 1, got {r.top_k}")
     need(r.branch_temperature > 0, "rollout.branch_temperature", "must be > 0")
-    fork = r.root_fork if isinstance(r.root_fork, list) else [r.root_fork] * 2
-    fork = [r.branch, r.branch] if r.root_fork is None else fork
+    fork = [r.branch] * 2 if r.root_fork is None else r.root_fork if isinstance(r.root_fork, list) else [r.root_fork] * 2
     need(
         len(fork) == 2 and 1 <= fork[0] <= fork[1] <= r.width,
         "rollout.root_fork",

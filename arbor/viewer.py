@@ -24,7 +24,7 @@ import json
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from arbor.tree import Node, RolloutTree
 
@@ -107,7 +107,7 @@ def leaf_advantages(trees: list[RolloutTree]) -> list[list[float] | None]:
     if scored:
         values = compute_advantages([trees[i] for i in scored], "treepo")
         for i, adv in zip(scored, values):
-            out[i] = [float(a) for a in adv]  # treepo: one float per leaf
+            out[i] = [float(a) for a in cast(list[float], adv)]  # treepo: one float per leaf
     return out
 
 
@@ -285,9 +285,8 @@ def render_section(
     """One tree's stats panel and drawing, and the data its JS needs."""
     leaves = tree.leaves()
     rewards = [leaf.reward for leaf in leaves]
-    per_leaf: list[float | None] = list(
-        rewards if color == "reward" else advantages or [None] * len(leaves)
-    )
+    unknown: list[float | None] = [None] * len(leaves)
+    per_leaf: list[float | None] = list(rewards if color == "reward" else advantages or unknown)
     values = node_values(tree, per_leaf)
     fills = {nid: colour(v, *scale) for nid, v in values.items()}
     adv_of = dict(zip((leaf.id for leaf in leaves), advantages or []))

@@ -21,7 +21,7 @@ from arbor.engines.launch import (
 )
 from arbor.engines.ports import free_port
 from arbor.errors import ConfigError
-from arbor.run.orchestration import engine_args
+from arbor.run.engine_group import engine_args
 
 
 def test_auto_starts_embedded_servers_and_shuts_them_down(tmp_path):

@@ -14,7 +14,7 @@ from arbor.config import load_config
 from arbor.engines.auth import API_KEY_ENV
 from arbor.engines.launch import EngineLaunchError, resolve_kind, sglang_available
 from arbor.run.context import start_run
-from arbor.run.orchestration import engine_args
+from arbor.run.engine_group import engine_args
 from arbor.run.startup import StartupClock, settled
 
 TESTS = Path(__file__).resolve().parent
@@ -66,9 +66,11 @@ def test_a_phase_that_raises_is_still_timed_and_an_unfinished_one_is_left_out():
 
 
 def test_importing_orchestration_imports_no_torch_transformers_or_deepspeed():
-    """An engine actor imports arbor.run.orchestration before it launches its server: it must not
-    wait for the learner's libraries first."""
-    code = ("import sys, arbor.run.orchestration, arbor.engines.launch; "
+    """An engine actor imports arbor.run.engine_group (and orchestration) before it launches its
+    server, a learner actor arbor.run.learner_group before it sets up: neither may wait for the
+    learner's libraries first."""
+    code = ("import sys, arbor.run.orchestration, arbor.run.engine_group, arbor.run.learner_group, "
+            "arbor.engines.launch; "
             "print([m for m in ('torch', 'transformers', 'deepspeed') if m in sys.modules])")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          cwd=TESTS.parent).stdout

@@ -207,7 +207,7 @@ def test_a_lost_learner_rank_stops_the_run_naming_it_and_resume_continues(run_in
 
     import ray
 
-    from arbor.run.orchestration import LearnerFailedError
+    from arbor.run.learner_group import LearnerFailedError
 
     root, model, data = run_inputs
     cfg = config(root, model, data, tmp_path / "h", "learner.backend=deepspeed", "learner.zero_stage=3",

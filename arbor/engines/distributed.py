@@ -67,7 +67,7 @@ def open_group(
         [],
         Backend(backend),
         PrefixStore(group_name, store),
-        group_name=group_name,
+        group_name=group_name,  # type: ignore[arg-type]  # torch types it GroupName, a str NewType
         backend_options=None,
         timeout=timeout,
         device_id=None,

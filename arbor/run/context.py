@@ -25,8 +25,10 @@ from arbor.engines.client import SGLangClient
 from arbor.rollout.agents import fitting_problems, rollout_agent
 from arbor.rollout.rewards import RewardPool, reward_pool
 from arbor.run import checkpoint
+from arbor.run.engine_group import EngineGroup
+from arbor.run.learner_group import LearnerGroup
 from arbor.run.metrics import MetricsLog
-from arbor.run.orchestration import EngineGroup, LearnerGroup, Placement, start_groups, start_ray
+from arbor.run.orchestration import Placement, start_groups, start_ray
 from arbor.run.phases import Sampling
 from arbor.run.recovery import EngineRecovery
 from arbor.run.startup import StartupClock, load_tokenizer, settled

@@ -228,7 +228,7 @@ def run_eval(
     ))
     leaves = [(tree, leaf) for tree in trees for leaf in tree.leaves()]
     texts = [decode(tree.response_ids(leaf)) for tree, leaf in leaves]
-    result = rewards.score([(tree.problem, text) for (tree, _), text in zip(leaves, texts)],
+    result = rewards.score([(tree.problem or {}, text) for (tree, _), text in zip(leaves, texts)],
                            lambda d, n: status(f"eval: scored {d}/{n} answers"))
     first_term = next(iter(result.term_scores.values()), result.scores)
     records, at = [], 0
@@ -268,7 +268,7 @@ def main(cfg: Config) -> int:
     from arbor.plugins import default_search_dirs
     from arbor.rollout.agents import episode_inputs, fitting_problems, rollout_agent
     from arbor.rollout.rewards import reward_pool
-    from arbor.run.orchestration import launch_options
+    from arbor.run.engine_group import launch_options
     from arbor.run.startup import load_tokenizer, settled
 
     e = cfg.eval

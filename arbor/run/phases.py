@@ -29,7 +29,8 @@ from arbor.rollout.agents import Agent, Render, episode_inputs, tool_turns
 from arbor.rollout.answers import has_final_answer
 from arbor.rollout.rewards import RewardPool, check_failure_fraction, failed_checks
 from arbor.rollout.sampler import SampleStats, sample_trees
-from arbor.run.orchestration import EngineGroup, LearnerGroup
+from arbor.run.engine_group import EngineGroup
+from arbor.run.learner_group import LearnerGroup
 from arbor.run.recovery import EngineRecovery
 from arbor.train.advantage import compute_advantages, dynamic_sampling_filter
 from arbor.train.loss import LossStats
@@ -154,7 +155,7 @@ def score_trees(
     Timed-out and crashed checks (scored 0) are counted in ``batch`` and warned about by problem id.
     """
     leaves = [(tree, leaf) for tree in trees for leaf in tree.leaves()]
-    items = [(tree.problem, decode(tree.response_ids(leaf))) for tree, leaf in leaves]
+    items = [(tree.problem or {}, decode(tree.response_ids(leaf))) for tree, leaf in leaves]
     result = rewards.score(items, lambda d, n: status(f"rewards: {d}/{n}"))
     for (_, leaf), score in zip(leaves, result.scores):
         leaf.reward = score
@@ -272,7 +273,7 @@ def throughput_metrics(batch: Batch, phase_seconds: Mapping[str, float]) -> dict
 def rollout_metrics(batch: Batch) -> dict[str, float]:
     """Reward, response, tree and rollout-cost metrics of everything sampled this step."""
     leaves = [leaf for tree in batch.sampled for leaf in tree.leaves()]
-    rewards = [leaf.reward for leaf in leaves]
+    rewards = [leaf.reward or 0.0 for leaf in leaves]  # every sampled leaf was scored (score_trees)
     lengths = [leaf.end for leaf in leaves]
     by_tree = {id(tree): tree.stats() for tree in batch.sampled}  # batch.trees ⊆ batch.sampled
     stats = list(by_tree.values())

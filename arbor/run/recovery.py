@@ -10,7 +10,7 @@ request fail; the client then awaits :meth:`EngineRecovery.recover` and sends th
 again. Recovery, once per death whichever request noticed it first:
 
 1. nothing, if the server answers ``/health`` (a hiccup, or another request restarted it);
-2. its :class:`~arbor.run.orchestration.EngineWorker` starts it again (same command and port:
+2. its :class:`~arbor.run.engine_group.EngineWorker` starts it again (same command and port:
    the URL, and so the client's routing of trees to servers, stays as it was);
 3. it gets the run's weights and version: the learners export them (the HF directory
    ``learner.weight_sync: disk`` uses) and the server loads them and flushes its cache. With
@@ -36,7 +36,8 @@ from arbor.config import EngineConfig
 from arbor.engines.client import EngineError, SGLangClient, engine_client, run_sync
 from arbor.engines.launch import EngineLaunchError
 from arbor.run import checkpoint
-from arbor.run.orchestration import EngineGroup, LearnerGroup
+from arbor.run.engine_group import EngineGroup
+from arbor.run.learner_group import LearnerGroup
 
 T = TypeVar("T")
 

@@ -42,7 +42,7 @@ def settled(cfg: Config) -> Config:
 
     kind = resolve_kind(cfg.engine.kind)
     key = run_api_key(cfg.engine.api_key, launch=kind != "external")
-    return replace(cfg, engine=replace(cfg.engine, kind=kind, api_key=key))
+    return replace(cfg, engine=replace(cfg.engine, kind=kind, api_key=key))  # type: ignore[arg-type]  # kind: one of KINDS
 
 
 def load_tokenizer(model_cfg: ModelConfig) -> tuple[Any, list[int]]:

@@ -20,7 +20,7 @@ from arbor.rollout.rewards import RewardFailureError
 from arbor.run import phases
 from arbor.run.async_rollouts import busy_metrics, producer_for
 from arbor.run.context import RunContext, start_run
-from arbor.run.orchestration import LearnerFailedError
+from arbor.run.learner_group import LearnerFailedError
 from arbor.run.recovery import EngineFailedError
 
 

@@ -27,7 +27,7 @@ denominator (:func:`arbor.train.packing.loss_denominator` over the whole batch, 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from transformers import PreTrainedModel
@@ -81,7 +81,7 @@ def pack_loss(
     whatever the model's dtype.
     """
     select = pack.trained.nonzero()[:, 0]
-    scoring = dict(temperature=temperature, chunk_tokens=chunk_tokens)
+    scoring: dict[str, Any] = dict(temperature=temperature, chunk_tokens=chunk_tokens)
     logp, entropy = pack_token_logprobs(model, pack, select, attention, **scoring)
     device, dtype = logp.device, logp.dtype  # float32, or float64 for a float64 model
 
@@ -96,7 +96,7 @@ def pack_loss(
         logp, entropy, field(pack.old_logprobs), ref_logp, field(pack.weight), field(pack.adv_pos),
         field(pack.adv_neg), field(pack.leaf_count), field(pack.n_pos), field(pack.n_neg),
         clip_low=clip_low, clip_high=clip_high, kl_estimator=kl_estimator,
-        **({} if behaviour_cap is None else {"prox_logp": logp.detach(), "behaviour_cap": behaviour_cap}),
+        **({} if behaviour_cap is None else dict[str, Any](prox_logp=logp.detach(), behaviour_cap=behaviour_cap)),
     )
     loss = combine(sums, denominator, kl_coef, entropy_coef)
     sums.stats.loss = float(loss.detach())

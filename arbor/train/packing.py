@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
-from typing import Literal
+from typing import Literal, cast
 
 import torch
 
@@ -81,7 +81,7 @@ class PackedBatch:
 
     def attention_cost(self) -> int:
         """Query-key pairs the tree mask allows: the attention work of this pack."""
-        return sum((b.end - b.start) * (len(b.context) + (b.end - b.start + 1) / 2) for b in self.blocks)
+        return sum((b.end - b.start) * len(b.context) + (b.end - b.start) * (b.end - b.start + 1) // 2 for b in self.blocks)
 
 
 def leaf_weights(tree: RolloutTree, normalize: Normalize) -> list[float]:
@@ -140,7 +140,7 @@ def linearise_trees(
                 tip.finish_reason, tip.weight_version = node.finish_reason, node.weight_version
             tip.reward = leaf.reward
             out_trees.append(chain)
-            out_adv.append([float(a) if isinstance(a, (int, float)) else [float(x) for x in a]])
+            out_adv.append([float(a) if isinstance(a, (int, float)) else [float(x) for x in cast(Sequence[float], a)]])
     return out_trees, out_adv
 
 
@@ -406,15 +406,15 @@ def _serialise(
             for i in range(start, start + n):
                 cols["end"][i] = end_of[node.id]
     old = torch.tensor(cols["old"], dtype=torch.float64)
-    trained = torch.tensor(cols["trained"], dtype=torch.bool)
+    trained_mask = torch.tensor(cols["trained"], dtype=torch.bool)
     return PackedBatch(
         input_ids=torch.tensor(cols["ids"], dtype=torch.long),
         position_ids=torch.tensor(cols["pos"], dtype=torch.long),
         parent=torch.tensor(cols["parent"], dtype=torch.long),
         subtree_end=torch.tensor(cols["end"], dtype=torch.long),
         owned=torch.tensor(cols["owned"], dtype=torch.bool),
-        trained=trained,
-        old_logprobs=torch.where(trained, old, torch.zeros_like(old)),
+        trained=trained_mask,
+        old_logprobs=torch.where(trained_mask, old, torch.zeros_like(old)),
         blocks=blocks,
         origin=origin,
         **{k: torch.cat(v) for k, v in wcols.items()},
