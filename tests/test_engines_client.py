@@ -18,11 +18,10 @@ from arbor.engines.client import (
     EngineError,
     SGLangClient,
     engine_client,
-    generate_payload,
-    parse_output,
 )
 from arbor.engines.ports import free_port
 from arbor.engines.types import GenerateRequest, SamplingParams
+from arbor.engines.wire import generate_payload, parse_output
 
 
 def sglang_item(ids: list[int], cached: int = 0) -> dict:
