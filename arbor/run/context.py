@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 from arbor.config import Config, save_config
 from arbor.data import ProblemStream, load_problems
 from arbor.engines.client import SGLangClient
-from arbor.rollout.agents import fitting_problems, rollout_agent
+from arbor.rollout.agents import Agent, fitting_problems, rollout_agent
 from arbor.rollout.rewards import RewardPool, reward_pool
 from arbor.run import checkpoint
 from arbor.run.engine_group import EngineGroup
@@ -152,22 +152,8 @@ def _start(cfg: Config, closers: list[Callable[[], Any]], clock: StartupClock) -
     with clock.phase("tokenizer"):
         tokenizer, eos_token_ids = load_tokenizer(cfg.model)
     agent = rollout_agent(cfg.rollout, search)  # multi-turn episodes, or None
-    data_metrics: dict[str, float] = {}
-
-    def fitting(problems: list[dict], source: str, metric: str) -> list[dict]:
-        """The problems whose prompt fits data.max_prompt_tokens; the others are counted in ``metric``."""
-        kept, skipped = fitting_problems(problems, agent, tokenizer, cfg.data, cfg.model.chat_template, source)
-        data_metrics[metric] = float(len(skipped))
-        return kept
-
     with clock.phase("data"):
-        problems = fitting(load_problems(cfg.data.train_path, cfg.data), "data.train_path", "data/skipped_long_prompts")
-        stream = ProblemStream(problems, cfg.run.seed, cfg.data.shuffle)
-        eval_problems: list[dict] = []
-        eval_path = cfg.eval.path or cfg.data.eval_path
-        if eval_path and cfg.run.eval_every:
-            eval_problems = fitting(load_problems(eval_path, cfg.data),
-                                    "eval.path" if cfg.eval.path else "data.eval_path", "data/skipped_long_eval_prompts")
+        stream, eval_problems, data_metrics = _load_problems(cfg, agent, tokenizer)
     with clock.phase("metrics"):
         log = MetricsLog(cfg.run, cfg.run.steps)
         closers.append(log.close)
@@ -217,6 +203,27 @@ def _start(cfg: Config, closers: list[Callable[[], Any]], clock: StartupClock) -
         flush=True,
     )
     return ctx
+
+
+def _load_problems(cfg: Config, agent: Agent | None, tokenizer: Any) -> tuple[ProblemStream, list[dict], dict[str, float]]:
+    """The training stream, the eval problems (``eval.path`` or ``data.eval_path``, when
+    ``run.eval_every``) and the start-up's data metrics: problems whose prompt does not fit
+    ``data.max_prompt_tokens`` are skipped, never cut, and counted."""
+    data_metrics: dict[str, float] = {}
+
+    def fitting(problems: list[dict], source: str, metric: str) -> list[dict]:
+        kept, skipped = fitting_problems(problems, agent, tokenizer, cfg.data, cfg.model.chat_template, source)
+        data_metrics[metric] = float(len(skipped))
+        return kept
+
+    problems = fitting(load_problems(cfg.data.train_path, cfg.data), "data.train_path", "data/skipped_long_prompts")
+    stream = ProblemStream(problems, cfg.run.seed, cfg.data.shuffle)
+    eval_problems: list[dict] = []
+    eval_path = cfg.eval.path or cfg.data.eval_path
+    if eval_path and cfg.run.eval_every:
+        eval_problems = fitting(load_problems(eval_path, cfg.data),
+                                "eval.path" if cfg.eval.path else "data.eval_path", "data/skipped_long_eval_prompts")
+    return stream, eval_problems, data_metrics
 
 
 def _close(closers: list[Callable[[], Any]]) -> None:

@@ -332,6 +332,14 @@ def _serialise(
     weights: list[dict[int, _NodeWeights]],
     require_logprobs: bool,
 ) -> PackedBatch:
+    """The parts of one pack as its columns (ids, positions, parent, subtree end, ownership,
+    loss columns), attention blocks and token origins.
+
+    One function of ~90 lines on purpose: a single DFS pass per part fills every column,
+    opens a block wherever a node does not follow its parent's last token and records
+    subtree ends, and these share its running state (``last_of``, ``ancestors``, the block
+    in progress); helpers would pass that state back and forth. ``scripts/bench_packing.py``
+    times it."""
     cols: dict[str, list] = {k: [] for k in ("ids", "pos", "parent", "end", "owned", "trained", "old")}
     wcols: dict[str, list[torch.Tensor]] = {k: [] for k in _NodeWeights.__dataclass_fields__}
     blocks: list[AttentionBlock] = []

@@ -180,7 +180,11 @@ def build_app(
     engine: LocalEngine, tokenizer: Any = None, *, api_key: str | None = None,
     admin_api_key: str | None = None,
 ) -> web.Application:
-    """The HTTP app; requests need the keys given (SGLang's ``--api-key``/``--admin-api-key``)."""
+    """The HTTP app; requests need the keys given (SGLang's ``--api-key``/``--admin-api-key``).
+
+    Long on purpose: one short route per SGLang endpoint, each reading the shared ``state``
+    and wrapped by ``handler``, listed in one place as SGLang's own ``http_server.py`` does;
+    a route is read on its own, never the function as a whole."""
     state = ServerState(engine, tokenizer)
     levels = dict.fromkeys(ADMIN_PATHS, Level.ADMIN_OPTIONAL)
     app = web.Application(client_max_size=1 << 28, middlewares=[middleware(api_key, admin_api_key, levels)])
