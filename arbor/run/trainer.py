@@ -32,8 +32,9 @@ def train(cfg: Config, after_step: Callable[[RunContext, int, dict], None] | Non
     and the loss is the decoupled off-policy objective (``loss.behaviour_cap``).
     """
     history = []
-    with start_run(cfg) as ctx, producer_for(cfg, ctx.sampling, ctx.rewards, ctx.stream,
+    with start_run(cfg) as ctx, producer_for(ctx.cfg, ctx.sampling, ctx.rewards, ctx.stream,
                                              ctx.start_step + 1) as producer:
+        cfg = ctx.cfg  # settled: engine.kind and engine.api_key decided (arbor.run.startup.settled)
 
         def evaluate() -> dict[str, float]:
             with ctx.log.phase(phases.EVAL_PHASE):
