@@ -19,8 +19,7 @@ from __future__ import annotations
 
 import re
 
-from arbor.data import prompt_messages
-from arbor.rollout.tools import ToolPool
+from arbor import ToolPool, prompt_messages
 
 CODE = re.compile(r"```python\n(.*?)```", re.DOTALL)
 INSTRUCTION = (

@@ -13,9 +13,6 @@ Functions receive only the section they need (``cfg.loss``), never the whole con
 from __future__ import annotations
 
 import dataclasses
-import re
-import types
-import typing
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,9 +20,8 @@ from typing import Any, Literal
 
 import yaml
 
+from arbor.config_parse import apply_override, build, read_yaml
 from arbor.errors import ConfigError
-
-_FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
 
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 
@@ -358,167 +354,19 @@ class Config:
     source: str | None = field(default=None, compare=False, repr=False)
 
 
-# -- loading ----------------------------------------------------------------------------
-
-
-class _Where:
-    """Where each key came from, for error messages: ``file:line`` or the override."""
-
-    def __init__(self, path: str | None) -> None:
-        self.path = path or "<defaults>"
-        self.lines: dict[str, int] = {}
-        self.overrides: dict[str, str] = {}
-
-    def __call__(self, key: str) -> str:
-        key = key.split("[")[0] if key not in self.lines else key
-        if key in self.overrides:
-            return f"override {self.overrides[key]!r}"
-        if key in self.lines:
-            return f"{self.path}:{self.lines[key]}"
-        return self.path
-
-
-def _key_lines(node: yaml.Node, prefix: str, out: dict[str, int]) -> None:
-    """Record the 1-based line of every mapping key under ``node`` as ``section.key``."""
-    if isinstance(node, yaml.MappingNode):
-        for key_node, value_node in node.value:
-            key = f"{prefix}{key_node.value}"
-            out[key] = key_node.start_mark.line + 1
-            _key_lines(value_node, key + ".", out)
-    elif isinstance(node, yaml.SequenceNode):
-        for i, item in enumerate(node.value):
-            out[f"{prefix[:-1]}[{i}]"] = item.start_mark.line + 1
-            _key_lines(item, f"{prefix[:-1]}[{i}].", out)
+# -- loading (the YAML reading and type checks: arbor.config_parse) ----------------
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
     """Read ``path`` (YAML), apply ``section.key=value`` overrides, check everything."""
-    where = _Where(None if path is None else str(path))
-    raw: dict[str, Any] = {}
-    if path is not None:
-        try:
-            text = Path(path).read_text()
-        except OSError as e:
-            raise ConfigError(f"cannot read config file {path}: {e.strerror}") from None
-        try:
-            raw = yaml.safe_load(text) or {}
-            node = yaml.compose(text)
-        except yaml.YAMLError as e:
-            raise ConfigError(f"{path}: invalid YAML: {e}") from None
-        if not isinstance(raw, dict):
-            raise ConfigError(f"{path}: the top level must be a mapping of sections")
-        if node is not None:
-            _key_lines(node, "", where.lines)
+    raw, where = read_yaml(path)
     for item in overrides:
-        key = _apply_override(raw, item)
+        key = apply_override(raw, item)
         where.overrides[key] = item
-    cfg = _build(Config, raw, "", where)
+    cfg = build(Config, raw, "", where)
     cfg.source = str(Path(path).resolve()) if path is not None else None
     validate(cfg, where)
     return cfg
-
-
-def _apply_override(raw: dict[str, Any], item: str) -> str:
-    key, sep, value = item.partition("=")
-    if not sep or not key or key.startswith(".") or key.endswith("."):
-        raise ConfigError(f"override {item!r}: expected section.key=value")
-    try:
-        parsed = yaml.safe_load(value) if value.strip() else ""
-    except yaml.YAMLError:
-        parsed = value  # not YAML: keep the string, the type check decides
-    parts = key.split(".")
-    node = raw
-    for i, part in enumerate(parts[:-1]):
-        child = node.setdefault(part, {})
-        if not isinstance(child, dict):
-            raise ConfigError(f"override {item!r}: {'.'.join(parts[: i + 1])} is not a section")
-        node = child
-    node[parts[-1]] = parsed
-    return key
-
-
-def _build(cls: type, raw: Any, prefix: str, where: _Where) -> Any:
-    if not isinstance(raw, dict):
-        raise ConfigError(
-            f"{where(prefix.rstrip('.'))}: {prefix.rstrip('.') or 'config'} must be a mapping, got {_show(raw)}"
-        )
-    hints = typing.get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls) if f.name != "source"}
-    unknown = [k for k in raw if k not in fields]
-    if unknown:
-        key = f"{prefix}{unknown[0]}"
-        raise ConfigError(
-            f"{where(key)}: unknown key '{key}'" + _suggest(str(unknown[0]), list(fields))
-            + f" (allowed in {prefix.rstrip('.') or 'the top level'}: {', '.join(fields)})"
-        )
-    values = {name: _coerce(raw[name], hints[name], f"{prefix}{name}", where) for name in raw}
-    return cls(**values)
-
-
-def _coerce(value: Any, tp: Any, key: str, where: _Where) -> Any:
-    """Check ``value`` against the annotation ``tp``; return it (ints widen to floats)."""
-    origin = typing.get_origin(tp)
-    if dataclasses.is_dataclass(tp):
-        return _build(tp, value, key + ".", where)
-    if origin is typing.Union or origin is types.UnionType:
-        args = typing.get_args(tp)
-        if value is None and type(None) in args:
-            return None
-        errors = []
-        for arg in (a for a in args if a is not type(None)):
-            try:
-                return _coerce(value, arg, key, where)
-            except ConfigError as e:
-                errors.append(e)
-        raise errors[0]
-    if origin is Literal:
-        allowed = typing.get_args(tp)
-        if value not in allowed:
-            raise ConfigError(
-                f"{where(key)}: {key} must be one of {', '.join(map(repr, allowed))}; got {_show(value)}"
-            )
-        return value
-    if origin is dict:
-        if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
-            raise ConfigError(f"{where(key)}: {key} must be a mapping of names to values, got {_show(value)}")
-        return dict(value)  # values are the consumer's to check (e.g. a class's arguments)
-    if origin is list:
-        if not isinstance(value, list):
-            raise ConfigError(f"{where(key)}: {key} must be a list, got {_show(value)}")
-        (item_tp,) = typing.get_args(tp)
-        return [_coerce(v, item_tp, f"{key}[{i}]", where) for i, v in enumerate(value)]
-    if tp is bool:
-        if not isinstance(value, bool):
-            raise ConfigError(f"{where(key)}: {key} must be true or false, got {_show(value)}")
-        return value
-    if tp is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"{where(key)}: {key} must be an integer, got {_show(value)}")
-        return value
-    if tp is float:
-        if isinstance(value, str) and _FLOAT.fullmatch(value.strip()):
-            # PyYAML follows YAML 1.1, where `1e-6` (no dot) is a string, not a number.
-            return float(value)
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError(f"{where(key)}: {key} must be a number, got {_show(value)}")
-        return float(value)
-    if tp is str:
-        if not isinstance(value, str):
-            raise ConfigError(f"{where(key)}: {key} must be a string, got {_show(value)}")
-        return value
-    raise TypeError(f"config field {key} has an unsupported annotation {tp!r}")  # our bug
-
-
-def _show(value: Any) -> str:
-    text = repr(value)
-    return f"{text[:60]}… ({type(value).__name__})" if len(text) > 60 else f"{text} ({type(value).__name__})"
-
-
-def _suggest(name: str, options: list[str]) -> str:
-    import difflib
-
-    close = difflib.get_close_matches(name, options, n=1)
-    return f" (did you mean '{close[0]}'?)" if close else ""
 
 
 # -- validation of values and combinations ------------------------------------------------
@@ -526,6 +374,10 @@ def _suggest(name: str, options: list[str]) -> str:
 
 def validate(cfg: Config, where: Callable[[str], str] | None = None) -> None:
     """Range and cross-field checks; each error names the key(s) involved.
+
+    Long on purpose: one ``need(condition, key, message)`` line per rule, grouped by
+    section, so a key's rules are found by searching for it (a split per section would
+    move every rule that crosses sections into a third place).
 
     ``where(key)`` says where a key came from (``file:line``, an override); without it,
     errors say ``<config>`` (a config built in code).
@@ -546,8 +398,7 @@ def validate(cfg: Config, where: Callable[[str], str] | None = None) -> None:
     need(0 < r.top_p <= 1, "rollout.top_p", f"must be in (0, 1], got {r.top_p}")
     need(r.top_k == -1 or r.top_k >= 1, "rollout.top_k", f"must be -1 (off) or ≥ 1, got {r.top_k}")
     need(r.branch_temperature > 0, "rollout.branch_temperature", "must be > 0")
-    fork = r.root_fork if isinstance(r.root_fork, list) else [r.root_fork] * 2
-    fork = [r.branch, r.branch] if r.root_fork is None else fork
+    fork = [r.branch] * 2 if r.root_fork is None else r.root_fork if isinstance(r.root_fork, list) else [r.root_fork] * 2
     need(
         len(fork) == 2 and 1 <= fork[0] <= fork[1] <= r.width,
         "rollout.root_fork",

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import logging
 import random
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -194,7 +194,7 @@ def _id_set(ids: int | list[int] | None) -> set[int]:
     return set() if ids is None else {int(i) for i in (ids if isinstance(ids, list) else [ids])}
 
 
-def chat_template_ids(tokenizer: Any, messages: list[dict[str, str]], generation_prompt: bool) -> list[int]:
+def chat_template_ids(tokenizer: Any, messages: Sequence[Mapping[str, Any]], generation_prompt: bool) -> list[int]:
     """Token ids of ``messages`` rendered by the tokenizer's chat template."""
     ids = tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=True)
     if isinstance(ids, dict) or hasattr(ids, "input_ids"):  # BatchEncoding in newer transformers
@@ -220,7 +220,7 @@ class ProblemStream:
         return order
 
     def next_batch(self, n: int) -> list[dict[str, Any]]:
-        out = []
+        out: list[dict[str, Any]] = []
         while len(out) < n:
             if self.cursor == len(self._order):
                 self.epoch, self.cursor = self.epoch + 1, 0

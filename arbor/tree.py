@@ -59,10 +59,10 @@ class Node:
         self.id = node_id  # creation index within the tree; the root is 0
         self.parent = parent
         self.children: list[Node] = []
-        self.depth = 0 if parent is None else parent.depth + 1
+        self.depth: int = 0 if parent is None else parent.depth + 1
         # Offset of this node's first token within the response (prompt excluded).
-        self.start = 0 if parent is None else parent.start + len(parent.token_ids)
-        self.token_ids = token_ids
+        self.start: int = 0 if parent is None else parent.start + len(parent.token_ids)
+        self.token_ids: list[int] = token_ids
         self.logprobs = logprobs
         # π_old: the learner's log-probs of these tokens before the update, set by the
         # trainer when loss.rollout_correction needs them (arbor.train.rollout_correction).

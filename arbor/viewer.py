@@ -24,7 +24,7 @@ import json
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from arbor.tree import Node, RolloutTree
 
@@ -107,7 +107,7 @@ def leaf_advantages(trees: list[RolloutTree]) -> list[list[float] | None]:
     if scored:
         values = compute_advantages([trees[i] for i in scored], "treepo")
         for i, adv in zip(scored, values):
-            out[i] = [float(a) for a in adv]  # treepo: one float per leaf
+            out[i] = [float(a) for a in cast(list[float], adv)]  # treepo: one float per leaf
     return out
 
 
@@ -285,9 +285,8 @@ def render_section(
     """One tree's stats panel and drawing, and the data its JS needs."""
     leaves = tree.leaves()
     rewards = [leaf.reward for leaf in leaves]
-    per_leaf: list[float | None] = list(
-        rewards if color == "reward" else advantages or [None] * len(leaves)
-    )
+    unknown: list[float | None] = [None] * len(leaves)
+    per_leaf: list[float | None] = list(rewards if color == "reward" else advantages or unknown)
     values = node_values(tree, per_leaf)
     fills = {nid: colour(v, *scale) for nid, v in values.items()}
     adv_of = dict(zip((leaf.id for leaf in leaves), advantages or []))
@@ -334,95 +333,10 @@ def render_section(
     return section, data
 
 
-CSS = """
-body { font: 13px system-ui, sans-serif; margin: 0; color: #111827; background: #fff; }
-header { display: flex; gap: 16px; align-items: center; padding: 8px 12px;
-         border-bottom: 1px solid #e5e7eb; flex-wrap: wrap; }
-header h1 { font-size: 15px; margin: 0; }
-.legend { display: flex; gap: 12px; align-items: center; }
-.swatch { display: inline-block; width: 12px; height: 12px; border-radius: 2px;
-          vertical-align: middle; margin-right: 3px; }
-.bar { display: inline-block; width: 120px; height: 12px; vertical-align: middle; }
-section.tree { display: grid; grid-template-columns: 270px 1fr; gap: 8px 16px; padding: 8px 12px; }
-section.tree[hidden] { display: none; }
-aside h2 { font-size: 14px; margin: 0 0 6px; }
-dl.stats { display: grid; grid-template-columns: auto auto; gap: 2px 8px; margin: 0; }
-dl.stats dt { color: #4b5563; } dl.stats dd { margin: 0; font-variant-numeric: tabular-nums; }
-.drawing { overflow: auto; }
-.details { grid-column: 1 / -1; border-top: 1px solid #e5e7eb; padding-top: 6px;
-           white-space: pre-wrap; font-family: ui-monospace, monospace; }
-.details .prompt { color: #6b7280; } .details .here { background: #fde68a; }
-.details .head { font-family: system-ui, sans-serif; font-weight: 600; margin-bottom: 4px; }
-svg .edge { fill: none; stroke: #9ca3af; stroke-width: 1.2; }
-svg .node { cursor: pointer; }
-svg .node text { font-size: 10px; fill: #111827; pointer-events: none; }
-svg .node.selected > rect:first-child { stroke: #111827; stroke-width: 2; }
-#tip { position: fixed; display: none; max-width: 420px; background: #111827; color: #f9fafb;
-       padding: 6px 8px; border-radius: 4px; white-space: pre-wrap; pointer-events: none;
-       font-size: 12px; z-index: 10; }
-"""
-
-# Inline, dependency-free: hover shows a node's summary, click its root-to-node path.
-JS = """
-const DATA = JSON.parse(document.getElementById('arbor-data').textContent);
-const tip = document.getElementById('tip');
-const fmt = (x, signed) => x === null || x === undefined ? '–'
-  : (signed && x >= 0 ? '+' : '') + x.toFixed(2);
-function hit(target) {
-  const g = target.closest && target.closest('[data-node]');
-  if (!g) return null;
-  const t = g.closest('section').dataset.tree;
-  return {g: g, tree: t, id: g.dataset.node, node: DATA[t].nodes[g.dataset.node]};
-}
-function summary(h) {
-  const n = h.node;
-  if (n.parent === null) return 'prompt · ' + n.tokens + ' tokens';
-  let s = 'node ' + h.id + ' · depth ' + n.depth + ' · tokens ' + n.start + '–'
-    + (n.start + n.tokens) + ' (' + n.tokens + ') · leaves below ' + n.leaves;
-  if (h.g.dataset.leaf !== undefined) s += '\\nleaf ' + h.g.dataset.leaf + ' · reward '
-    + fmt(n.reward) + ' · advantage ' + fmt(n.advantage, true) + ' · finish ' + (n.finish || '–');
-  else s += '\\ncolour value (mean over leaves below) ' + fmt(n.value);
-  if (n.mean_logprob !== null) s += ' · mean logprob ' + fmt(n.mean_logprob);
-  if (n.weights) s += ' · weights ' + n.weights;
-  return s;
-}
-document.addEventListener('mouseover', e => {
-  const h = hit(e.target);
-  if (!h) { tip.style.display = 'none'; return; }
-  const text = h.node.text.length > 300 ? h.node.text.slice(0, 300) + '…' : h.node.text;
-  tip.textContent = summary(h) + '\\n\\n' + text;
-  tip.style.display = 'block';
-});
-document.addEventListener('mousemove', e => {
-  tip.style.left = Math.min(e.clientX + 14, window.innerWidth - 440) + 'px';
-  tip.style.top = (e.clientY + 14) + 'px';
-});
-document.addEventListener('click', e => {
-  const h = hit(e.target);
-  if (!h) return;
-  const section = h.g.closest('section');
-  section.querySelectorAll('.selected').forEach(el => el.classList.remove('selected'));
-  h.g.classList.add('selected');
-  const nodes = DATA[h.tree].nodes, path = [];
-  for (let id = h.id; id !== null; id = nodes[id].parent) path.unshift(String(id));
-  const box = section.querySelector('.details');
-  box.textContent = '';
-  const head = document.createElement('div');
-  head.className = 'head';
-  head.textContent = summary(h);
-  box.appendChild(head);
-  path.forEach(id => {
-    const span = document.createElement('span');
-    span.className = nodes[id].parent === null ? 'prompt' : (id === h.id ? 'here' : '');
-    span.textContent = nodes[id].text + (nodes[id].parent === null ? '\\n' : DATA[h.tree].separator);
-    box.appendChild(span);
-  });
-});
-const select = document.getElementById('tree-select');
-if (select) select.addEventListener('change', () => {
-  document.querySelectorAll('section.tree').forEach(s => { s.hidden = s.dataset.tree !== select.value; });
-});
-"""
+# The page's style and script, inline in every page: arbor/viewer.css, arbor/viewer.js (dependency-free:
+# hover shows a node's summary, click its root-to-node path).
+CSS = "\n" + (Path(__file__).parent / "viewer.css").read_text()
+JS = "\n" + (Path(__file__).parent / "viewer.js").read_text()
 
 
 def render_html(

@@ -14,7 +14,7 @@ equivalent forms (``0.5`` = ``\\frac12``, ``(x+1)^2`` = ``x^2+2x+1``). Repeating
 (``0.\\overline{3}``), which math-verify reads as text, are turned into fractions first.
 
 What is read, and why (each case scored a right answer 0 before, a wrong signal):
-- **The final run of boxes** (``arbor.rollout.answers.final_boxes``): boxes that only separators
+- **The final run of boxes** (``arbor.final_boxes``): boxes that only separators
   divide — ``,`` ``;`` ``and`` ``or`` ``\\quad`` ``\\text{and}`` ``$`` … — are one answer,
   joined with ", ": ``\\boxed{(2,2)} \\quad\\text{and}\\quad \\boxed{(6,2)}`` reads
   ``(2,2), (6,2)``, a set. A label before a box (``y_1 = \\boxed{2}``: a letter or Greek
@@ -54,8 +54,7 @@ from functools import lru_cache
 import sympy
 from math_verify import LatexExtractionConfig, parse, verify
 
-from arbor.rollout.answers import final_boxes, last_boxed
-from arbor.rollout.rewards import in_reward_worker
+from arbor import final_boxes, in_reward_worker, last_boxed
 
 # math-verify's own limits, in whole seconds (it silently ignores floats). A legitimate
 # answer parses in well under 0.3 s; adversarial ones run into these.

@@ -43,8 +43,8 @@ sys.path.insert(0, str(REPO))
 
 from arbor.engines.client import SGLangClient  # noqa: E402
 from arbor.engines.distributed import close_group, open_group  # noqa: E402
-from arbor.engines.embedded.server import free_port  # noqa: E402
 from arbor.engines.launch import launch_engines  # noqa: E402
+from arbor.engines.ports import free_port  # noqa: E402
 from arbor.train.weight_sync import WeightSync, named_tensor_buckets  # noqa: E402
 
 QWEN25_05B = dict(

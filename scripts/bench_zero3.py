@@ -148,7 +148,7 @@ def time_syncs(model, rank: int, url: str, bucket_mb: float, repeats: int) -> di
 
 def run_pair(mode: str, model_dir: Path, url: str, args: argparse.Namespace, out: Path) -> list[dict]:
     """Both ranks of ``mode``; their result records."""
-    from arbor.engines.embedded.server import free_port
+    from arbor.engines.ports import free_port
 
     port = str(free_port())
     procs = []

@@ -188,7 +188,7 @@ def test_zero3_learner_step_on_one_gpu_over_nccl_in_bf16(tmp_path):
     parameter, and the engine's log-probs agree with the learner's (train/logprob_gap)."""
     import json
 
-    from arbor.engines.embedded.server import free_port
+    from arbor.engines.ports import free_port
 
     script = tmp_path / "rank.py"
     tests = Path(__file__).parent

@@ -18,9 +18,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from arbor.engines.client import SGLangClient, rank_layout
+from arbor.engines.client import SGLangClient
 from arbor.engines.distributed import FlatBuffer, flat_chunks, flatten, unflatten
-from arbor.engines.embedded.server import free_port
+from arbor.engines.ports import free_port
+from arbor.engines.wire import rank_layout
 from arbor.train.weight_sync import (
     WeightSync,
     accepts_flattened_bucket,

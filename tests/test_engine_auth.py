@@ -255,9 +255,15 @@ def test_a_run_keys_its_engines_and_writes_the_key_nowhere(tmp_path, no_env_key)
         "algorithm.dynamic_sampling=false", "data.max_prompt_tokens=64", "run.steps=1", f"run.output_dir={out}",
         "run.save_every=1",
     ])
-    versions = []
-    train(cfg, after_step=lambda ctx, step, m: versions.append(ctx.run_async(ctx.client.get_weight_version())))
-    key = cfg.engine.api_key
+    versions, keys = [], []
+
+    def after_step(ctx, step, metrics):
+        versions.append(ctx.run_async(ctx.client.get_weight_version()))
+        keys.append(ctx.cfg.engine.api_key)  # the settled config's (cfg itself is left as loaded)
+
+    train(cfg, after_step=after_step)
+    [key] = keys
+    assert cfg.engine.api_key is None
     assert versions == [["1"]] and key and len(key) >= 40  # the pushed weights arrived, under a fresh key
     assert API_KEY_ENV not in os.environ  # the driver's copy went with the engines
     files = [p for p in out.rglob("*") if p.is_file()]

@@ -13,9 +13,15 @@ from collections.abc import AsyncIterator
 import pytest
 from aiohttp import web
 
-from arbor.engines.client import EngineError, SGLangClient, generate_payload, parse_output
-from arbor.engines.embedded.server import free_port
+from arbor.config import load_config
+from arbor.engines.client import (
+    EngineError,
+    SGLangClient,
+    engine_client,
+)
+from arbor.engines.ports import free_port
 from arbor.engines.types import GenerateRequest, SamplingParams
+from arbor.engines.wire import generate_payload, parse_output
 
 
 def sglang_item(ids: list[int], cached: int = 0) -> dict:
@@ -175,6 +181,45 @@ def test_connection_refused_is_retried_until_the_server_comes_up():
         return outs
 
     assert asyncio.run(main())[0].output_ids == [4, 5]
+
+
+def test_a_server_that_stays_down_is_recovered_through_the_constructors_hook_and_the_call_resent():
+    """``recover`` (the run's engine recovery) is awaited once the retries are spent; the
+    call is then sent again, to the server it brought back."""
+
+    async def main():
+        fake = FakeServer()
+        port = free_port()
+        url = f"http://127.0.0.1:{port}"
+        runners, recovered = [], []
+
+        async def recover(dead_url: str, error: EngineError) -> None:  # start the server, as a restart would
+            recovered.append((dead_url, error.status))
+            app = web.Application()
+            app.router.add_post("/generate", fake.generate)
+            runners.append(web.AppRunner(app))
+            await runners[-1].setup()
+            await web.TCPSite(runners[-1], "127.0.0.1", port).start()
+
+        client = SGLangClient([url], max_retries=1, backoff_s=0.01, recover=recover)
+        try:
+            outs = await client.generate(REQUEST)
+        finally:
+            await client.close()
+            for runner in runners:
+                await runner.cleanup()
+        return outs, recovered, url
+
+    outs, recovered, url = asyncio.run(main())
+    assert outs[0].output_ids == [4, 5] and recovered == [(url, None)]
+
+
+def test_engine_client_is_built_from_the_engine_section():
+    cfg = load_config(None, ["engine.kind=external", "engine.urls=[http://10.0.0.1:30000]", "engine.api_key=k",
+                             "engine.request_timeout_s=7", "engine.max_retries=2"])
+    client = engine_client(cfg.engine, ["http://10.0.0.1:30000/"])
+    assert (client.urls, client.timeout_s, client.max_retries) == (["http://10.0.0.1:30000"], 7, 2)
+    assert client._headers == {"Authorization": "Bearer k"} and client.recover is None
 
 
 def test_timeout_raises():

@@ -11,7 +11,6 @@ import pytest
 from tiny_model import build_tiny_model_dir
 
 from arbor.config import load_config
-from arbor.engines.embedded.server import free_port
 from arbor.engines.launch import (
     EngineLaunchError,
     _command,
@@ -20,8 +19,9 @@ from arbor.engines.launch import (
     sglang_available,
     sglang_key_file,
 )
+from arbor.engines.ports import free_port
 from arbor.errors import ConfigError
-from arbor.run.orchestration import engine_args
+from arbor.run.engine_group import engine_args
 
 
 def test_auto_starts_embedded_servers_and_shuts_them_down(tmp_path):

@@ -13,7 +13,7 @@ import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from arbor.config import load_config
-from arbor.engines.embedded.server import free_port
+from arbor.engines.ports import free_port
 from arbor.train.learner import Learner, lr_lambda
 from arbor.train.loss import LossStats
 from arbor.train.packed_loss import pack_loss, policy_loss

@@ -21,10 +21,10 @@ ray = pytest.importorskip("ray")
 
 
 class GradientProbe:
-    """A :class:`~arbor.run.orchestration.LearnerWorker` and the gradient of its share of ``batch()``."""
+    """A :class:`~arbor.run.learner_group.LearnerWorker` and the gradient of its share of ``batch()``."""
 
     def __init__(self, cfg, rank: int) -> None:
-        from arbor.run.orchestration import LearnerWorker
+        from arbor.run.learner_group import LearnerWorker
 
         self.rank = rank
         self.worker = LearnerWorker(cfg, rank)

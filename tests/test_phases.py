@@ -1,9 +1,9 @@
-"""rollout_metrics: the step's reward, tree and rollout-cost metrics from hand-made trees."""
+"""rollout_metrics and throughput_metrics: a step's reward, tree, rollout-cost and speed metrics from hand-made trees."""
 
 import pytest
 
 from arbor.rollout.sampler import SampleStats
-from arbor.run.phases import Batch, rollout_metrics
+from arbor.run.phases import Batch, rollout_metrics, throughput_metrics, working_seconds
 from arbor.tree import RolloutTree
 
 
@@ -33,3 +33,14 @@ def test_rollout_metrics_by_hand():
     assert m["response/length_mean"] == pytest.approx(3.0)  # 2 + 1 response tokens per leaf
     # Each tree: 2 leaves of 5 tokens linearised (10) over 6 unique (prompt 2, stem 2, 1 + 1).
     assert m["tree/sharing_ratio"] == pytest.approx(10 / 6)
+
+
+def test_throughput_counts_the_steps_own_phases_not_the_eval():
+    a, b = tree([1.0, 0.0]), tree([0.0, 0.0])
+    batch = Batch(trees=[a], sampled=[a, b], stats=[SampleStats(tokens_generated=30), SampleStats(tokens_generated=10)])
+    phases = {"rollout": 3.0, "reward": 0.5, "train": 4.0, "sync": 0.5}
+    plain = throughput_metrics(batch, phases)
+    assert plain == {"throughput/trajectories_per_s": 4 / 8.0, "throughput/tokens_per_s": 40 / 8.0}
+    # A step that also evaluated (20 s of other problems) trained just as fast.
+    assert working_seconds(phases | {"eval": 20.0}) == 8.0
+    assert throughput_metrics(batch, phases | {"eval": 20.0}) == plain

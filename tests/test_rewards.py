@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from arbor.config import load_config
 from arbor.errors import ConfigError
 from arbor.rollout.rewards import (
     RewardError,
@@ -26,6 +27,7 @@ from arbor.rollout.rewards import (
     failed_checks,
     in_reward_worker,
     load_reward_terms,
+    reward_pool,
     score_batch,
 )
 
@@ -47,6 +49,15 @@ def test_scores_in_order_with_weights_and_per_term_scores():
                                   f"{FIX}:one": [1.0] * 7}
     assert result.timeouts == 0 and result.timed_out == [] and result.crashed == []
     assert len(result.check_seconds) == 7 and all(0 <= s < 10 for s in result.check_seconds)
+
+
+def test_reward_pool_is_built_from_the_reward_section():
+    cfg = load_config(None, [f"reward.functions=[{{fn: '{FIX}:length', weight: 2.0}}, {{fn: '{FIX}:one', weight: 0.5}}]",
+                             "reward.workers=1", "reward.timeout_s=9"])
+    with reward_pool(cfg.reward, [HERE]) as pool:
+        assert pool.terms == [RewardTerm(f"{FIX}:length", 2.0), RewardTerm(f"{FIX}:one", 0.5)]
+        assert (len(pool._workers), pool.timeout_s) == (1, 9)
+        assert pool.score([(problem(0), "xyz")]).scores == [2.0 * 3 + 0.5]
 
 
 def test_empty_batch():

@@ -24,7 +24,7 @@ from arbor.config import (
     load_config,
 )
 from arbor.data import DataError
-from arbor.engines.embedded.server import free_port
+from arbor.engines.ports import free_port
 from arbor.run.metrics import read_metrics
 from arbor.run.sft import (
     SftExample,

@@ -11,11 +11,35 @@ import pytest
 from tiny_model import build_tiny_model_dir
 
 from arbor.config import load_config
-from arbor.engines.launch import EngineLaunchError
+from arbor.engines.auth import API_KEY_ENV
+from arbor.engines.launch import EngineLaunchError, resolve_kind, sglang_available
 from arbor.run.context import start_run
-from arbor.run.startup import StartupClock
+from arbor.run.engine_group import engine_args
+from arbor.run.startup import StartupClock, settled
 
 TESTS = Path(__file__).resolve().parent
+
+
+def test_settled_decides_the_engine_kind_and_key_once_and_leaves_the_loaded_config_alone(monkeypatch):
+    monkeypatch.delenv(API_KEY_ENV, raising=False)
+    loaded = load_config(None, ["engine.kind=auto"])
+    cfg = settled(loaded)
+    assert cfg.engine.kind == ("sglang" if sglang_available() else "embedded") == resolve_kind("auto")
+    assert cfg.engine.api_key and len(cfg.engine.api_key) >= 40  # a fresh key for engines arbor starts
+    assert (loaded.engine.kind, loaded.engine.api_key) == ("auto", None)
+    assert settled(cfg).engine == cfg.engine  # settling twice changes nothing
+    monkeypatch.setenv(API_KEY_ENV, "from-env")
+    assert settled(loaded).engine.api_key == "from-env"
+    external = load_config(None, ["engine.kind=external", "engine.urls=[http://10.0.0.1:1]"])
+    monkeypatch.delenv(API_KEY_ENV)
+    assert (settled(external).engine.kind, settled(external).engine.api_key) == ("external", None)
+
+
+def test_engine_flags_need_a_settled_kind():
+    with pytest.raises(ValueError, match="engine.kind is still auto"):
+        engine_args(load_config(None, ["engine.kind=auto"]))
+    assert engine_args(load_config(None, ["engine.kind=embedded", "engine.max_cached_tokens=64"])) == [
+        "--max-cached-tokens", "64"]
 
 
 def test_the_clock_times_phases_and_joins_overlapping_ones():
@@ -42,9 +66,11 @@ def test_a_phase_that_raises_is_still_timed_and_an_unfinished_one_is_left_out():
 
 
 def test_importing_orchestration_imports_no_torch_transformers_or_deepspeed():
-    """An engine actor imports arbor.run.orchestration before it launches its server: it must not
-    wait for the learner's libraries first."""
-    code = ("import sys, arbor.run.orchestration, arbor.engines.launch; "
+    """An engine actor imports arbor.run.engine_group (and orchestration) before it launches its
+    server, a learner actor arbor.run.learner_group before it sets up: neither may wait for the
+    learner's libraries first."""
+    code = ("import sys, arbor.run.orchestration, arbor.run.engine_group, arbor.run.learner_group, "
+            "arbor.engines.launch; "
             "print([m for m in ('torch', 'transformers', 'deepspeed') if m in sys.modules])")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          cwd=TESTS.parent).stdout

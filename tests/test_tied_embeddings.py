@@ -23,7 +23,7 @@ from transformers import (
 )
 
 from arbor.engines.embedded.engine import LocalEngine
-from arbor.engines.embedded.server import free_port
+from arbor.engines.ports import free_port
 from arbor.train.learner import Learner
 from arbor.train.packing import loss_denominator, pack_trees
 from arbor.train.weight_sync import gathered_parameters

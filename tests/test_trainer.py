@@ -207,7 +207,7 @@ def test_a_lost_learner_rank_stops_the_run_naming_it_and_resume_continues(run_in
 
     import ray
 
-    from arbor.run.orchestration import LearnerFailedError
+    from arbor.run.learner_group import LearnerFailedError
 
     root, model, data = run_inputs
     cfg = config(root, model, data, tmp_path / "h", "learner.backend=deepspeed", "learner.zero_stage=3",
@@ -272,6 +272,11 @@ def test_quickstart_command_runs(tmp_path):
     assert "step 2/2" in done.stdout and "eval acc" in done.stdout
     logged = read_metrics(out)
     assert [m["step"] for m in logged] == [0, 1, 2] and "eval/accuracy" in logged[0]
+    # Step 2 evaluated: its throughput is the training's, over the step's time without the eval.
+    last = logged[2]
+    assert last["time/eval_s"] > 0
+    working = sum(v for k, v in last.items() if k.startswith("time/") and k not in ("time/step_s", "time/eval_s"))
+    assert last["throughput/tokens_per_s"] == pytest.approx(last["rollout/tokens_generated"] / working)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     exported = AutoModelForCausalLM.from_pretrained(out / "hf")  # the HF export loads as a model

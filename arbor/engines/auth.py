@@ -26,8 +26,12 @@ import hmac
 import ipaddress
 import os
 import secrets
+from typing import TYPE_CHECKING
 
 from aiohttp import web
+
+if TYPE_CHECKING:  # annotations only: aiohttp's names for a middleware and a handler
+    from aiohttp.typedefs import Handler, Middleware
 
 API_KEY_ENV = "ARBOR_ENGINE_API_KEY"  # the key engines require and clients send
 ADMIN_API_KEY_ENV = "ARBOR_ENGINE_ADMIN_API_KEY"  # `arbor serve` only: a separate admin key
@@ -66,7 +70,7 @@ def decide(
     if level is Level.ADMIN_FORCE:
         if not admin_api_key:
             return 403  # no key can open it on this server
-        required = admin_api_key
+        required: str | None = admin_api_key
     elif level is Level.ADMIN_OPTIONAL:
         required = admin_api_key or api_key
     else:
@@ -78,12 +82,12 @@ def decide(
 
 def middleware(
     api_key: str | None, admin_api_key: str | None, levels: dict[str, Level]
-) -> web.middleware:
+) -> Middleware:
     """aiohttp middleware applying :func:`decide`; ``levels`` maps paths to their level
     (others are ``NORMAL``, unknown paths included: a wrong key learns nothing, as in SGLang)."""
 
     @web.middleware
-    async def check_key(request: web.Request, handler) -> web.StreamResponse:
+    async def check_key(request: web.Request, handler: Handler) -> web.StreamResponse:
         status = decide(
             request.method, request.path, request.headers.get("Authorization"),
             api_key=api_key, admin_api_key=admin_api_key,

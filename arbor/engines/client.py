@@ -4,8 +4,8 @@
         outs = await client.generate(GenerateRequest(prompt_ids, SamplingParams(64, n=4, seed=0)))
         outs[0].output_ids, outs[0].logprobs, outs[0].cached_tokens, outs[0].weight_version
 
-- ``/generate`` gets ``{"input_ids", "sampling_params", "return_logprob": true}``;
-  ``logprob_start_len`` stays at its default (asking for prompt logprobs disables prefix reuse).
+- ``/generate`` gets ``{"input_ids", "sampling_params", "return_logprob": true}``
+  (:mod:`arbor.engines.wire` writes and reads SGLang's JSON).
 - Several servers: requests with the same ``affinity_key`` (one per rollout tree) always
   go to the same server (rendezvous hashing: adding a server moves only the keys it wins),
   so that server's radix cache holds the tree; requests without a key go round-robin.
@@ -14,9 +14,10 @@
 - ``generate_many`` sends a round as one batch per server, forks as seeded items; a
   multi-fork prompt the server has not cached yet is first committed with
   ``max_new_tokens: 0``, so its forks share one prefill (:class:`CachedPrefixes`).
-- ``client.recover = fn``: when a retryable call still fails, ``await fn(url, error)``
-  (the trainer restarts that server and restores its weights) and the call is sent again
-  once; what ``fn`` raises ends the call.
+- ``SGLangClient(urls, recover=fn)``: when a retryable call still fails, ``await fn(url, error)``
+  (a run's engine recovery, which builds its client with it, restarts that server and
+  restores its weights) and the call is sent again once; what ``fn`` raises ends the call.
+- :func:`engine_client` builds the client a run's config describes (timeouts, retries, key).
 - Control calls (weights, cache, memory, health) go to every server; weight pushes run in
   SGLang's sessions (``/begin_weight_update`` ... ``/end_weight_update``).
 - Every request carries ``Authorization: Bearer <api_key>`` (default:
@@ -30,16 +31,28 @@ import hashlib
 import itertools
 import os
 import time
-from collections.abc import Awaitable, Callable
-from dataclasses import replace
-from typing import Any, TypeVar
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import aiohttp
 
 from arbor.engines.auth import API_KEY_ENV
-from arbor.engines.types import GenerateOutput, GenerateRequest, SamplingParams
+from arbor.engines.types import GenerateOutput, GenerateRequest
+from arbor.engines.wire import (
+    error_message,
+    fork_items,
+    generate_payload,
+    parse_output,
+    rank_layout,
+    sampling_payload,
+)
+
+if TYPE_CHECKING:
+    from arbor.config import EngineConfig
 
 T = TypeVar("T")
+# What a client awaits when a server stopped answering: bring it back (or raise).
+Recover = Callable[[str, "EngineError"], Awaitable[None]]
 
 
 class EngineError(RuntimeError):
@@ -94,6 +107,7 @@ class SGLangClient:
         backoff_s: float = 0.5,
         max_concurrency: int = 1024,
         api_key: str | None = None,
+        recover: Recover | None = None,
     ) -> None:
         urls = [urls] if isinstance(urls, str) else list(urls)
         if not urls:
@@ -104,8 +118,8 @@ class SGLangClient:
         self.backoff_s = backoff_s
         self.max_concurrency = max_concurrency
         self._round_robin = itertools.cycle(range(len(self.urls)))
-        # Called when a retryable call to a server kept failing (it died): restart it, or raise.
-        self.recover: Callable[[str, EngineError], Awaitable[None]] | None = None
+        # Awaited when a retryable call to a server kept failing (it died): restart it, or raise.
+        self.recover = recover
         # Both belong to one event loop; a client used from a new loop (e.g. a second
         # asyncio.run) makes new ones.
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -162,7 +176,7 @@ class SGLangClient:
 
         async def batch(url: str, indices: list[int]) -> None:
             await self._commit_prefixes(url, [requests[i] for i in indices])
-            items = [item for i in indices for item in _fork_items(requests[i])]
+            items = [item for i in indices for item in fork_items(requests[i])]
             payload = {
                 "input_ids": [list(item.input_ids) for item in items],
                 "sampling_params": [sampling_payload(item.sampling) for item in items],
@@ -427,11 +441,11 @@ class SGLangClient:
                 raise _Retryable(f"HTTP {response.status}: {text[:500]}")
             if response.status in (401, 403):
                 raise EngineError(
-                    f"{_error_message(text)}: the engine requires a bearer key; give the client the "
+                    f"{error_message(text)}: the engine requires a bearer key; give the client the "
                     f"run's key (engine.api_key or ${API_KEY_ENV})", url=url + path, status=response.status,
                 )
             if response.status >= 400:
-                raise EngineError(_error_message(text), url=url + path, status=response.status)
+                raise EngineError(error_message(text), url=url + path, status=response.status)
             if response.content_type == "application/json":
                 return await response.json()
             return text
@@ -453,104 +467,26 @@ async def _with_retries(
     raise AssertionError("unreachable")
 
 
-def rank_layout(tp_sizes: list[int]) -> tuple[int, list[int]]:
-    """(world_size, rank_offset of each engine) of a weight-update group: the learner is rank 0,
-    then every TP rank of every engine (:mod:`arbor.engines.distributed` builds the group).
-
-    >>> rank_layout([2, 1, 4])
-    (8, [1, 3, 4])
-    """
-    if not tp_sizes or any(size < 1 for size in tp_sizes):
-        raise ValueError(f"every engine needs tp_size >= 1, got {tp_sizes}")
-    offsets, next_rank = [], 1
-    for size in tp_sizes:
-        offsets.append(next_rank)
-        next_rank += size
-    return next_rank, offsets
-
-
-def generate_payload(request: GenerateRequest) -> dict[str, Any]:
-    """The ``/generate`` body SGLang expects for one request."""
-    return {
-        "input_ids": list(request.input_ids),
-        "sampling_params": sampling_payload(request.sampling),
-        "return_logprob": True,
-    }
-
-
-def sampling_payload(sp: SamplingParams) -> dict[str, Any]:
-    """SGLang's ``sampling_params`` object for ``sp``."""
-    params: dict[str, Any] = {
-        "max_new_tokens": sp.max_new_tokens,
-        "temperature": sp.temperature,
-        "top_p": sp.top_p,
-        "top_k": sp.top_k,
-        "n": sp.n,
-    }
-    if sp.stop_token_ids:
-        params["stop_token_ids"] = list(sp.stop_token_ids)
-    if sp.seed is not None:
-        params["sampling_seed"] = sp.seed
-    return params
-
-
-def _fork_items(request: GenerateRequest) -> list[GenerateRequest]:
-    """``request`` as ``n`` single-fork requests (fork ``j`` seeded ``seed + j``)."""
-    sp = request.sampling
-    if sp.n == 1:
-        return [request]
-    return [
-        GenerateRequest(
-            request.input_ids,
-            replace(sp, n=1, seed=None if sp.seed is None else sp.seed + fork),
-            request.affinity_key,
-        )
-        for fork in range(sp.n)
-    ]
-
-
-def parse_output(item: dict[str, Any]) -> GenerateOutput:
-    """One ``/generate`` result object -> :class:`GenerateOutput`."""
-    meta = item.get("meta_info", {})
-    token_logprobs = meta.get("output_token_logprobs") or []
-    output_ids = item.get("output_ids")
-    if output_ids is None:  # older servers: the ids only inside the logprob triples
-        output_ids = [entry[1] for entry in token_logprobs]
-    finish = meta.get("finish_reason")
-    reason = finish.get("type", "abort") if isinstance(finish, dict) else (finish or "abort")
-    logprobs = [float(entry[0]) for entry in token_logprobs]
-    if len(logprobs) != len(output_ids):
-        raise ValueError(f"{len(output_ids)} output ids but {len(logprobs)} logprobs")
-    return GenerateOutput(
-        output_ids=list(output_ids),
-        logprobs=logprobs,
-        finish_reason=reason,
-        prompt_tokens=int(meta.get("prompt_tokens", 0)),
-        cached_tokens=int(meta.get("cached_tokens", 0)),
-        weight_version=str(meta.get("weight_version", "default")),
-    )
-
-
-def _error_message(text: str) -> str:
-    import json
-
-    try:
-        body = json.loads(text)
-    except json.JSONDecodeError:
-        return text[:1000]
-    if isinstance(body, dict):
-        error = body.get("error")
-        if isinstance(error, dict) and "message" in error:
-            return str(error["message"])
-        if "message" in body:
-            return str(body["message"])
-    return text[:1000]
-
-
 def _check_success(result: Any, url: str) -> Any:
     if isinstance(result, dict) and result.get("success") is False:
         raise EngineError(str(result.get("message", "request failed")), url=url)
     return result
+
+
+def engine_client(engine_cfg: EngineConfig, urls: list[str], *, recover: Recover | None = None) -> SGLangClient:
+    """The client for a run's engines: ``engine.request_timeout_s``, ``engine.max_retries``
+    and the run's key (``engine.api_key``, settled at start-up: :func:`arbor.run.startup.settled`)."""
+    return SGLangClient(urls, timeout_s=engine_cfg.request_timeout_s, max_retries=engine_cfg.max_retries,
+                        api_key=engine_cfg.api_key, recover=recover)
+
+
+async def closing(client: Any, coroutine: Coroutine[Any, Any, T]) -> T:
+    """Await ``coroutine``, then close ``client``'s HTTP session (it belongs to this event
+    loop): ``asyncio.run(closing(client, client.flush_cache()))`` from synchronous code."""
+    try:
+        return await coroutine
+    finally:
+        await client.close()
 
 
 def run_sync(

@@ -1,7 +1,7 @@
 """Learner -> engine weight transfer over a torch.distributed group, built as SGLang builds it.
 
 The learner is rank 0 and broadcasts; every tensor-parallel rank of every engine is a rank
-of its own (:func:`~arbor.engines.client.rank_layout`). Both ends make the group exactly as SGLang 0.5's
+of its own (:func:`~arbor.engines.wire.rank_layout`). Both ends make the group exactly as SGLang 0.5's
 ``init_custom_process_group`` does (behind ``/init_weights_update_group``): a TCP
 rendezvous at ``master_address:master_port``, ``PrefixStore(group_name, store)``, then
 torch's ``_new_process_group_helper`` with the announced backend (NCCL when the tensors
@@ -37,7 +37,8 @@ from torch.distributed.distributed_c10d import (
     rendezvous,
 )
 
-from arbor.engines.client import SGLangClient, rank_layout
+from arbor.engines.client import SGLangClient
+from arbor.engines.wire import rank_layout
 
 DEFAULT_GROUP = "weight_update_group"
 FLATTENED = "flattened_bucket"  # SGLang's load_format for one broadcast per bucket
@@ -67,7 +68,7 @@ def open_group(
         [],
         Backend(backend),
         PrefixStore(group_name, store),
-        group_name=group_name,
+        group_name=group_name,  # type: ignore[arg-type]  # torch types it GroupName, a str NewType
         backend_options=None,
         timeout=timeout,
         device_id=None,

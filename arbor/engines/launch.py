@@ -31,7 +31,6 @@ import atexit
 import importlib.util
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -46,6 +45,7 @@ from typing import Any
 import yaml
 
 from arbor.engines.auth import ADMIN_API_KEY_ENV, API_KEY_ENV
+from arbor.engines.ports import free_port
 
 KINDS = ("auto", "sglang", "embedded", "external")
 
@@ -61,6 +61,21 @@ def sglang_available() -> bool:
     import torch
 
     return torch.cuda.is_available()
+
+
+def resolve_kind(kind: str) -> str:
+    """``engine.kind`` as it runs here: ``auto`` is SGLang where :func:`sglang_available`,
+    else the embedded engine; ``sglang`` where SGLang cannot run is an error."""
+    if kind not in KINDS:
+        raise ValueError(f"engine kind must be one of {KINDS}, got {kind!r}")
+    if kind == "auto":
+        return "sglang" if sglang_available() else "embedded"
+    if kind == "sglang" and not sglang_available():
+        raise EngineLaunchError(
+            "engine kind 'sglang' needs the sglang package (pip install 'arbor[sglang]') "
+            "and a CUDA GPU; use kind 'embedded' (arbor serve) on CPU machines"
+        )
+    return kind
 
 
 @dataclass
@@ -189,13 +204,7 @@ def launch_engines(
             raise ValueError(f"engine kind {kind!r} needs model_path")
         if num_engines < 1:
             raise ValueError(f"num_engines must be >= 1, got {num_engines}")
-        if kind == "auto":
-            kind = "sglang" if sglang_available() else "embedded"
-        elif kind == "sglang" and not sglang_available():
-            raise EngineLaunchError(
-                "engine kind 'sglang' needs the sglang package (pip install 'arbor[sglang]') "
-                "and a CUDA GPU; use kind 'embedded' (arbor serve) on CPU machines"
-            )
+        kind = resolve_kind(kind)
         log_root = Path(log_dir) if log_dir else Path(tempfile.mkdtemp(prefix="arbor-engines-"))
         log_root.mkdir(parents=True, exist_ok=True)
         api_key = api_key or os.environ.get(API_KEY_ENV) or None
@@ -326,13 +335,6 @@ def _cuda_count() -> int:
     import torch
 
     return torch.cuda.device_count()
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port free on ``host`` now (the OS picks it)."""
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
 
 
 def _signal_group(process: subprocess.Popen, sig: int) -> None:

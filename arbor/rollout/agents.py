@@ -21,7 +21,7 @@ import functools
 import logging
 import sys
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, NotRequired, Protocol, TypedDict, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, TypedDict, runtime_checkable
 
 from arbor.config import DataConfig, RolloutConfig
 from arbor.data import DataError, chat_template_ids, format_prompt
@@ -29,6 +29,8 @@ from arbor.errors import ConfigError
 from arbor.plugins import load_object
 
 if TYPE_CHECKING:
+    from typing_extensions import NotRequired  # typing's from Python 3.11; an annotation only
+
     from arbor.tree import Node, RolloutTree
 
 
@@ -184,7 +186,7 @@ def continuation_ids(
     if eos in base:  # the model's turn stops at its EOS; what the template puts after is ours
         base = base[: len(base) - base[::-1].index(eos)]
     chat = [{k: v for k, v in m.items() if k not in CHAT_KEYS_DROPPED} for m in messages]
-    full = chat_template_ids(tokenizer, _ANCHOR + chat, generation_prompt=True)
+    full = chat_template_ids(tokenizer, [*_ANCHOR, *chat], generation_prompt=True)
     if full[: len(base)] != base:
         raise ValueError(
             "the chat template rewrites earlier turns when messages are added, so tool "

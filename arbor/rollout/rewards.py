@@ -10,7 +10,7 @@ into ``Σ weight · fn(problem, completion)``:
 
     terms = [RewardTerm("rewards/math.py:boxed_accuracy"),
              RewardTerm("rewards/math.py:boxed_format", 0.1)]
-    with RewardPool(terms, workers=2, timeout_s=5) as pool:   # the trainer keeps one alive
+    with RewardPool(terms, workers=2, timeout_s=5) as pool:   # reward_pool(cfg.reward): a run's
         result = pool.score(items)                             # items: [(problem, completion)]
         result.term_scores["rewards/math.py:boxed_format"]     # raw per-term scores, to log
 
@@ -41,10 +41,13 @@ import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from arbor.errors import ConfigError
 from arbor.plugins import default_search_dirs, load_object
+
+if TYPE_CHECKING:
+    from arbor.config import RewardConfig
 
 Item = tuple[dict, str]  # (problem row, completion text)
 _SHOW = 200  # characters of a completion or message shown in errors
@@ -462,6 +465,14 @@ class RewardPool:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def reward_pool(reward_cfg: RewardConfig, search_dirs: Sequence[str] = ()) -> RewardPool:
+    """The pool a run's ``reward:`` section describes (its functions, workers, timeout);
+    ``search_dirs``: where relative specs resolve (:func:`~arbor.plugins.default_search_dirs`
+    of the config file)."""
+    terms = [RewardTerm(t.fn, t.weight) for t in reward_cfg.functions]
+    return RewardPool(terms, workers=reward_cfg.workers, timeout_s=reward_cfg.timeout_s, search_dirs=search_dirs)
 
 
 def score_batch(

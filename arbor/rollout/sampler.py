@@ -352,6 +352,7 @@ class _TreeSampler:
         about) and the step's thread is abandoned (see :func:`_in_daemon_thread`).
         """
         history = self._history(tree, node)
+        assert self.agent is not None  # only episodes with an agent come here
         step = _in_daemon_thread(self.agent.step, tree.problem, history)
         try:
             return await asyncio.wait_for(step, self.cfg.agent_timeout_s)
@@ -380,6 +381,7 @@ class _TreeSampler:
             if not isinstance(m.get("error", False), bool):
                 raise TypeError(f"problem {tree.problem_id}: an agent message's 'error' must be true or false "
                                 f"(a failed tool call), got {m['error']!r}")
+        assert self.render is not None  # an agent comes with its render
         ids = self.render(messages)[:room]
         # Never trained (mask 0); logprob 0 stands in for "not sampled" so paths stay uniform.
         tool = tree.add_segment(node, ids, [0.0] * len(ids), [0] * len(ids))
@@ -391,6 +393,7 @@ class _TreeSampler:
 
     def _history(self, tree: RolloutTree, node: Node) -> list[Message]:
         """The episode so far as messages: the agent's start, model turns decoded, tool turns."""
+        assert self.agent is not None and tree.problem is not None  # an agent's episodes have problems
         history = list(self.agent.start(tree.problem))
         turn: list[int] = []
         for n in tree.path(node):
@@ -407,6 +410,7 @@ class _TreeSampler:
         """A model turn as a message; its stop token belongs to the template, not the content."""
         if turn and turn[-1] in self.stop_ids:
             turn = turn[:-1]
+        assert self.decode is not None  # agents' episodes decode
         return {"role": "assistant", "content": self.decode(turn)}
 
     def _add(self, tree: RolloutTree, parent: Node, out: GenerateOutput) -> Node:

@@ -35,6 +35,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from arbor.errors import ConfigError
 from arbor.rollout.sandbox import Sandbox, call_uid, read_only_paths
@@ -216,7 +217,7 @@ class ToolPool:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread_slots = threading.BoundedSemaphore(workers)
 
-    def run_python_sync(self, code: str, **limits: float) -> ToolResult:
+    def run_python_sync(self, code: str, **limits: Any) -> ToolResult:
         """:meth:`run_python` from a worker thread (agents' ``step`` runs in threads): at
         most ``workers`` calls at once over all threads."""
         with self._thread_slots:

@@ -20,23 +20,18 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from arbor.config import Config, save_config
-from arbor.data import ProblemStream, load_problems, stop_token_ids
+from arbor.data import ProblemStream, load_problems
 from arbor.engines.client import SGLangClient
-from arbor.rollout.agents import fitting_problems, rollout_agent
-from arbor.rollout.rewards import RewardPool
+from arbor.rollout.agents import Agent, fitting_problems, rollout_agent
+from arbor.rollout.rewards import RewardPool, reward_pool
 from arbor.run import checkpoint
+from arbor.run.engine_group import EngineGroup
+from arbor.run.learner_group import LearnerGroup
 from arbor.run.metrics import MetricsLog
-from arbor.run.orchestration import (
-    EngineGroup,
-    LearnerGroup,
-    Placement,
-    ray_cpus,
-    start_groups,
-    start_ray,
-)
+from arbor.run.orchestration import Placement, ray_cpus, start_groups, start_ray
 from arbor.run.phases import Sampling
 from arbor.run.recovery import EngineRecovery
-from arbor.run.startup import StartupClock
+from arbor.run.startup import StartupClock, load_tokenizer, settled
 
 T = TypeVar("T")
 
@@ -143,10 +138,7 @@ def start_run(cfg: Config, clock: StartupClock | None = None) -> Iterator[RunCon
 
 
 def _start(cfg: Config, closers: list[Callable[[], Any]], clock: StartupClock) -> RunContext:
-    from transformers import AutoTokenizer
-
     from arbor.plugins import default_search_dirs
-    from arbor.rollout.rewards import RewardTerm
 
     out = Path(cfg.run.output_dir)
     previous = checkpoint.latest_checkpoint(out)
@@ -156,34 +148,19 @@ def _start(cfg: Config, closers: list[Callable[[], Any]], clock: StartupClock) -
             "run.resume=true to continue it, or choose another run.output_dir"
         )
     out.mkdir(parents=True, exist_ok=True)
-    save_config(cfg, out / "config.yaml")
+    save_config(cfg, out / "config.yaml")  # as written: engine.kind auto stays auto on another machine
+    cfg = settled(cfg)
     search = default_search_dirs(cfg.source)  # where rewards/ and agents/ specs resolve
     with clock.phase("tokenizer"):
-        tokenizer = AutoTokenizer.from_pretrained(cfg.model.path, trust_remote_code=cfg.model.trust_remote_code)
-        eos_token_ids = stop_token_ids(tokenizer, cfg.model.path, cfg.model.trust_remote_code)
+        tokenizer, eos_token_ids = load_tokenizer(cfg.model)
     agent = rollout_agent(cfg.rollout, search)  # multi-turn episodes, or None
-    data_metrics: dict[str, float] = {}
-
-    def fitting(problems: list[dict], source: str, metric: str) -> list[dict]:
-        """The problems whose prompt fits data.max_prompt_tokens; the others are counted in ``metric``."""
-        kept, skipped = fitting_problems(problems, agent, tokenizer, cfg.data, cfg.model.chat_template, source)
-        data_metrics[metric] = float(len(skipped))
-        return kept
-
     with clock.phase("data"):
-        problems = fitting(load_problems(cfg.data.train_path, cfg.data), "data.train_path", "data/skipped_long_prompts")
-        stream = ProblemStream(problems, cfg.run.seed, cfg.data.shuffle)
-        eval_problems: list[dict] = []
-        eval_path = cfg.eval.path or cfg.data.eval_path
-        if eval_path and cfg.run.eval_every:
-            eval_problems = fitting(load_problems(eval_path, cfg.data),
-                                    "eval.path" if cfg.eval.path else "data.eval_path", "data/skipped_long_eval_prompts")
+        stream, eval_problems, data_metrics = _load_problems(cfg, agent, tokenizer)
     with clock.phase("metrics"):
         log = MetricsLog(cfg.run, cfg.run.steps)
         closers.append(log.close)
     with clock.phase("rewards"):
-        rewards = RewardPool([RewardTerm(t.fn, t.weight) for t in cfg.reward.functions],
-                             workers=cfg.reward.workers, timeout_s=cfg.reward.timeout_s, search_dirs=search)
+        rewards = reward_pool(cfg.reward, search)
         closers.append(rewards.close)
     log.status("starting Ray, engines and learner ranks…")
     with clock.phase("ray"):
@@ -205,13 +182,11 @@ def _start(cfg: Config, closers: list[Callable[[], Any]], clock: StartupClock) -
     learners = LearnerGroup(cfg, placement, total_steps=schedule_steps * updates_per_step(cfg), wait=False)
     closers.append(learners.shutdown)
     start_groups(engines, learners, clock)
-    client = SGLangClient(engines.urls, timeout_s=cfg.engine.request_timeout_s,
-                          max_retries=cfg.engine.max_retries, api_key=cfg.engine.api_key)
-    # A server that dies mid-step is restarted with the run's weights; its requests are sent again.
-    recovery = EngineRecovery(engines, learners, cfg.engine.max_restarts, cfg.learner.weight_sync, cfg.run.output_dir)
-    client.recover = recovery.recover
+    # A server that dies mid-step is restarted with the run's weights; its requests are sent
+    # again. The recovery owns the driver's client for that.
+    recovery = EngineRecovery(engines, learners, cfg.engine, cfg.learner.weight_sync, cfg.run.output_dir)
     ctx = RunContext(
-        cfg=cfg, sampling=Sampling(client, tokenizer, agent, eos_token_ids, cfg.data, cfg.model.chat_template),
+        cfg=cfg, sampling=Sampling(recovery.client, tokenizer, agent, eos_token_ids, cfg.data, cfg.model.chat_template),
         stream=stream, eval_problems=eval_problems, data_metrics=data_metrics, log=log, rewards=rewards,
         placement=placement, engines=engines, learners=learners, recovery=recovery, schedule_steps=schedule_steps,
         startup=clock,
@@ -230,6 +205,27 @@ def _start(cfg: Config, closers: list[Callable[[], Any]], clock: StartupClock) -
         flush=True,
     )
     return ctx
+
+
+def _load_problems(cfg: Config, agent: Agent | None, tokenizer: Any) -> tuple[ProblemStream, list[dict], dict[str, float]]:
+    """The training stream, the eval problems (``eval.path`` or ``data.eval_path``, when
+    ``run.eval_every``) and the start-up's data metrics: problems whose prompt does not fit
+    ``data.max_prompt_tokens`` are skipped, never cut, and counted."""
+    data_metrics: dict[str, float] = {}
+
+    def fitting(problems: list[dict], source: str, metric: str) -> list[dict]:
+        kept, skipped = fitting_problems(problems, agent, tokenizer, cfg.data, cfg.model.chat_template, source)
+        data_metrics[metric] = float(len(skipped))
+        return kept
+
+    problems = fitting(load_problems(cfg.data.train_path, cfg.data), "data.train_path", "data/skipped_long_prompts")
+    stream = ProblemStream(problems, cfg.run.seed, cfg.data.shuffle)
+    eval_problems: list[dict] = []
+    eval_path = cfg.eval.path or cfg.data.eval_path
+    if eval_path and cfg.run.eval_every:
+        eval_problems = fitting(load_problems(eval_path, cfg.data),
+                                "eval.path" if cfg.eval.path else "data.eval_path", "data/skipped_long_eval_prompts")
+    return stream, eval_problems, data_metrics
 
 
 def _close(closers: list[Callable[[], Any]]) -> None:

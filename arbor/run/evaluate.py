@@ -47,18 +47,15 @@ import time
 from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 from arbor.config import Config, EvalConfig, RolloutConfig
 from arbor.engines.types import RolloutEngine
 from arbor.rollout.agents import Agent, Render, tool_turns
 from arbor.rollout.answers import final_boxes
-from arbor.rollout.rewards import Item, RewardPool, RewardTerm, ScoreResult
+from arbor.rollout.rewards import Item, ScoreResult
 from arbor.rollout.sampler import sample_trees
 from arbor.tree import RolloutTree
-
-if TYPE_CHECKING:
-    from arbor.engines.launch import EngineHandle
 
 
 class Scorer(Protocol):
@@ -231,7 +228,7 @@ def run_eval(
     ))
     leaves = [(tree, leaf) for tree in trees for leaf in tree.leaves()]
     texts = [decode(tree.response_ids(leaf)) for tree, leaf in leaves]
-    result = rewards.score([(tree.problem, text) for (tree, _), text in zip(leaves, texts)],
+    result = rewards.score([(tree.problem or {}, text) for (tree, _), text in zip(leaves, texts)],
                            lambda d, n: status(f"eval: scored {d}/{n} answers"))
     first_term = next(iter(result.term_scores.values()), result.scores)
     records, at = [], 0
@@ -260,28 +257,34 @@ def run_eval(
 
 
 def main(cfg: Config) -> int:
-    """Start the engines of ``cfg``, evaluate ``eval.path``, write the JSON and TensorBoard."""
-    from transformers import AutoTokenizer
+    """Start the engines of ``cfg``, evaluate ``eval.path``, write the JSON and TensorBoard.
 
-    from arbor.data import load_problems, stop_token_ids
-    from arbor.engines.client import SGLangClient
+    The start-up is the run's (:mod:`arbor.run.startup`: the settled engine kind and key, the
+    tokenizer and stop ids; the agent, reward pool and engine launch options as ``arbor
+    train`` builds them), but the engines run in this process, without Ray."""
+    from arbor.data import load_problems
+    from arbor.engines.client import closing, engine_client
+    from arbor.engines.launch import launch_engines
     from arbor.plugins import default_search_dirs
     from arbor.rollout.agents import episode_inputs, fitting_problems, rollout_agent
-    from arbor.run.orchestration import closing
+    from arbor.rollout.rewards import reward_pool
+    from arbor.run.engine_group import launch_options
+    from arbor.run.startup import load_tokenizer, settled
 
     e = cfg.eval
     path = e.path or cfg.data.eval_path
     if path is None:
         print("arbor eval: no set to evaluate: set eval.path or data.eval_path", file=sys.stderr)
         return 2
-    tokenizer = AutoTokenizer.from_pretrained(cfg.model.path, trust_remote_code=cfg.model.trust_remote_code)
-    agent = rollout_agent(cfg.rollout, default_search_dirs(cfg.source))  # the episodes the run trains on
+    cfg = settled(cfg)
+    tokenizer, eos = load_tokenizer(cfg.model)
+    search = default_search_dirs(cfg.source)
+    agent = rollout_agent(cfg.rollout, search)  # the episodes the run trains on
     # As arbor train does: prompts longer than data.max_prompt_tokens are skipped (and counted), never cut.
     problems, skipped = fitting_problems(load_problems(path, cfg.data), agent, tokenizer, cfg.data,
                                          cfg.model.chat_template, "eval.path" if e.path else "data.eval_path")
     problems = problems[: e.max_problems or None]
     prompts, render = episode_inputs(problems, agent, tokenizer, cfg.data, cfg.model.chat_template)
-    eos = stop_token_ids(tokenizer, cfg.model.path, cfg.model.trust_remote_code)
     out_dir = Path(cfg.run.output_dir)
     output = Path(e.output) if e.output else out_dir / "eval.json"
     print(f"arbor eval: {cfg.model.path} on {path}: {len(problems)} problems x {e.samples} answer(s), "
@@ -292,10 +295,11 @@ def main(cfg: Config) -> int:
         return tokenizer.decode(ids, skip_special_tokens=True)
 
     t0 = time.perf_counter()
-    with _reward_pool(cfg) as rewards, _start_engines(cfg, out_dir / "logs" / "eval") as engines:
+    with reward_pool(cfg.reward, search) as rewards, launch_engines(
+        **launch_options(cfg), num_engines=cfg.engine.num_engines, host=cfg.engine.host, log_dir=out_dir / "logs" / "eval",
+    ) as engines:
         print(f"arbor eval: engines {', '.join(engines.urls)}", flush=True)
-        client = SGLangClient(engines.urls, timeout_s=cfg.engine.request_timeout_s, max_retries=cfg.engine.max_retries,
-                              api_key=cfg.engine.api_key)
+        client = engine_client(cfg.engine, engines.urls)
         report = run_eval(
             client, rewards, problems, prompts, e, cfg.rollout, decode=decode, eos_token_ids=eos,
             seed=cfg.run.seed, run_async=lambda coroutine: asyncio.run(closing(client, coroutine)),
@@ -314,28 +318,6 @@ def main(cfg: Config) -> int:
              f"{m['eval/agent_timeouts']:.0f} agent timeouts)  " if agent is not None else "")
           + f"({m['eval/seconds']:.1f} s) -> {output}", flush=True)
     return 0
-
-
-def _reward_pool(cfg: Config) -> RewardPool:
-    from arbor.plugins import default_search_dirs
-
-    terms = [RewardTerm(t.fn, t.weight) for t in cfg.reward.functions]
-    return RewardPool(terms, workers=cfg.reward.workers, timeout_s=cfg.reward.timeout_s,
-                      search_dirs=default_search_dirs(cfg.source))
-
-
-def _start_engines(cfg: Config, log_dir: Path) -> EngineHandle:
-    """The run's engines as the trainer starts them, but in this process (no Ray)."""
-    from arbor.engines.launch import launch_engines
-    from arbor.run.orchestration import engine_args
-
-    return launch_engines(
-        cfg.engine.kind, model_path=cfg.model.path, num_engines=cfg.engine.num_engines, urls=cfg.engine.urls,
-        host=cfg.engine.host, dtype=None if cfg.model.dtype == "auto" else cfg.model.dtype,
-        device=None if cfg.learner.device == "auto" else cfg.learner.device, extra_args=engine_args(cfg),
-        log_dir=log_dir, startup_timeout_s=cfg.engine.startup_timeout_s, gpus_per_engine=cfg.engine.tp_size,
-        api_key=cfg.engine.api_key,  # None: $ARBOR_ENGINE_API_KEY, else keyless on this machine
-    )
 
 
 def write_report(output: Path, report: EvalReport, cfg: Config, data_path: str) -> None:

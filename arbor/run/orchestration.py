@@ -8,11 +8,12 @@
     results = learners.step(packs_per_rank, denominator)  # one update on every rank
     learners.push_weights(engines.urls, version="3")    # ZeRO-3 gather → engines
 
-Each learner rank is a Ray actor that sets its torch.distributed variables (rank 0's node
-address and a free port there) before DeepSpeed initialises: NCCL on GPUs, gloo on CPU.
-Engines are actors that own a server process (SGLang on GPUs, ``arbor serve`` else) on
-their node; ``engine.kind: external`` adopts running servers instead. Reward checks run
-in the driver's process pool (:class:`arbor.rollout.rewards.RewardPool`).
+The groups live beside this module: :mod:`arbor.run.learner_group` (each learner rank a Ray
+actor that sets its torch.distributed variables, rank 0's node address and a free port
+there, before DeepSpeed initialises: NCCL on GPUs, gloo on CPU) and
+:mod:`arbor.run.engine_group` (actors that own a server process, SGLang on GPUs, ``arbor
+serve`` else, on their node; ``engine.kind: external`` adopts running servers instead).
+Reward checks run in the driver's process pool (:class:`arbor.rollout.rewards.RewardPool`).
 
 Start-up on one machine: engines and learner ranks start at once (the engines' model load
 overlaps DeepSpeed's init; the first failure of either stops both), this module imports
@@ -26,32 +27,23 @@ training). ``ray.address: auto`` joins a cluster started with ``ray start``.
 
 from __future__ import annotations
 
-import asyncio
 import concurrent.futures
-import functools
 import logging
 import os
 import signal
 import sys
 import threading
-from collections.abc import Callable, Coroutine, Sequence
-from typing import TYPE_CHECKING, Any, TypeVar
+from collections.abc import Callable
+from typing import Any, Protocol
 
 from arbor.config import Config, RayConfig
-from arbor.engines.auth import API_KEY_ENV, run_api_key
-from arbor.engines.launch import free_port
 from arbor.run.startup import StartupClock
-
-if TYPE_CHECKING:
-    from arbor.train.learner import StepResult
-    from arbor.train.packing import PackedBatch
 
 # Nothing here imports torch, transformers or DeepSpeed at module level: an engine actor
 # imports this module before it starts its server, which would wait for them for nothing.
 
 # Environment every actor needs: no Ray auth token files, CPU DeepSpeed where no CUDA.
 _ACTOR_ENV = ("RAY_AUTH_MODE", "DS_ACCELERATOR", "HF_HUB_OFFLINE", "PYTHONPATH", "TRANSFORMERS_OFFLINE", "PYTHONWARNINGS")
-T = TypeVar("T")
 
 
 def uses_gpu(cfg: Config) -> bool:
@@ -187,8 +179,8 @@ class Placement:
         self.colocate = cfg.ray.colocate and self.gpu
         self.num_ranks = cfg.learner.num_ranks
         engines = 0 if cfg.engine.kind == "external" else cfg.engine.num_engines
-        learner_bundle = {"CPU": 1, "GPU": 1} if self.gpu else {"CPU": 1}
-        engine_bundle = {"CPU": 1, "GPU": cfg.engine.tp_size} if self.gpu else {"CPU": 1}
+        learner_bundle: dict[str, float] = {"CPU": 1, "GPU": 1} if self.gpu else {"CPU": 1}
+        engine_bundle: dict[str, float] = {"CPU": 1, "GPU": cfg.engine.tp_size} if self.gpu else {"CPU": 1}
         if self.colocate and engines > self.num_ranks:
             raise ValueError(
                 f"ray.colocate puts each engine on a learner GPU: engine.num_engines={engines} "
@@ -238,265 +230,10 @@ class Placement:
         remove_placement_group(self.group)
 
 
-async def closing(client: Any, coroutine: Coroutine[Any, Any, T]) -> T:
-    """Await ``coroutine``, then close ``client``'s HTTP session (it belongs to this event loop)."""
-    try:
-        return await coroutine
-    finally:
-        await client.close()
-
-
 def node_address() -> str:
     import ray
 
     return ray.util.get_node_ip_address()
-
-
-# -- learners ---------------------------------------------------------------------------------
-
-
-class LearnerWorker:
-    """One learner rank (run as a Ray actor; plain methods so tests may call them directly)."""
-
-    def __init__(self, cfg: Config, rank: int) -> None:
-        self.cfg = cfg
-        self.rank = rank
-        self.learner: Any = None
-        self.sync: Any = None
-
-    def address(self) -> tuple[str, int]:
-        return node_address(), free_port("")  # free on every interface of this node
-
-    def pid(self) -> int:
-        """This rank's process id (fault tests kill it)."""
-        return os.getpid()
-
-    def setup(self, master: tuple[str, int], total_steps: int) -> None:
-        """Join the learner group and build the model, DeepSpeed engine and optimizer."""
-        import torch
-
-        cfg = self.cfg
-        os.environ.update(
-            RANK=str(self.rank), WORLD_SIZE=str(cfg.learner.num_ranks), LOCAL_RANK="0",
-            MASTER_ADDR=master[0], MASTER_PORT=str(master[1]),
-        )
-        if not uses_gpu(cfg):
-            # Rollout and training take turns, so each rank may use its share of the cores.
-            torch.set_num_threads(cpu_threads(cfg, sharers=cfg.learner.num_ranks))
-        torch.manual_seed(cfg.run.seed + self.rank)
-        from arbor.train.learner import Learner
-
-        self.learner = Learner(cfg.model, cfg.learner, cfg.optim, cfg.loss, total_steps=total_steps,
-                               temperature=cfg.rollout.temperature)
-
-    def step(
-        self, packs: Sequence[PackedBatch], denominator: float, filler: PackedBatch | None = None,
-        behaviour_cap: float | None = None,
-    ) -> StepResult:
-        return self.learner.step(packs, denominator, filler, behaviour_cap)
-
-    def old_logprobs(self, packs: Sequence[PackedBatch], filler: PackedBatch | None = None) -> list[Any]:
-        """π_old of this rank's packs before the update (:meth:`arbor.train.learner.Learner.old_logprobs`)."""
-        return self.learner.old_logprobs(packs, filler)
-
-    def push_weights(self, urls: list[str], version: str) -> None:
-        """Gather the parameters (collective) and, on rank 0, send them to every engine.
-
-        ``learner.weight_sync: distributed`` gathers and broadcasts ``learner.sync_bucket_mb``
-        buckets over a gloo/NCCL group, gathering the next while one is sent; ``disk`` writes an HF directory (``<run.output_dir>/weight-sync``)
-        that the engines load (for engines the learner cannot reach over torch.distributed).
-        """
-        from arbor.train.weight_sync import gathered_buckets
-
-        cfg = self.cfg
-        if cfg.learner.weight_sync == "disk":
-            self.export_hf(self.sync_dir)
-            if self.rank == 0:
-                sync = self._weight_sync(urls)
-                asyncio.run(closing(sync.client, sync.push_directory(self.sync_dir, version)))
-            return
-        buckets = gathered_buckets(self.learner.model, self._zero_stage(), cfg.learner.sync_bucket_mb,
-                                   copy=self.rank == 0)
-        if self.rank != 0:
-            for _ in buckets:  # take part in each gather
-                pass
-            return
-        sync = self._weight_sync(urls)
-        asyncio.run(closing(sync.client, sync.push(buckets, version)))
-
-    def logprob_gap(self, samples: list[tuple[list[int], list[int], list[float]]]) -> float:
-        """Mean |engine − learner| logprob over probe samples (every rank: ZeRO-3 forwards are collective)."""
-        from arbor.train.weight_sync import logprob_gap
-
-        model = self.learner.model
-        was_training = model.training
-        model.eval()
-        try:
-            return logprob_gap(model, samples, temperature=self.cfg.rollout.temperature)
-        finally:
-            model.train(was_training)
-
-    def reset_weight_sync(self, alive_urls: list[str]) -> None:
-        """An engine of the weight-update group was restarted (outside it now): the engines
-        still in it (``alive_urls``) leave it, and the next push opens a new group with all."""
-        if self.sync is not None:  # only rank 0 holds one, after its first push
-            from arbor.engines.client import run_sync
-
-            group = self.sync.group_name
-            if group is not None and alive_urls:
-                run_sync(lambda client: client.destroy_weights_update_group(group), alive_urls,
-                         api_key=self.cfg.engine.api_key)
-            self.sync.close_local()
-        self.sync = None
-
-    def _weight_sync(self, urls: list[str]) -> Any:
-        if self.sync is None or self.sync.client.urls != [u.rstrip("/") for u in urls]:
-            from arbor.engines.client import SGLangClient
-            from arbor.train.weight_sync import WeightSync
-
-            client = SGLangClient(urls, timeout_s=self.cfg.engine.request_timeout_s,
-                                  max_retries=self.cfg.engine.max_retries, api_key=self.cfg.engine.api_key)
-            self.sync = WeightSync(client, self.cfg.learner.weight_sync, master_address=node_address(),
-                                   export_dir=self.sync_dir)
-        return self.sync
-
-    @property
-    def sync_dir(self) -> str:
-        """Where ``learner.weight_sync: disk`` writes the weights the engines load."""
-        return os.path.join(self.cfg.run.output_dir, "weight-sync")
-
-    def _zero_stage(self) -> int:
-        return self.cfg.learner.zero_stage if self.cfg.learner.backend == "deepspeed" else 0
-
-    def save(self, directory: str) -> None:
-        self.learner.save(directory)
-
-    def load(self, directory: str) -> int:
-        self.learner.load(directory)
-        return self.learner.steps
-
-    def export_hf(self, directory: str) -> None:
-        self.learner.export_hf(directory, self.tokenizer if self.rank == 0 else None)
-
-    @functools.cached_property
-    def tokenizer(self) -> Any:
-        """The policy's tokenizer, saved with every export (loaded once: disk sync exports each step)."""
-        from transformers import AutoTokenizer
-
-        return AutoTokenizer.from_pretrained(self.cfg.model.path, trust_remote_code=self.cfg.model.trust_remote_code)
-
-    def state_checksum(self) -> float:
-        """Σ |parameters| of the whole model (collective under ZeRO-3): "did weights change"."""
-        return float(sum(t.double().abs().sum() for t in self.learner.full_state_dict().values()))
-
-
-class LearnerFailedError(RuntimeError):
-    """A learner rank died (its Ray actor was lost): the run stops; the last checkpoint is intact."""
-
-
-class LearnerGroup:
-    """``learner.num_ranks`` :class:`LearnerWorker` actors forming one data-parallel group.
-
-    A rank that dies (killed, out of memory, node lost) stops the run with
-    :class:`LearnerFailedError` naming the rank and the last checkpoint, at once: the other
-    ranks may be blocked in a collective with it, so results are awaited as they come.
-    """
-
-    def __init__(self, cfg: Config, placement: Placement, total_steps: int, wait: bool = True) -> None:
-        """Start the ranks; with ``wait=False`` return at once (:func:`start_groups` awaits ``starting``)."""
-        import ray
-
-        actor = ray.remote(LearnerWorker)
-        self.workers = [
-            actor.options(**placement.learner_options(rank)).remote(cfg, rank)
-            for rank in range(cfg.learner.num_ranks)
-        ]
-        self.output_dir = cfg.run.output_dir
-        # Rank 0's address reaches every setup as a ref: Ray resolves it, nothing blocks here.
-        master = self.workers[0].address.remote()
-        self.starting = [w.setup.remote(master, total_steps) for w in self.workers]  # ref r: rank r is set up
-        self.weight_version: str | None = None  # what the engines serve; None: model.path's weights
-        if wait:
-            self.wait_started()
-
-    @property
-    def world_size(self) -> int:
-        return len(self.workers)
-
-    def results(self, refs: list[Any]) -> list[Any]:
-        """``ray.get(refs)`` (ref r from rank r), or LearnerFailedError as soon as a rank is lost."""
-        import ray
-
-        return gather(refs, ray.exceptions.RayActorError, self._lost)
-
-    def _lost(self, rank: int, e: Exception) -> LearnerFailedError:
-        from arbor.run import checkpoint
-
-        cause = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        return LearnerFailedError(
-            f"learner rank {rank} died ({type(e).__name__}: {cause}); the run stops. "
-            f"{checkpoint.resume_hint(self.output_dir)}"
-        )
-
-    def wait_started(self) -> None:
-        """Wait until every rank is set up (after ``wait=False``)."""
-        self.results(self.starting)
-
-    def step(
-        self, packs_per_rank: Sequence[Sequence[PackedBatch]], denominator: float, filler: PackedBatch | None = None,
-        behaviour_cap: float | None = None,
-    ) -> list[StepResult]:
-        """One update: rank r trains ``packs_per_rank[r]``; a rank without packs runs ``filler`` at zero loss.
-        ``behaviour_cap``: off-policy batches' decoupled objective (None: on-policy PPO)."""
-        return self.results([
-            w.step.remote(list(p), denominator, None if p else filler, behaviour_cap)
-            for w, p in zip(self.workers, packs_per_rank)
-        ])
-
-    def old_logprobs(
-        self, packs_per_rank: Sequence[Sequence[PackedBatch]], filler: PackedBatch | None = None
-    ) -> list[list[Any]]:
-        """Per rank, per pack of its: the learner's log-probs of the trained tokens, no update
-        (π_old of ``loss.rollout_correction``); a rank without packs forwards ``filler``."""
-        return self.results([
-            w.old_logprobs.remote(list(p), None if p else filler) for w, p in zip(self.workers, packs_per_rank)
-        ])
-
-    # Every method below runs on all ranks at once (collectives need every rank); results by rank.
-
-    def push_weights(self, urls: list[str], version: str) -> None:
-        self.results([w.push_weights.remote(urls, version) for w in self.workers])
-        self.weight_version = version
-
-    def logprob_gap(self, samples: list[tuple[list[int], list[int], list[float]]]) -> float:
-        return self.results([w.logprob_gap.remote(samples) for w in self.workers])[0]
-
-    def save(self, directory: str) -> None:
-        """Every rank's model, optimizer and schedule state under ``directory``."""
-        self.results([w.save.remote(directory) for w in self.workers])
-
-    def load(self, directory: str) -> None:
-        """Every rank's state from a :meth:`save` directory."""
-        self.results([w.load.remote(directory) for w in self.workers])
-
-    def export_hf(self, directory: str) -> None:
-        """The current weights as an HF directory (gathered from every rank; rank 0 writes)."""
-        self.results([w.export_hf.remote(directory) for w in self.workers])
-
-    def reset_weight_sync(self, alive_urls: list[str]) -> None:
-        """Drop the weight-update group after an engine restart (:meth:`LearnerWorker.reset_weight_sync`)."""
-        self.results([w.reset_weight_sync.remote(alive_urls) for w in self.workers])
-
-    def state_checksum(self) -> list[float]:
-        """Σ |parameters| as each rank sees the whole model (tests: "did weights change")."""
-        return self.results([w.state_checksum.remote() for w in self.workers])
-
-    def shutdown(self) -> None:
-        import ray
-
-        for w in self.workers:
-            ray.kill(w)
-        self.workers = []
 
 
 def gather(refs: list[Any], catch: type[Exception], failure: Callable[[int, Exception], Exception]) -> list[Any]:
@@ -514,7 +251,16 @@ def gather(refs: list[Any], catch: type[Exception], failure: Callable[[int, Exce
     return ray.get(refs)
 
 
-def start_groups(engines: EngineGroup, learners: LearnerGroup, clock: StartupClock) -> None:
+class StartingGroup(Protocol):
+    """A group started with ``wait=False``: :class:`~arbor.run.engine_group.EngineGroup`,
+    :class:`~arbor.run.learner_group.LearnerGroup`."""
+
+    starting: list[Any]  # Ray refs, one per member, ready once it is up
+
+    def wait_started(self) -> None: ...
+
+
+def start_groups(engines: StartingGroup, learners: StartingGroup, clock: StartupClock) -> None:
     """Wait for engines and learner ranks started with ``wait=False``: one machine loads the
     engines' model and initialises DeepSpeed at once. The first failure of either group raises
     at once (the caller stops both); ``clock`` gets the phases ``engines`` and ``learners``."""
@@ -549,143 +295,3 @@ def cpu_threads(cfg: Config, sharers: int) -> int:
     if cfg.algorithm.max_staleness:
         sharers = cfg.learner.num_ranks + cfg.engine.num_engines
     return cfg.run.cpu_threads or max(1, (os.cpu_count() or 1) // sharers)
-
-
-# -- engines ----------------------------------------------------------------------------------
-
-
-class EngineWorker:
-    """Owns one engine server process on its node (a Ray actor)."""
-
-    def __init__(self, cfg: Config, index: int, log_dir: str, bind_node_address: bool) -> None:
-        from arbor.engines.launch import launch_engines
-
-        if not uses_gpu(cfg):
-            # Ray gives actors one thread; the server has the cores while rollouts run.
-            os.environ["OMP_NUM_THREADS"] = str(cpu_threads(cfg, sharers=1))
-        host = node_address() if bind_node_address else cfg.engine.host
-        self.handle = launch_engines(
-            cfg.engine.kind, model_path=cfg.model.path, num_engines=1, host=host,
-            dtype=None if cfg.model.dtype == "auto" else cfg.model.dtype,
-            device=None if cfg.learner.device == "auto" else cfg.learner.device,
-            extra_args=engine_args(cfg), log_dir=os.path.join(log_dir, f"engine-{index}"),
-            startup_timeout_s=cfg.engine.startup_timeout_s, gpus_per_engine=cfg.engine.tp_size,
-            api_key=cfg.engine.api_key,
-        )
-        self.startup_timeout_s = cfg.engine.startup_timeout_s
-
-    def urls(self) -> list[str]:
-        return self.handle.urls
-
-    def pid(self) -> int:
-        """The server's process id (what a fault test or scripts/soak.py kills)."""
-        return self.handle.processes[0].pid
-
-    def restart(self) -> None:
-        """Start the dead server again on its port (model.path's weights; EngineRecovery restores the run's)."""
-        self.handle.restart(0, self.startup_timeout_s)
-
-    def log_tail(self, lines: int = 30) -> str:
-        return self.handle.log_tail(0, lines)
-
-    def shutdown(self) -> None:
-        self.handle.shutdown()
-
-
-def _not_started(index: int, e: Exception) -> Exception:
-    from arbor.engines.launch import EngineLaunchError
-
-    # Ray's message holds the actor's whole traceback; the launcher's own error (exit code, log tail) says it all.
-    message = str(e)
-    launch_error = message.rfind(f"{EngineLaunchError.__name__}: ")
-    reason = message[launch_error + len(EngineLaunchError.__name__) + 2:] if launch_error >= 0 else message
-    return EngineLaunchError(f"engine {index} did not start: {reason}")
-
-
-def engine_args(cfg: Config) -> list[str]:
-    """Server flags from the config (the embedded server's cache bound, SGLang's memory)."""
-    from arbor.engines.launch import sglang_available, sglang_flags
-
-    sglang = cfg.engine.kind == "sglang" or (cfg.engine.kind == "auto" and sglang_available())
-    if sglang:
-        # With model.dtype auto, the learner's (on GPUs its auto is bfloat16); an explicit
-        # model.dtype reaches the server as launch_engines(dtype=...).
-        dtype = None if cfg.model.dtype != "auto" else cfg.learner.dtype.replace("auto", "bfloat16")
-        args = sglang_flags(
-            mem_fraction=cfg.engine.mem_fraction, tp_size=cfg.engine.tp_size, dtype=dtype,
-            seed=cfg.run.seed, trust_remote_code=cfg.model.trust_remote_code,
-            memory_saver=cfg.ray.colocate, deterministic=cfg.engine.deterministic,
-        )
-    else:
-        args = ["--max-cached-tokens", str(cfg.engine.max_cached_tokens)]
-    return args + list(cfg.engine.extra_args)
-
-
-class EngineGroup:
-    """The run's rollout engines: Ray actors owning servers, or ``engine.urls`` (external).
-
-    Settles the run's engine key first (:func:`~arbor.engines.auth.run_api_key`) into
-    ``cfg.engine.api_key``, which the engine and learner actors receive with ``cfg``, and into
-    this process's ``$ARBOR_ENGINE_API_KEY``, which the driver's clients read (restored at
-    :meth:`shutdown`, so a later run in this process settles its own).
-    """
-
-    def __init__(self, cfg: Config, placement: Placement, log_dir: str, wait: bool = True) -> None:
-        """Start the engines; with ``wait=False`` return at once and fill ``urls`` in :meth:`started`."""
-        import ray
-
-        self._env_key = os.environ.get(API_KEY_ENV)
-        cfg.engine.api_key = run_api_key(cfg.engine.api_key, launch=cfg.engine.kind != "external")
-        if cfg.engine.api_key:
-            os.environ[API_KEY_ENV] = cfg.engine.api_key
-        self.workers: list[Any] = []
-        self.starting: list[Any] = []  # ref i: engine i's URLs, once its server is healthy
-        self.startup_timeout_s = cfg.engine.startup_timeout_s
-        self.urls: list[str] = []
-        if cfg.engine.kind == "external":
-            from arbor.engines.launch import launch_engines
-
-            self.urls = launch_engines("external", urls=cfg.engine.urls,
-                                       startup_timeout_s=cfg.engine.startup_timeout_s).urls
-            return
-        actor = ray.remote(EngineWorker)
-        self.workers = [
-            actor.options(**placement.engine_options(i, cfg.engine.tp_size)).remote(
-                cfg, i, log_dir, cfg.ray.address is not None
-            )
-            for i in range(cfg.engine.num_engines)
-        ]
-        self.starting = [w.urls.remote() for w in self.workers]
-        if wait:
-            self.wait_started()
-
-    def wait_started(self) -> None:
-        """Wait until every engine is healthy and take their URLs (after ``wait=False``);
-        :class:`EngineLaunchError` names the first engine that failed, with its log's tail."""
-        import ray
-
-        self.urls = [u for urls in gather(self.starting, ray.exceptions.RayError, _not_started) for u in urls]
-
-    def worker(self, url: str) -> Any:
-        """The actor owning the server at ``url`` (one server per actor); None for external engines."""
-        return self.workers[self.urls.index(url)] if self.workers else None
-
-    def shutdown(self) -> None:
-        import ray
-
-        os.environ.pop(API_KEY_ENV, None)
-        if self._env_key is not None:
-            os.environ[API_KEY_ENV] = self._env_key
-        # An engine still starting (a learner rank failed meanwhile) runs shutdown only after its
-        # start: wait that long, since killing the actor first would orphan its server process.
-        starting = self.starting and ray.wait(self.starting, num_returns=len(self.starting), timeout=0)[1]
-        grace_s = 60 + (self.startup_timeout_s if starting else 0)
-        for w in self.workers:
-            try:
-                ray.get(w.shutdown.remote(), timeout=grace_s)
-            except ray.exceptions.RayActorError:
-                pass  # it died (a failed start already stopped its server): nothing left to stop
-            finally:
-                ray.kill(w)
-        self.workers = []
-

@@ -18,20 +18,21 @@ import asyncio
 import logging
 import math
 import random
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Mapping
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol, TypeVar
 
 from arbor.config import AlgorithmConfig, Config, DataConfig, EvalConfig, LossConfig, RolloutConfig
 from arbor.data import ProblemStream
-from arbor.engines.client import SGLangClient
+from arbor.engines.client import SGLangClient, closing
 from arbor.rollout.agents import Agent, Render, episode_inputs, tool_turns
 from arbor.rollout.answers import has_final_answer
 from arbor.rollout.rewards import RewardPool, check_failure_fraction, failed_checks
 from arbor.rollout.sampler import SampleStats, sample_trees
 from arbor.rollout.tools import unsandboxed_calls
-from arbor.run.orchestration import EngineGroup, LearnerGroup, closing
+from arbor.run.engine_group import EngineGroup
+from arbor.run.learner_group import LearnerGroup
 from arbor.run.recovery import EngineRecovery
 from arbor.train.advantage import compute_advantages, dynamic_sampling_filter
 from arbor.train.loss import LossStats
@@ -164,7 +165,7 @@ def score_trees(
     Timed-out and crashed checks (scored 0) are counted in ``batch`` and warned about by problem id.
     """
     leaves = [(tree, leaf) for tree in trees for leaf in tree.leaves()]
-    items = [(tree.problem, decode(tree.response_ids(leaf))) for tree, leaf in leaves]
+    items = [(tree.problem or {}, decode(tree.response_ids(leaf))) for tree, leaf in leaves]
     result = rewards.score(items, lambda d, n: status(f"rewards: {d}/{n}"))
     for (_, leaf), score in zip(leaves, result.scores):
         leaf.reward = score
@@ -292,9 +293,18 @@ def evaluate(
     return report.metrics
 
 
-def throughput_metrics(batch: Batch, seconds: float) -> dict[str, float]:
-    """Trajectories and generated tokens per second of a step that took ``seconds``."""
-    seconds = seconds or 1e-9
+EVAL_PHASE = "eval"  # the periodic eval's phase name (time/eval_s)
+
+
+def working_seconds(phase_seconds: Mapping[str, float]) -> float:
+    """A step's own time: its timed phases (``time/<phase>_s``) but the periodic eval's,
+    which samples other problems for no update (counted, every eval step's throughput dips)."""
+    return sum(seconds for name, seconds in phase_seconds.items() if name != EVAL_PHASE)
+
+
+def throughput_metrics(batch: Batch, phase_seconds: Mapping[str, float]) -> dict[str, float]:
+    """Trajectories and generated tokens per second of the step's own work (:func:`working_seconds`)."""
+    seconds = working_seconds(phase_seconds) or 1e-9
     leaves = sum(len(t.leaves()) for t in batch.sampled)
     tokens = sum(s.tokens_generated for s in batch.stats)
     return {"throughput/trajectories_per_s": leaves / seconds, "throughput/tokens_per_s": tokens / seconds}
@@ -303,7 +313,7 @@ def throughput_metrics(batch: Batch, seconds: float) -> dict[str, float]:
 def rollout_metrics(batch: Batch) -> dict[str, float]:
     """Reward, response, tree and rollout-cost metrics of everything sampled this step."""
     leaves = [leaf for tree in batch.sampled for leaf in tree.leaves()]
-    rewards = [leaf.reward for leaf in leaves]
+    rewards = [leaf.reward or 0.0 for leaf in leaves]  # every sampled leaf was scored (score_trees)
     lengths = [leaf.end for leaf in leaves]
     by_tree = {id(tree): tree.stats() for tree in batch.sampled}  # batch.trees ⊆ batch.sampled
     stats = list(by_tree.values())

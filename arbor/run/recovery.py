@@ -1,7 +1,7 @@
 """Engine failures during a run: restart the server, give it the run's weights, send again.
 
-    recovery = EngineRecovery(engines, learners, cfg.engine.max_restarts, cfg.learner.weight_sync, out_dir)
-    client.recover = recovery.recover     # the client awaits it when a server stopped answering
+    recovery = EngineRecovery(engines, learners, cfg.engine, cfg.learner.weight_sync, out_dir)
+    recovery.client                       # the run's engine client: it awaits recover() when a server stops answering
     ...                                   # one RL step
     metrics |= recovery.step_metrics()    # engine/restarts of the step
 
@@ -10,7 +10,7 @@ request fail; the client then awaits :meth:`EngineRecovery.recover` and sends th
 again. Recovery, once per death whichever request noticed it first:
 
 1. nothing, if the server answers ``/health`` (a hiccup, or another request restarted it);
-2. its :class:`~arbor.run.orchestration.EngineWorker` starts it again (same command and port:
+2. its :class:`~arbor.run.engine_group.EngineWorker` starts it again (same command and port:
    the URL, and so the client's routing of trees to servers, stays as it was);
 3. it gets the run's weights and version: the learners export them (the HF directory
    ``learner.weight_sync: disk`` uses) and the server loads them and flushes its cache. With
@@ -29,11 +29,17 @@ import asyncio
 import os
 import sys
 import threading
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
 
-from arbor.engines.client import EngineError, run_sync
+from arbor.config import EngineConfig
+from arbor.engines.client import EngineError, SGLangClient, engine_client, run_sync
 from arbor.engines.launch import EngineLaunchError
 from arbor.run import checkpoint
-from arbor.run.orchestration import EngineGroup, LearnerGroup
+from arbor.run.engine_group import EngineGroup
+from arbor.run.learner_group import LearnerGroup
+
+T = TypeVar("T")
 
 
 class EngineFailedError(RuntimeError):
@@ -41,11 +47,15 @@ class EngineFailedError(RuntimeError):
 
 
 class EngineRecovery:
-    """Restarts dead engines for the driver's client and counts the restarts."""
+    """Owns the driver's engine client (:attr:`client`), restarts the engines that die under
+    it and counts the restarts."""
 
-    def __init__(self, engines: EngineGroup, learners: LearnerGroup, max_restarts: int, weight_sync: str, output_dir: str) -> None:
-        self.engines, self.learners = engines, learners
-        self.max_restarts, self.weight_sync, self.output_dir = max_restarts, weight_sync, output_dir
+    def __init__(self, engines: EngineGroup, learners: LearnerGroup, engine_cfg: EngineConfig, weight_sync: str,
+                 output_dir: str) -> None:
+        self.engines, self.learners, self.engine_cfg = engines, learners, engine_cfg
+        self.max_restarts, self.weight_sync, self.output_dir = engine_cfg.max_restarts, weight_sync, output_dir
+        # The client awaits recover() when a server stopped answering, then sends the call again.
+        self.client: SGLangClient = engine_client(engine_cfg, engines.urls, recover=self.recover)
         self.in_a_row = dict.fromkeys(engines.urls, 0)  # restarts since the engine last served a whole step
         self.died_this_step: set[str] = set()
         self.restarts_this_step = 0
@@ -60,8 +70,12 @@ class EngineRecovery:
         whose broadcast cannot be replayed: a server that died after its last rollout
         request is found here rather than in the middle of the broadcast)."""
         for url in self.engines.urls:
-            if not run_sync(lambda c: c.health(), [url]):
+            if not self._on(url, lambda c: c.health()):
                 self._recover(url, EngineError("not answering /health before the weight sync", url=url))
+
+    def _on(self, url: str, make_call: Callable[[SGLangClient], Awaitable[T]]) -> T:
+        """One call to the server at ``url`` alone, from this thread (its own client and loop)."""
+        return run_sync(make_call, [url], timeout_s=self.engine_cfg.request_timeout_s, api_key=self.engine_cfg.api_key)
 
     def step_metrics(self) -> dict[str, float]:
         """``engine/restarts`` of the step now ending; engines that did not die in it start
@@ -75,7 +89,7 @@ class EngineRecovery:
 
     def _recover(self, url: str, error: EngineError) -> None:
         with self._locks[url]:  # the other requests to this server wait for its restart
-            if run_sync(lambda c: c.health(), [url]):
+            if self._on(url, lambda c: c.health()):
                 return
             worker = self.engines.worker(url)
             if worker is None:
@@ -110,9 +124,9 @@ class EngineRecovery:
         if version is not None:
             directory = os.path.join(self.output_dir, "weight-sync")  # where disk sync writes too
             self.learners.export_hf(directory)
-            run_sync(lambda c: c.update_weights_from_disk(directory, weight_version=version), [url])
-            run_sync(lambda c: c.flush_cache(), [url])
-            served = run_sync(lambda c: c.get_weight_version(), [url])
+            self._on(url, lambda c: c.update_weights_from_disk(directory, weight_version=version))
+            self._on(url, lambda c: c.flush_cache())
+            served = self._on(url, lambda c: c.get_weight_version())
             if served != [version]:
                 raise EngineFailedError(f"engine {url} restarted but serves weight version {served}, not {version!r}")
         if self.weight_sync == "distributed":

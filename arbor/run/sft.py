@@ -65,7 +65,7 @@ import torch
 
 from arbor.config import Config, DataConfig, SftConfig, save_config
 from arbor.data import DataError, format_prompt, read_rows, stop_token_ids
-from arbor.engines.embedded.server import free_port
+from arbor.engines.ports import free_port
 from arbor.run import checkpoint
 from arbor.run.metrics import MetricsLog
 from arbor.train.learner import Learner, resolve_device

@@ -1,4 +1,9 @@
-"""Where a run's start-up time goes: named phases, timed from the clock's origin.
+"""What every command that starts engines does first, and where its start-up time goes.
+
+    cfg = settled(cfg)                      # engine.kind and engine.api_key, decided once
+    tokenizer, eos_token_ids = load_tokenizer(cfg.model)
+
+Start-up time, as named phases timed from the clock's origin:
 
     clock = StartupClock()
     with clock.phase("tokenizer"):
@@ -17,6 +22,37 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import replace
+from typing import Any
+
+from arbor.config import Config, ModelConfig
+
+
+def settled(cfg: Config) -> Config:
+    """``cfg`` as this run starts it: ``engine.kind: auto`` resolved to the kind this machine
+    runs (:func:`~arbor.engines.launch.resolve_kind`) and ``engine.api_key`` settled
+    (:func:`~arbor.engines.auth.run_api_key`: the configured key, else
+    ``$ARBOR_ENGINE_API_KEY``, else a fresh one for engines arbor starts).
+
+    Decided once, here, before anything starts: the engine and learner actors, the clients
+    and the launcher all read ``cfg.engine`` and never decide again. ``cfg`` is not changed.
+    """
+    from arbor.engines.auth import run_api_key
+    from arbor.engines.launch import resolve_kind
+
+    kind = resolve_kind(cfg.engine.kind)
+    key = run_api_key(cfg.engine.api_key, launch=kind != "external")
+    return replace(cfg, engine=replace(cfg.engine, kind=kind, api_key=key))  # type: ignore[arg-type]  # kind: one of KINDS
+
+
+def load_tokenizer(model_cfg: ModelConfig) -> tuple[Any, list[int]]:
+    """The policy's tokenizer and every id that ends a model turn (:func:`~arbor.data.stop_token_ids`)."""
+    from transformers import AutoTokenizer
+
+    from arbor.data import stop_token_ids
+
+    tokenizer = AutoTokenizer.from_pretrained(model_cfg.path, trust_remote_code=model_cfg.trust_remote_code)
+    return tokenizer, stop_token_ids(tokenizer, model_cfg.path, model_cfg.trust_remote_code)
 
 
 class StartupClock:

@@ -20,7 +20,7 @@ from arbor.rollout.rewards import RewardFailureError
 from arbor.run import phases
 from arbor.run.async_rollouts import busy_metrics, producer_for
 from arbor.run.context import RunContext, start_run
-from arbor.run.orchestration import LearnerFailedError
+from arbor.run.learner_group import LearnerFailedError
 from arbor.run.recovery import EngineFailedError
 
 
@@ -33,11 +33,12 @@ def train(cfg: Config, after_step: Callable[[RunContext, int, dict], None] | Non
     ``loss.rollout_correction`` chooses for the same weight: docs/rollout-correction.md).
     """
     history = []
-    with start_run(cfg) as ctx, producer_for(cfg, ctx.sampling, ctx.rewards, ctx.stream,
+    with start_run(cfg) as ctx, producer_for(ctx.cfg, ctx.sampling, ctx.rewards, ctx.stream,
                                              ctx.start_step + 1) as producer:
+        cfg = ctx.cfg  # settled: engine.kind and engine.api_key decided (arbor.run.startup.settled)
 
         def evaluate() -> dict[str, float]:
-            with ctx.log.phase("eval"):
+            with ctx.log.phase(phases.EVAL_PHASE):
                 return phases.evaluate(ctx.sampling, ctx.rewards, ctx.eval_problems, cfg.eval, cfg.rollout,
                                        cfg.run.seed, ctx.log.status)
 
@@ -70,9 +71,11 @@ def train(cfg: Config, after_step: Callable[[RunContext, int, dict], None] | Non
                 metrics |= evaluate()
             metrics |= ctx.recovery.step_metrics()  # engine/restarts
             metrics["run/checkpoint_cleanup_failures"] = float(ctx.checkpoint_cleanup_failures)  # so far
-            metrics |= phases.throughput_metrics(batch, sum(ctx.log.phases.values()))
+            # Neither counts the periodic eval: throughput is the training's.
+            metrics |= phases.throughput_metrics(batch, ctx.log.phases)
             engine_s = producer.engine_seconds() if producer else ctx.log.phases.get("rollout", 0.0)
-            metrics |= busy_metrics(engine_s, ctx.log.phases.get("train", 0.0), time.perf_counter() - started)
+            wall_s = time.perf_counter() - started - ctx.log.phases.get(phases.EVAL_PHASE, 0.0)
+            metrics |= busy_metrics(engine_s, ctx.log.phases.get("train", 0.0), wall_s)
             history.append(ctx.log.write(step, metrics | ctx.data_metrics))
             if after_step is not None:
                 after_step(ctx, step, history[-1])

@@ -36,7 +36,7 @@ import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
@@ -114,7 +114,7 @@ def init_distributed(backend: str) -> None:
     # DeepSpeed compiles a shared-memory op at first init on CPU (tens of seconds) that
     # training never uses: skip it, in the release where that hook was checked.
     require_tested_deepspeed("distributed start-up (comm.torch.build_shm_op)")
-    importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
+    setattr(importlib.import_module("deepspeed.comm.torch"), "build_shm_op", lambda: None)  # noqa: B010
     deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False)
 
 
@@ -170,22 +170,24 @@ class Learner:
         sharded = learner_cfg.backend == "deepspeed" and learner_cfg.zero_stage == 3
         if learner_cfg.backend == "deepspeed":
             init_distributed("nccl" if self.device.type == "cuda" else "gloo")
+        # Any: transformers types .to() on a model as if it could return something else.
+        policy: Any
         if model is not None:
             policy = model
         elif sharded:
             policy = build_partitioned(model_cfg, self.dtype, ds_config)
         else:
             policy = load_policy(model_cfg, self.dtype)
-        self.ref_model = None
+        self.ref_model: Any = None
         self._ref_engine: Any = None  # under ZeRO-3 the DeepSpeed engine that shards ref_model
         if loss_cfg.kl_coef > 0 and sharded:
             self._ref_engine = reference_engine(model_cfg, self.dtype, ds_config)
             self.ref_model = self._ref_engine.module
         elif loss_cfg.kl_coef > 0:
-            self.ref_model = load_policy(model_cfg, self.dtype, model_cfg.ref_path).to(self.device).eval()
+            self.ref_model = cast(Any, load_policy(model_cfg, self.dtype, model_cfg.ref_path)).to(self.device).eval()
             self.ref_model.requires_grad_(False)
         optimizer = torch.optim.AdamW(
-            policy.parameters(), lr=optim_cfg.lr, betas=tuple(optim_cfg.betas), eps=optim_cfg.eps,
+            policy.parameters(), lr=optim_cfg.lr, betas=(optim_cfg.betas[0], optim_cfg.betas[1]), eps=optim_cfg.eps,
             weight_decay=optim_cfg.weight_decay,
         )
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(optim_cfg, total_steps))
@@ -231,6 +233,7 @@ class Learner:
             # packs run extra passes on a pack of theirs with the loss zeroed.
             idle = i >= len(packs)
             pack = packs[min(i, len(packs) - 1)] if packs else filler
+            assert pack is not None  # a rank without packs is given the filler
             loss, record = loss_of(self.engine or self.model, pack)
             if idle:
                 loss = loss * 0.0
@@ -270,6 +273,7 @@ class Learner:
         with torch.no_grad():
             for i in range(self._passes(len(packs), filler is not None)):
                 pack = packs[min(i, len(packs) - 1)] if packs else filler
+                assert pack is not None  # _passes is 0 without packs and filler
                 select = pack.trained.nonzero()[:, 0]
                 logp, _ = pack_token_logprobs(self.model, pack, select, self.attention, temperature=self.temperature,
                                               chunk_tokens=self.cfg.logit_chunk_tokens)
@@ -390,7 +394,7 @@ class Learner:
             return {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()} if keep else {}
         from arbor.train.weight_sync import gathered_buckets
 
-        out = {}
+        out: dict[str, torch.Tensor] = {}
         for bucket in gathered_buckets(self.model, 3, self.cfg.sync_bucket_mb, copy=keep):
             if keep:
                 out.update((name, tensor.cpu()) for name, tensor in bucket)

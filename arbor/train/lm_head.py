@@ -98,7 +98,7 @@ class _ChunkedHeadScores(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx: Any,
         hidden: torch.Tensor,  # [M, H]
         weight: torch.Tensor,  # [V, H]
@@ -123,14 +123,15 @@ class _ChunkedHeadScores(torch.autograd.Function):
         return logp, entropy
 
     @staticmethod
-    def backward(ctx: Any, grad_logp: torch.Tensor, grad_entropy: torch.Tensor) -> tuple:  # type: ignore[override]
+    def backward(ctx: Any, grad_logp: torch.Tensor, grad_entropy: torch.Tensor) -> tuple:
         hidden, weight, bias, targets, lse, entropy = ctx.saved_tensors
         temperature, chunk_tokens = ctx.temperature, ctx.chunk_tokens
         need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
-        grad_hidden = torch.empty_like(hidden) if need_hidden else None
+        # Any: each is a tensor exactly when its need_* flag is set (the loop checks the flag).
+        grad_hidden: Any = torch.empty_like(hidden) if need_hidden else None
         # Chunks' weight gradients are summed in the score dtype, then cast once.
-        grad_weight = torch.zeros(weight.shape, dtype=lse.dtype, device=weight.device) if need_weight else None
-        grad_bias = torch.zeros(bias.shape, dtype=lse.dtype, device=bias.device) if need_bias else None
+        grad_weight: Any = torch.zeros(weight.shape, dtype=lse.dtype, device=weight.device) if need_weight else None
+        grad_bias: Any = torch.zeros(bias.shape, dtype=lse.dtype, device=bias.device) if need_bias else None
         for s in range(0, hidden.shape[0], chunk_tokens):
             e = min(s + chunk_tokens, hidden.shape[0])
             g_logp, g_ent = grad_logp[s:e, None].to(lse.dtype), grad_entropy[s:e, None].to(lse.dtype)

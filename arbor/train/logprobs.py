@@ -75,7 +75,8 @@ def padded_token_logprobs(
     logits = model(
         input_ids=ids.to(device), attention_mask=mask.to(device), logits_to_keep=keep, use_cache=False
     ).logits  # [L, keep, V]
-    rows, targets, index = [], [], []
+    rows: list[tuple[int, int]] = []  # (sequence, logit position) of each response token
+    targets, index = [], []
     offset = length - keep
     for i, s in enumerate(seqs):
         positions = list(range(starts[i], len(s)))  # response tokens

@@ -27,7 +27,7 @@ denominator (:func:`arbor.train.packing.loss_denominator` over the whole batch, 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from transformers import PreTrainedModel
@@ -91,7 +91,7 @@ def pack_loss(
     whatever the model's dtype.
     """
     select = pack.trained.nonzero()[:, 0]
-    scoring = dict(temperature=temperature, chunk_tokens=chunk_tokens)
+    scoring: dict[str, Any] = dict(temperature=temperature, chunk_tokens=chunk_tokens)
     logp, entropy = pack_token_logprobs(model, pack, select, attention, **scoring)
     device, dtype = logp.device, logp.dtype  # float32, or float64 for a float64 model
 

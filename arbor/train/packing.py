@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
-from typing import Literal
+from typing import Literal, cast
 
 import torch
 
@@ -85,7 +85,7 @@ class PackedBatch:
 
     def attention_cost(self) -> int:
         """Query-key pairs the tree mask allows: the attention work of this pack."""
-        return sum((b.end - b.start) * (len(b.context) + (b.end - b.start + 1) / 2) for b in self.blocks)
+        return sum((b.end - b.start) * len(b.context) + (b.end - b.start) * (b.end - b.start + 1) // 2 for b in self.blocks)
 
 
 def leaf_weights(tree: RolloutTree, normalize: Normalize) -> list[float]:
@@ -145,7 +145,7 @@ def linearise_trees(
                 tip.learner_logprobs = node.learner_logprobs
             tip.reward = leaf.reward
             out_trees.append(chain)
-            out_adv.append([float(a) if isinstance(a, (int, float)) else [float(x) for x in a]])
+            out_adv.append([float(a) if isinstance(a, (int, float)) else [float(x) for x in cast(Sequence[float], a)]])
     return out_trees, out_adv
 
 
@@ -352,6 +352,14 @@ def _serialise(
     weights: list[dict[int, _NodeWeights]],
     require_logprobs: bool,
 ) -> PackedBatch:
+    """The parts of one pack as its columns (ids, positions, parent, subtree end, ownership,
+    loss columns), attention blocks and token origins.
+
+    One function of ~90 lines on purpose: a single DFS pass per part fills every column,
+    opens a block wherever a node does not follow its parent's last token and records
+    subtree ends, and these share its running state (``last_of``, ``ancestors``, the block
+    in progress); helpers would pass that state back and forth. ``scripts/bench_packing.py``
+    times it."""
     cols: dict[str, list] = {k: [] for k in ("ids", "pos", "parent", "end", "owned", "trained", "old", "prox")}
     wcols: dict[str, list[torch.Tensor]] = {k: [] for k in _NodeWeights.__dataclass_fields__}
     blocks: list[AttentionBlock] = []
@@ -429,16 +437,16 @@ def _serialise(
                 cols["end"][i] = end_of[node.id]
     old = torch.tensor(cols["old"], dtype=torch.float64)
     prox = torch.tensor(cols["prox"], dtype=torch.float64)
-    trained = torch.tensor(cols["trained"], dtype=torch.bool)
+    trained_mask = torch.tensor(cols["trained"], dtype=torch.bool)
     return PackedBatch(
         input_ids=torch.tensor(cols["ids"], dtype=torch.long),
         position_ids=torch.tensor(cols["pos"], dtype=torch.long),
         parent=torch.tensor(cols["parent"], dtype=torch.long),
         subtree_end=torch.tensor(cols["end"], dtype=torch.long),
         owned=torch.tensor(cols["owned"], dtype=torch.bool),
-        trained=trained,
-        old_logprobs=torch.where(trained, old, torch.zeros_like(old)),
-        prox_logprobs=torch.where(trained, prox, torch.zeros_like(prox)),
+        trained=trained_mask,
+        old_logprobs=torch.where(trained_mask, old, torch.zeros_like(old)),
+        prox_logprobs=torch.where(trained_mask, prox, torch.zeros_like(prox)),
         blocks=blocks,
         origin=origin,
         **{k: torch.cat(v) for k, v in wcols.items()},

@@ -69,10 +69,15 @@ class Correction:
 class LossSettings(Protocol):
     """The ``loss`` keys a :class:`Correction` is read from (``arbor.config.LossConfig``)."""
 
-    rollout_correction: str
-    rollout_correction_level: str
-    rollout_is_cap: float
-    rollout_mask_bounds: Sequence[float]
+    # Read-only: a LossConfig's Literal-typed fields satisfy them.
+    @property
+    def rollout_correction(self) -> str: ...
+    @property
+    def rollout_correction_level(self) -> str: ...
+    @property
+    def rollout_is_cap(self) -> float: ...
+    @property
+    def rollout_mask_bounds(self) -> Sequence[float]: ...
 
 
 def correction_of(loss: LossSettings) -> Correction:

@@ -36,7 +36,7 @@ from arbor.engines.distributed import (
     connect_learner,
     send_weights,
 )
-from arbor.engines.embedded.server import free_port
+from arbor.engines.ports import free_port
 from arbor.engines.types import GenerateRequest, SamplingParams
 from arbor.train.lm_head import logprobs_and_entropy
 

@@ -95,7 +95,7 @@ class SafetensorsReader:
         raw = out.view(torch.uint8).numpy()
         with open(self.path, "rb") as f:
             f.seek(self.data_start + begin + top * row * out.element_size())
-            if f.readinto(raw) != raw.nbytes:
+            if f.readinto(raw.data) != raw.nbytes:
                 raise ValueError(f"{self.path}: tensor {name} is cut short (truncated file?)")
         return out
 
@@ -182,7 +182,7 @@ def partition_without_broadcast() -> Iterator[None]:
 
     original = Init._zero_init_param
 
-    def partition_only(self: Init, param: torch.nn.Parameter) -> None:
+    def partition_only(self: Init, param: Any) -> None:  # a DeepSpeed parameter (partition, ds_*)
         self._convert_to_deepspeed_param(param)
         param.partition()
 
@@ -214,7 +214,8 @@ def load_partitioned_weights(model: PreTrainedModel, path: str | Path, read_mb: 
     readers = {file: SafetensorsReader(file) for file in set(files.values())}
     limit = max(1, int(read_mb * 2**20))
     with torch.no_grad():
-        for name, param in model.named_parameters():
+        for name, parameter in model.named_parameters():
+            param: Any = parameter  # ZeRO-3 gave it ds_tensor, ds_process_group, ds_numel
             reader = readers[files[name]]
             shard = param.ds_tensor  # [ceil(n / world)] this rank's flat share
             first = torch.distributed.get_rank(group=param.ds_process_group) * shard.numel()

@@ -21,6 +21,8 @@ other causal LM runs its own ``forward`` over a ``DynamicCache`` view of the buf
 
 from __future__ import annotations
 
+from typing import Any, cast
+
 import torch
 import torch.nn.functional as F
 
@@ -30,6 +32,10 @@ class DecodeBatch:
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
+        self._empty()
+
+    def _empty(self) -> None:
+        device = self.device
         # Keys and values of every layer in one buffer [2, L, row capacity, H_kv, token
         # capacity, D], so a row joins, leaves or is cached with one copy; ``keys[l]`` and
         # ``values[l]`` are its per-layer views [row capacity, H_kv, token capacity, D].
@@ -110,7 +116,7 @@ class DecodeBatch:
     def release(self) -> None:
         """Free the buffers (the batch must be empty)."""
         assert not self.lengths, "release with rows still decoding"
-        self.__init__(self.device)
+        self._empty()
 
     def _reserve(self, rows: int, tokens: int, like: torch.Tensor) -> None:
         """Grow the buffer to hold ``rows`` rows of ``tokens`` tokens (``like``: a row's
@@ -155,11 +161,13 @@ class LlamaDecoder:
     model_types = ("llama", "qwen2", "qwen3")
 
     def __init__(self, model: torch.nn.Module) -> None:
-        self.model = model  # modules are read at every call: weight loads and .to() stay live
-        config = model.config
+        # Modules are read at every call: weight loads and .to() stay live. Typed Any: HF's
+        # submodules are found by name (model.model.layers[i].self_attn), not by type.
+        self.model: Any = cast(Any, model)
+        config = self.model.config
         self.num_heads: int = config.num_attention_heads
         self.num_kv_heads: int = config.num_key_value_heads
-        self.head_dim: int = model.model.layers[0].self_attn.head_dim
+        self.head_dim: int = self.model.model.layers[0].self_attn.head_dim
 
     @classmethod
     def supports(cls, model: torch.nn.Module) -> bool:
@@ -271,7 +279,7 @@ def _attend(
     return torch.matmul(probs, values)
 
 
-def _rms_norm(norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+def _rms_norm(norm: Any, x: torch.Tensor) -> torch.Tensor:
     """``norm(x)`` for a Llama-style RMSNorm; one fused op in float32."""
     if x.dtype == torch.float32 and hasattr(norm, "variance_epsilon"):
         return F.rms_norm(x, norm.weight.shape, norm.weight, norm.variance_epsilon)

@@ -47,6 +47,7 @@ from concurrent.futures import Future
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, cast
 
 import torch
 
@@ -118,7 +119,8 @@ class LocalEngine:
         self.model_path = str(model_path)
         self.device = torch.device(device)
         self.dtype = getattr(torch, dtype)
-        self.model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=self.dtype)
+        # Any: transformers types .to() on a model as if it could return something else.
+        self.model: Any = cast(Any, AutoModelForCausalLM.from_pretrained(self.model_path, dtype=self.dtype))
         self.model.to(self.device).eval()
         config = self.model.config
         self.vocab_size: int = config.vocab_size
@@ -302,7 +304,7 @@ class LocalEngine:
                     break
                 pending.append(job)
             with self._lock:
-                batch, rows = self._batch, []
+                batch, rows = self._batch, list[_Row]()
                 try:
                     self._drain_queue(pending)
                     self._admit(pending, batch, rows)

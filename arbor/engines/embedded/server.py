@@ -53,7 +53,7 @@ from arbor.engines.auth import (
 )
 from arbor.engines.distributed import DEFAULT_GROUP, WeightUpdateGroup
 from arbor.engines.embedded.engine import EngineReleased, LocalEngine
-from arbor.engines.launch import free_port
+from arbor.engines.ports import free_port
 from arbor.engines.types import GenerateOutput, GenerateRequest, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -196,7 +196,11 @@ def build_app(
     engine: LocalEngine, tokenizer: Any = None, *, api_key: str | None = None,
     admin_api_key: str | None = None,
 ) -> web.Application:
-    """The HTTP app; requests need the keys given (SGLang's ``--api-key``/``--admin-api-key``)."""
+    """The HTTP app; requests need the keys given (SGLang's ``--api-key``/``--admin-api-key``).
+
+    Long on purpose: one short route per SGLang endpoint, each reading the shared ``state``
+    and wrapped by ``handler``, listed in one place as SGLang's own ``http_server.py`` does;
+    a route is read on its own, never the function as a whole."""
     state = ServerState(engine, tokenizer)
     levels = dict.fromkeys(ADMIN_PATHS, Level.ADMIN_OPTIONAL)
     app = web.Application(client_max_size=1 << 28, middlewares=[middleware(api_key, admin_api_key, levels)])

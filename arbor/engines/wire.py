@@ -1,0 +1,111 @@
+"""SGLang's native ``/generate`` JSON, both ways: what :class:`~arbor.engines.client.SGLangClient`
+sends for a :class:`GenerateRequest` and how it reads the answer; and the rank layout the
+weight-update group's requests carry (:func:`rank_layout`).
+
+    generate_payload(GenerateRequest([1, 2, 3], SamplingParams(8, seed=5)))
+    # {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 8, ..., "sampling_seed": 5},
+    #  "return_logprob": True}
+    parse_output({"output_ids": [4], "meta_info": {"output_token_logprobs": [[-0.5, 4, None]], ...}})
+
+``logprob_start_len`` stays at its default: asking for prompt logprobs disables prefix reuse.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from typing import Any
+
+from arbor.engines.types import GenerateOutput, GenerateRequest, SamplingParams
+
+
+def generate_payload(request: GenerateRequest) -> dict[str, Any]:
+    """The ``/generate`` body SGLang expects for one request."""
+    return {
+        "input_ids": list(request.input_ids),
+        "sampling_params": sampling_payload(request.sampling),
+        "return_logprob": True,
+    }
+
+
+def sampling_payload(sp: SamplingParams) -> dict[str, Any]:
+    """SGLang's ``sampling_params`` object for ``sp``."""
+    params: dict[str, Any] = {
+        "max_new_tokens": sp.max_new_tokens,
+        "temperature": sp.temperature,
+        "top_p": sp.top_p,
+        "top_k": sp.top_k,
+        "n": sp.n,
+    }
+    if sp.stop_token_ids:
+        params["stop_token_ids"] = list(sp.stop_token_ids)
+    if sp.seed is not None:
+        params["sampling_seed"] = sp.seed
+    return params
+
+
+def fork_items(request: GenerateRequest) -> list[GenerateRequest]:
+    """``request`` as ``n`` single-fork requests (fork ``j`` seeded ``seed + j``)."""
+    sp = request.sampling
+    if sp.n == 1:
+        return [request]
+    return [
+        GenerateRequest(
+            request.input_ids,
+            replace(sp, n=1, seed=None if sp.seed is None else sp.seed + fork),
+            request.affinity_key,
+        )
+        for fork in range(sp.n)
+    ]
+
+
+def parse_output(item: dict[str, Any]) -> GenerateOutput:
+    """One ``/generate`` result object -> :class:`GenerateOutput`."""
+    meta = item.get("meta_info", {})
+    token_logprobs = meta.get("output_token_logprobs") or []
+    output_ids = item.get("output_ids")
+    if output_ids is None:  # older servers: the ids only inside the logprob triples
+        output_ids = [entry[1] for entry in token_logprobs]
+    finish = meta.get("finish_reason")
+    reason = finish.get("type", "abort") if isinstance(finish, dict) else (finish or "abort")
+    logprobs = [float(entry[0]) for entry in token_logprobs]
+    if len(logprobs) != len(output_ids):
+        raise ValueError(f"{len(output_ids)} output ids but {len(logprobs)} logprobs")
+    return GenerateOutput(
+        output_ids=list(output_ids),
+        logprobs=logprobs,
+        finish_reason=reason,
+        prompt_tokens=int(meta.get("prompt_tokens", 0)),
+        cached_tokens=int(meta.get("cached_tokens", 0)),
+        weight_version=str(meta.get("weight_version", "default")),
+    )
+
+
+def error_message(text: str) -> str:
+    try:
+        body = json.loads(text)
+    except json.JSONDecodeError:
+        return text[:1000]
+    if isinstance(body, dict):
+        error = body.get("error")
+        if isinstance(error, dict) and "message" in error:
+            return str(error["message"])
+        if "message" in body:
+            return str(body["message"])
+    return text[:1000]
+
+
+def rank_layout(tp_sizes: list[int]) -> tuple[int, list[int]]:
+    """(world_size, rank_offset of each engine) of a weight-update group: the learner is rank 0,
+    then every TP rank of every engine (:mod:`arbor.engines.distributed` builds the group).
+
+    >>> rank_layout([2, 1, 4])
+    (8, [1, 3, 4])
+    """
+    if not tp_sizes or any(size < 1 for size in tp_sizes):
+        raise ValueError(f"every engine needs tp_size >= 1, got {tp_sizes}")
+    offsets, next_rank = [], 1
+    for size in tp_sizes:
+        offsets.append(next_rank)
+        next_rank += size
+    return next_rank, offsets

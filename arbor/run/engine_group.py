@@ -1,0 +1,153 @@
+"""The rollout engines of a run: Ray actors that each own a server process on their node.
+
+    cfg = settled(cfg)                                   # arbor.run.startup: kind and key decided
+    engines = EngineGroup(cfg, placement, log_dir, wait=False)
+    start_groups(engines, learners, clock)               # engines.urls once every server is healthy
+
+SGLang on GPUs, ``arbor serve`` (the embedded engine) else; ``engine.kind: external``
+adopts running servers instead. ``arbor eval`` launches the same servers in its own
+process with :func:`launch_options`.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from arbor.config import Config
+from arbor.run.orchestration import Placement, cpu_threads, gather, node_address, uses_gpu
+
+
+class EngineWorker:
+    """Owns one engine server process on its node (a Ray actor)."""
+
+    def __init__(self, cfg: Config, index: int, log_dir: str, bind_node_address: bool) -> None:
+        from arbor.engines.launch import launch_engines
+
+        if not uses_gpu(cfg):
+            # Ray gives actors one thread; the server has the cores while rollouts run.
+            os.environ["OMP_NUM_THREADS"] = str(cpu_threads(cfg, sharers=1))
+        host = node_address() if bind_node_address else cfg.engine.host
+        self.handle = launch_engines(**launch_options(cfg), num_engines=1, host=host,
+                                     log_dir=os.path.join(log_dir, f"engine-{index}"))
+        self.startup_timeout_s = cfg.engine.startup_timeout_s
+
+    def urls(self) -> list[str]:
+        return self.handle.urls
+
+    def pid(self) -> int:
+        """The server's process id (what a fault test or scripts/soak.py kills)."""
+        return self.handle.processes[0].pid
+
+    def restart(self) -> None:
+        """Start the dead server again on its port (model.path's weights; EngineRecovery restores the run's)."""
+        self.handle.restart(0, self.startup_timeout_s)
+
+    def log_tail(self, lines: int = 30) -> str:
+        return self.handle.log_tail(0, lines)
+
+    def shutdown(self) -> None:
+        self.handle.shutdown()
+
+
+def _not_started(index: int, e: Exception) -> Exception:
+    from arbor.engines.launch import EngineLaunchError
+
+    # Ray's message holds the actor's whole traceback; the launcher's own error (exit code, log tail) says it all.
+    message = str(e)
+    launch_error = message.rfind(f"{EngineLaunchError.__name__}: ")
+    reason = message[launch_error + len(EngineLaunchError.__name__) + 2:] if launch_error >= 0 else message
+    return EngineLaunchError(f"engine {index} did not start: {reason}")
+
+
+def launch_options(cfg: Config) -> dict[str, Any]:
+    """:func:`~arbor.engines.launch.launch_engines` arguments from a settled config
+    (:func:`~arbor.run.startup.settled`), the same for the run's engine actors and ``arbor eval``;
+    the caller adds how many engines, where, and their log directory."""
+    return dict(
+        kind=cfg.engine.kind, model_path=cfg.model.path, urls=cfg.engine.urls or None,
+        dtype=None if cfg.model.dtype == "auto" else cfg.model.dtype,
+        device=None if cfg.learner.device == "auto" else cfg.learner.device, extra_args=engine_args(cfg),
+        startup_timeout_s=cfg.engine.startup_timeout_s, gpus_per_engine=cfg.engine.tp_size,
+        api_key=cfg.engine.api_key,
+    )
+
+
+def engine_args(cfg: Config) -> list[str]:
+    """Server flags from a settled config (the embedded server's cache bound, SGLang's memory)."""
+    from arbor.engines.launch import sglang_flags
+
+    if cfg.engine.kind == "auto":
+        raise ValueError("engine.kind is still auto: settle the config first (arbor.run.startup.settled)")
+    if cfg.engine.kind == "sglang":
+        # With model.dtype auto, the learner's (on GPUs its auto is bfloat16); an explicit
+        # model.dtype reaches the server as launch_engines(dtype=...).
+        dtype = None if cfg.model.dtype != "auto" else cfg.learner.dtype.replace("auto", "bfloat16")
+        args = sglang_flags(
+            mem_fraction=cfg.engine.mem_fraction, tp_size=cfg.engine.tp_size, dtype=dtype,
+            seed=cfg.run.seed, trust_remote_code=cfg.model.trust_remote_code,
+            memory_saver=cfg.ray.colocate, deterministic=cfg.engine.deterministic,
+        )
+    else:
+        args = ["--max-cached-tokens", str(cfg.engine.max_cached_tokens)]
+    return args + list(cfg.engine.extra_args)
+
+
+class EngineGroup:
+    """The run's rollout engines: Ray actors owning servers, or ``engine.urls`` (external).
+
+    ``cfg`` is settled (:func:`~arbor.run.startup.settled`): the actors start the kind and
+    require the key it names.
+    """
+
+    def __init__(self, cfg: Config, placement: Placement, log_dir: str, wait: bool = True) -> None:
+        """Start the engines; with ``wait=False`` return at once and fill ``urls`` in :meth:`started`."""
+        import ray
+
+        self.workers: list[Any] = []
+        self.starting: list[Any] = []  # ref i: engine i's URLs, once its server is healthy
+        self.startup_timeout_s = cfg.engine.startup_timeout_s
+        self.urls: list[str] = []
+        if cfg.engine.kind == "external":
+            from arbor.engines.launch import launch_engines
+
+            self.urls = launch_engines("external", urls=cfg.engine.urls,
+                                       startup_timeout_s=cfg.engine.startup_timeout_s).urls
+            return
+        actor = ray.remote(EngineWorker)
+        self.workers = [
+            actor.options(**placement.engine_options(i, cfg.engine.tp_size)).remote(
+                cfg, i, log_dir, cfg.ray.address is not None
+            )
+            for i in range(cfg.engine.num_engines)
+        ]
+        self.starting = [w.urls.remote() for w in self.workers]
+        if wait:
+            self.wait_started()
+
+    def wait_started(self) -> None:
+        """Wait until every engine is healthy and take their URLs (after ``wait=False``);
+        :class:`EngineLaunchError` names the first engine that failed, with its log's tail."""
+        import ray
+
+        self.urls = [u for urls in gather(self.starting, ray.exceptions.RayError, _not_started) for u in urls]
+
+    def worker(self, url: str) -> Any:
+        """The actor owning the server at ``url`` (one server per actor); None for external engines."""
+        return self.workers[self.urls.index(url)] if self.workers else None
+
+    def shutdown(self) -> None:
+        import ray
+
+        # An engine still starting (a learner rank failed meanwhile) runs shutdown only after its
+        # start: wait that long, since killing the actor first would orphan its server process.
+        starting = self.starting and ray.wait(self.starting, num_returns=len(self.starting), timeout=0)[1]
+        grace_s = 60 + (self.startup_timeout_s if starting else 0)
+        for w in self.workers:
+            try:
+                ray.get(w.shutdown.remote(), timeout=grace_s)
+            except ray.exceptions.RayActorError:
+                pass  # it died (a failed start already stopped its server): nothing left to stop
+            finally:
+                ray.kill(w)
+        self.workers = []
