@@ -151,7 +151,7 @@ class RewardConfig:
 
 @dataclass
 class AlgorithmConfig:
-    advantage: Literal["treepo", "grpo", "reinforce_pp", "tempo"] = "treepo"
+    advantage: Literal["treepo", "grpo", "reinforce_pp", "tempo", "treerl"] = "treepo"  # treerl: TreeRL's GA + LA
     treepo_aggregate: Literal["mean", "size_weighted"] = "mean"
     std_normalize: bool = True  # grpo: divide by the group std (False: Dr.GRPO)
     whiten: bool = True  # global token whitening after the estimator (REINFORCE++ style)
