@@ -18,7 +18,9 @@ Trains the config's model on its data once per arm and seed with the real traine
 - **entropy**: TreeRL's EPTree sampling (``rollout.fork_at: entropy``: whole answers forked at
   their highest-entropy tokens, docs/fork-policies.md) with TreePO's advantages and tree packing;
 - **entropy_treerl**: the same trees with TreeRL's per-step global + local advantage
-  (``algorithm.advantage: treerl``).
+  (``algorithm.advantage: treerl``);
+- **entropy_dist** (only when named in ``--arms``): entropy forking scored by the entropy of the
+  next-token distribution (``rollout.fork_entropy: distribution``) rather than ``−log p``.
 
 Everything else is the config's and the same for every arm: model, data and its order
 (``run.seed``), reward, learning rate, dynamic sampling, and the group size — the tree's
@@ -83,9 +85,15 @@ ARMS = {
                 "algorithm.advantage=treepo", "loss.mode=tree"],
     "entropy_treerl": ["rollout.mode=tree", "rollout.fork_at=entropy", "rollout.entropy_init=2",
                        "algorithm.advantage=treerl", "loss.mode=tree"],
+    # Not run by default: forks scored by the distribution's entropy (the engine's) instead of -log p.
+    "entropy_dist": ["rollout.mode=tree", "rollout.fork_at=entropy", "rollout.entropy_init=2",
+                     "rollout.fork_entropy=distribution", "algorithm.advantage=treepo", "loss.mode=tree"],
 }
-LABELS = {"tree": "TreePO", "grpo": "GRPO", "entropy": "EPTree + TreePO adv.", "entropy_treerl": "EPTree + TreeRL adv."}
-COLORS = {"tree": "tab:green", "grpo": "tab:blue", "entropy": "tab:orange", "entropy_treerl": "tab:red"}
+DEFAULT_ARMS = ("tree", "grpo", "entropy", "entropy_treerl")
+LABELS = {"tree": "TreePO", "grpo": "GRPO", "entropy": "EPTree + TreePO adv.", "entropy_treerl": "EPTree + TreeRL adv.",
+          "entropy_dist": "EPTree (distribution entropy)"}
+COLORS = {"tree": "tab:green", "grpo": "tab:blue", "entropy": "tab:orange", "entropy_treerl": "tab:red",
+          "entropy_dist": "tab:purple"}
 # Past any budget: the run ends when the budget does, not at run.steps.
 NO_STEP_LIMIT = 1_000_000
 
@@ -333,7 +341,7 @@ def main() -> None:
     parser.add_argument("--budget-s", type=float, default=200.0, help="training seconds per arm and seed")
     parser.add_argument("--seeds", type=int, default=2, help="run.seed 0..N-1, each trained by every arm")
     parser.add_argument("--evals", type=int, default=6, help="greedy evals per run after the start one")
-    parser.add_argument("--arms", default=",".join(ARMS),
+    parser.add_argument("--arms", default=",".join(DEFAULT_ARMS),
                         help=f"comma-separated, from {', '.join(ARMS)}; tree and grpo are always run")
     parser.add_argument("--out", default=str(REPO / "runs" / "bench_learning"))
     parser.add_argument("--tree-override", action="append", default=[], metavar="KEY=VALUE",
