@@ -47,6 +47,8 @@ multimodal-art-projection/TreePO at b86ce51, ``vllm_rollout_spmd.py``, cited "sp
   well-formed, the root restarts with ``branch`` copies (spmd:1033-1041), so a tree
   always ends with exactly ``width`` leaves. ``fallback: false`` stops there instead,
   with a shortfall (the reference's ``no_fallback``, spmd:945-947).
+- ``fork_at: entropy`` grows the tree with TreeRL's EPTree instead (whole answers forked at
+  their highest-entropy tokens, :mod:`arbor.rollout.entropy_fork`), with the same early stops.
 - ``mode: independent`` (the GRPO baseline) is one round: one request ``n = width`` with
   the whole response budget ``max_depth · segment_tokens`` — the fastest way an engine can
   sample independent answers, so tree-vs-independent benchmarks are conservative.
