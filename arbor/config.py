@@ -101,6 +101,14 @@ class RolloutConfig:
     # Wall-clock seconds one agent.step call may take; past it the episode ends there
     # ("agent_timeout", counted in agent/timeouts). The step's thread cannot be killed.
     agent_timeout_s: float = 60.0
+    # Where paths fork. segment: TreePO's segment boundaries; entropy: TreeRL's EPTree, at the
+    # highest-entropy tokens of whole paths already sampled (docs/fork-policies.md).
+    fork_at: Literal["segment", "entropy"] = "segment"
+    entropy_init: int = 6  # fork_at entropy: whole paths sampled from the prompt first (EPTree's M)
+    entropy_forks: int = 2  # fork_at entropy: fork positions per initial path per round (EPTree's N)
+    # fork_at entropy: a token's score. sampled: -log p of the token drawn (EPTree's); distribution:
+    # the entropy of the distribution it was drawn from, asked of the engine.
+    fork_entropy: Literal["sampled", "distribution"] = "sampled"
 
     @property
     def max_response_tokens(self) -> int:
@@ -167,8 +175,9 @@ class RewardConfig:
 
 @dataclass
 class AlgorithmConfig:
-    # Advantage estimator: TreePO subgroups, GRPO groups, REINFORCE++ or TEMPO.
-    advantage: Literal["treepo", "grpo", "reinforce_pp", "tempo"] = "treepo"
+    # Advantage estimator: TreePO subgroups, GRPO groups, REINFORCE++, TEMPO, or treerl (TreeRL's
+    # global + local advantage per node).
+    advantage: Literal["treepo", "grpo", "reinforce_pp", "tempo", "treerl"] = "treepo"
     # treepo: how a leaf's subgroup advantages combine (the paper's plain mean, or weighted by subgroup size).
     treepo_aggregate: Literal["mean", "size_weighted"] = "mean"
     std_normalize: bool = True  # grpo: divide by the group std (False: Dr.GRPO)
@@ -409,6 +418,12 @@ def validate(cfg: Config, where: Callable[[str], str] | None = None) -> None:
     need(r.repetition_count >= 2, "rollout.repetition_count", "must be ≥ 2")
     need(r.agent is None or ":" in r.agent, "rollout.agent", f"must be 'module:attr', got {r.agent!r}")
     need(r.agent_timeout_s > 0, "rollout.agent_timeout_s", f"must be > 0, got {r.agent_timeout_s}")
+    if r.fork_at == "entropy":
+        need(r.mode == "tree", "rollout.fork_at", "entropy forks a tree: it needs rollout.mode: tree")
+        need(r.agent is None, "rollout.fork_at", "entropy does not fork multi-turn episodes (rollout.agent)")
+        need(1 <= r.entropy_init <= r.width, "rollout.entropy_init",
+             f"must be in [1, rollout.width ({r.width})], got {r.entropy_init}")
+        need(r.entropy_forks >= 1, "rollout.entropy_forks", f"must be ≥ 1, got {r.entropy_forks}")
 
     need(e.num_engines >= 1, "engine.num_engines", f"must be ≥ 1, got {e.num_engines}")
     need(e.kind != "external" or bool(e.urls), "engine.urls", "must list the servers when engine.kind is external")

@@ -174,6 +174,22 @@ class RolloutTree:
             raise ValueError("parent does not belong to this tree")
         return self._new_node(parent, token_ids, logprobs, loss_mask)
 
+    def split(self, node: Node, n: int) -> Node:
+        """Split ``node`` after its first ``n`` tokens (``0 < n < len(node.token_ids)``) and
+        return the new upper node, so a path can fork inside a sampled segment.
+
+        The lower part keeps the original Node object (its id, reward, finish reason and leaf
+        order); the upper one is a new node (the next id) with the same weight version.
+        ``tree.split(a, 1)`` on ``a = [10, 11]``: ``[10] -> [11]``, ``[10]`` returned.
+        """
+        if node.id >= len(self._nodes) or self._nodes[node.id] is not node or node.parent is None:
+            raise ValueError("split: the node is not a non-root node of this tree")
+        if not 0 < n < len(node.token_ids):
+            raise ValueError(f"split: node {node.id} has {len(node.token_ids)} tokens, cannot split after {n}")
+        upper = self._split(node, n)
+        upper.weight_version = node.weight_version
+        return upper
+
     # -- traversal ----------------------------------------------------------------------
 
     def nodes(self) -> Iterator[Node]:

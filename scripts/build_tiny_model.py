@@ -3,12 +3,15 @@
     python scripts/build_tiny_model.py                      # -> models/tiny-arith, data/arith
     python scripts/build_tiny_model.py --steps 50 --out /tmp/tiny --data /tmp/arith
     python scripts/build_tiny_model.py --task cot            # -> models/tiny-cot, data/cot
+    python scripts/build_tiny_model.py --task lookup         # -> models/tiny-lookup, data/lookup
 
 ``--task cot`` builds the chain-of-thought variant (``scripts/cot_task.py``): the same
 tokenizer recipe and architecture, warm-started on six-digit column additions worked
 digit by digit (~65 answer tokens before ``\\boxed{}``), some of them with a slip carried
 through (``--corrupt``), and stopped as soon as its *greedy* validation accuracy reaches
 ``--target-acc`` (default 0.3): the start of ``scripts/bench_learning.py``'s RL runs.
+``--task lookup`` (``scripts/lookup_task.py``) is built the same way: a long shared context (a
+16-entry table in the prompt) and a short decision (two entries read and added, ~20 tokens).
 
 No download: the byte-level BPE tokenizer (digits always one per token) is trained here on
 the synthetic corpus, the model (Qwen2 architecture, ~0.9M parameters, 3.4 MB) starts
@@ -51,6 +54,7 @@ from arbor.train.learner import Learner  # noqa: E402
 
 sys.path.insert(0, str(REPO / "scripts"))
 import cot_task  # noqa: E402
+import lookup_task  # noqa: E402
 
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 EOS, PAD = "<|im_end|>", "<|endoftext|>"
@@ -62,8 +66,9 @@ CHAT_TEMPLATE = (
 PROMPT_SUFFIX = " Put the answer in \\boxed{}."
 DATA_CFG = DataConfig(prompt_suffix=PROMPT_SUFFIX, system_prompt=None)
 N_PROBLEMS = 4000  # at most; fewer when the operand range has fewer distinct problems
-# --task cot: test, valid, train (RL) and the warm-up's problems, all distinct.
+# --task cot / lookup: test, valid, train (RL) and the warm-up's problems, all distinct.
 COT_SPLITS = {"test": 200, "valid": 100, "train": 1000, "sft": 20000}
+WORKED_TASKS = {"cot": cot_task, "lookup": lookup_task}  # worked answers, stopped on greedy accuracy
 
 
 def make_problem(rng: random.Random, index: int, max_operand: int) -> dict[str, str]:
@@ -178,8 +183,8 @@ def evaluate(model: Any, tokenizer: Any, problems: Sequence[dict[str, str]], sam
 def split_problems(args: argparse.Namespace) -> dict[str, list[dict[str, str]]]:
     """The task's problems in disjoint splits: test (reported), valid (early stopping),
     train (the RL run's problems, never seen in SFT, so RL has to generalise too) and sft."""
-    if args.task == "cot":
-        problems = cot_task.make_problems(args.seed, sum(COT_SPLITS.values()), args.corrupt)
+    if args.task in WORKED_TASKS:
+        problems = WORKED_TASKS[args.task].make_problems(args.seed, sum(COT_SPLITS.values()), args.corrupt)
         splits, start = {}, 0
         for name, count in COT_SPLITS.items():
             splits[name], start = problems[start:start + count], start + count
@@ -194,16 +199,18 @@ def split_problems(args: argparse.Namespace) -> dict[str, list[dict[str, str]]]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--task", choices=["arith", "cot"], default="arith",
-                        help="arith: the quickstart's a+b; cot: six-digit addition worked column by column")
-    parser.add_argument("--out", default=None, help="default: models/tiny-arith (models/tiny-cot with --task cot)")
-    parser.add_argument("--data", default=None, help="default: data/arith (data/cot with --task cot)")
+    parser.add_argument("--task", choices=["arith", "cot", "lookup"], default="arith",
+                        help="arith: the quickstart's a+b; cot: six-digit addition worked column by column; "
+                             "lookup: two entries of a 16-entry table in the prompt, added")
+    parser.add_argument("--out", default=None, help="default: models/tiny-<task>")
+    parser.add_argument("--data", default=None, help="default: data/<task>")
     parser.add_argument("--steps", type=int, default=2500, help="SFT steps at most")
     parser.add_argument("--target-acc", type=float, default=None,
                         help="stop once the validation accuracy reaches this: sampled (T=1) for arith "
                              "(default 0.35), greedy for cot (default 0.3)")
     parser.add_argument("--corrupt", type=float, default=0.25,
-                        help="cot: share of warm-up solutions with one column sum off by one")
+                        help="cot: share of warm-up solutions with one column sum off by one; lookup: with "
+                             "one entry misread")
     parser.add_argument("--eval-every", type=int, default=None,
                         help="SFT steps between validation evals; default 100 (5 with --task cot, whose greedy "
                              "accuracy jumps within a few dozen steps: 0.11 -> 0.31 between steps 395 and 415)")
@@ -220,9 +227,9 @@ def main() -> None:
     parser.add_argument("--eval-problems", type=int, default=200, help="test problems for the final report")
     parser.add_argument("--eval-samples", type=int, default=8, help="samples per test problem at T=1")
     args = parser.parse_args()
-    cot = args.task == "cot"
-    args.out = args.out or str(REPO / "models" / ("tiny-cot" if cot else "tiny-arith"))
-    args.data = args.data or str(REPO / "data" / ("cot" if cot else "arith"))
+    cot = args.task in WORKED_TASKS  # cot and lookup are built alike
+    args.out = args.out or str(REPO / "models" / f"tiny-{args.task}")
+    args.data = args.data or str(REPO / "data" / args.task)
     args.target_acc = args.target_acc if args.target_acc is not None else (0.3 if cot else 0.35)
     args.eval_every = args.eval_every or (5 if cot else 100)
     args.eval_from = args.eval_from if args.eval_from is not None else (250 if cot else 0)

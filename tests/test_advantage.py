@@ -18,6 +18,7 @@ from arbor.train.advantage import (
     reinforce_pp_advantages,
     tempo_advantages,
     treepo_advantages,
+    treerl_advantages,
     whiten,
     whiten_token_values,
 )
@@ -350,6 +351,25 @@ def figure3_tree_with(reward: float) -> RolloutTree:
     return tree
 
 
+# -- TreeRL: global + local advantage per step ---------------------------------------------------
+
+
+def test_treerl_global_plus_local_over_sqrt_leaves():
+    # root -> A [2] -> {B [3] R=1, C [4] R=0}; root -> D [5] R=1 (radix tree, A split where B, C part).
+    tree = RolloutTree.from_sequences([1], [[2, 3], [2, 4], [5]], rewards=[1.0, 0.0, 1.0])
+    b, c, d = tree.leaves()
+    assert tree.path(b)[0] is tree.path(c)[0] and tree.path(b)[0].token_ids == [2]
+    # V(root) = 2/3, V(A) = 1/2, V(B) = 1, V(C) = 0, V(D) = 1.
+    # R(A) = ((1/2 - 2/3) + (1/2 - 2/3)) / sqrt(2) = -0.2357 (two leaves under A)
+    # R(B) = ((1 - 2/3) + (1 - 1/2)) / 1 = 0.8333;  R(C) = ((0 - 2/3) + (0 - 1/2)) = -1.1667
+    # R(D) = ((1 - 2/3) + (1 - 2/3)) = 0.6667 (its parent is the root: LA = GA)
+    a = -1 / 3 / math.sqrt(2)
+    (got,) = treerl_advantages([tree])
+    assert [approx(x) for x in ([a, 5 / 6], [a, -7 / 6], [2 / 3])] == got
+    # Leaves straight under the root (independent answers): 2 (R - mean), one value per leaf.
+    assert treerl_advantages([flat([1, 0])]) == [[[1.0], [-1.0]]]
+
+
 # -- errors and the dispatcher -------------------------------------------------------------------
 
 
@@ -357,7 +377,7 @@ def test_missing_reward_names_problem_and_leaf():
     tree = RolloutTree.from_sequences([1], [[2], [3]], rewards=[1, 0], problem={"id": "p-17"})
     missing = tree.leaves()[1]
     missing.reward = None
-    for fn in (grpo_advantages, treepo_advantages, tempo_advantages, dynamic_sampling_filter):
+    for fn in (grpo_advantages, treepo_advantages, tempo_advantages, treerl_advantages, dynamic_sampling_filter):
         with pytest.raises(ValueError, match=f"problem 'p-17': leaf node {missing.id} has no"):
             fn([flat([1, 0]), tree])
     with pytest.raises(ValueError, match="problem '<no id>': leaf node"):
@@ -373,7 +393,7 @@ def test_empty_tree_is_an_error():
 
 def test_compute_advantages_dispatch():
     trees = [ragged_tree(), figure3_tree()]
-    assert ESTIMATORS == ("grpo", "treepo", "reinforce_pp", "tempo")
+    assert ESTIMATORS == ("grpo", "treepo", "reinforce_pp", "tempo", "treerl")
     raw = treepo_advantages(trees, aggregate="size_weighted")
     got = compute_advantages(trees, "treepo", treepo_aggregate="size_weighted", whiten_tokens=False)
     assert got == raw
@@ -390,7 +410,10 @@ def test_compute_advantages_dispatch():
     tempo = compute_advantages(trees, "tempo", whiten_tokens=False)
     assert tempo == tempo_advantages(trees)
     assert compute_advantages(trees, "tempo") == whiten_token_values(trees, tempo)
-    with pytest.raises(ValueError, match="'ppo'; allowed: grpo, treepo, reinforce_pp, tempo"):
+    treerl = compute_advantages(trees, "treerl", whiten_tokens=False)
+    assert treerl == treerl_advantages(trees)
+    assert compute_advantages(trees, "treerl") == whiten_token_values(trees, treerl)
+    with pytest.raises(ValueError, match="'ppo'; allowed: grpo, treepo, reinforce_pp, tempo, treerl"):
         compute_advantages(trees, "ppo")
     with pytest.raises(ValueError, match="aggregate must be"):
         treepo_advantages(trees, aggregate="max")  # type: ignore[arg-type]

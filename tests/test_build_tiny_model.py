@@ -95,15 +95,21 @@ def test_cot_task_works_columns_and_slips_consistently():
     assert 150 < wrong < 250  # about half the solutions slip, and a slip changes the answer
 
 
-def test_builder_cot_task_writes_disjoint_splits_and_long_answers(tmp_path):
-    out, data = tmp_path / "model", tmp_path / "data"
+def _build_tiny(task: str, out: Path, data: Path, steps: int) -> subprocess.CompletedProcess:
+    """A few SFT steps of ``--task`` on a one-layer model: the builder's files, not its model."""
     run = subprocess.run(
-        [sys.executable, str(REPO / "scripts/build_tiny_model.py"), "--task", "cot", "--steps", "3", "--batch", "4",
+        [sys.executable, str(REPO / "scripts/build_tiny_model.py"), "--task", task, "--steps", str(steps), "--batch", "4",
          "--hidden", "64", "--layers", "1", "--eval-every", "1000", "--val-problems", "2",
          "--eval-problems", "2", "--eval-samples", "1", "--out", str(out), "--data", str(data)],
         capture_output=True, text=True, timeout=300,
     )
     assert run.returncode == 0, run.stderr[-3000:]
+    return run
+
+
+def test_builder_cot_task_writes_disjoint_splits_and_long_answers(tmp_path):
+    out, data = tmp_path / "model", tmp_path / "data"
+    run = _build_tiny("cot", out, data, steps=3)
     assert "task cot" in run.stdout and re.search(r"^RESULT sampled_acc=", run.stdout, re.M)
     splits = {name: [json.loads(line) for line in (data / f"{name}.jsonl").read_text().splitlines()]
               for name in ("train", "test")}
@@ -118,3 +124,40 @@ def test_builder_cot_task_writes_disjoint_splits_and_long_answers(tmp_path):
     script = _script()
     lengths = [len(script.answer_ids(tokenizer, p)) for p in cot_task.make_problems(0, 50, corrupt=0.0)]
     assert 60 <= min(lengths) and max(lengths) <= 150, lengths
+
+
+def test_lookup_task_reads_two_entries_and_misreads_from_the_neighbour():
+    sys.path.insert(0, str(REPO / "scripts"))
+    import lookup_task
+
+    table = dict(zip(lookup_task.KEYS, range(10, 26)))  # a=10, b=11, ..., p=25
+    assert lookup_task.solve(table, ["c", "k"]) == "c=12, k=20, 12+20=32 \\boxed{32}"
+    # Misreading the second entry takes l's value for k (21): the sum is one more, carried on.
+    assert lookup_task.solve(table, ["c", "k"], misread=1) == "c=12, k=21, 12+21=33 \\boxed{33}"
+    assert lookup_task.solve(table, ["p", "a"], misread=0) == "p=10, a=10, 10+10=20 \\boxed{20}"  # wraps to a
+    problems = lookup_task.make_problems(seed=3, count=300, corrupt=0.5)
+    assert problems == lookup_task.make_problems(seed=3, count=300, corrupt=0.5)  # seeded
+    for p in problems:
+        listing, x, y = re.fullmatch(r"Table: ((?:[a-p]=\d\d ?){16})\. What is ([a-p])\+([a-p])\?", p["prompt"]).groups()
+        values = dict(entry.split("=") for entry in listing.split())
+        assert x != y and p["answer"] == str(int(values[x]) + int(values[y]))
+    wrong = sum(re.search(r"\\boxed\{(\d+)\}$", p["solution"])[1] != p["answer"] for p in problems)
+    assert 100 < wrong < 200  # about half slip; a misread (neighbour's value) almost always changes the sum
+
+
+def test_builder_lookup_task_has_long_shared_prompts_and_short_answers(tmp_path):
+    out, data = tmp_path / "model", tmp_path / "data"
+    assert "task lookup" in _build_tiny("lookup", out, data, steps=2).stdout
+    train = [json.loads(line) for line in (data / "train.jsonl").read_text().splitlines()]
+    assert len(train) == 1000 and train[0]["id"].startswith("lookup-")
+    sys.path.insert(0, str(REPO / "scripts"))
+    import lookup_task
+
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    script = _script()
+    problems = lookup_task.make_problems(0, 50, corrupt=0.0)
+    prompts = [len(script.prompt_ids(tokenizer, p)) for p in problems]
+    answers = [len(script.answer_ids(tokenizer, p)) for p in problems]
+    # The shared context is over 3x the decision (what tree packing saves per answer), within
+    # configs/lookup.yaml's data.max_prompt_tokens (96) and response budget (32).
+    assert min(prompts) > 3 * max(answers) and max(prompts) <= 96 and max(answers) <= 32, (prompts, answers)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 
 import pytest
@@ -262,3 +263,32 @@ def test_shutdown_answers_every_request(model_dirs):
         assert future.exception() is None or "shut down" in str(future.exception())
     with pytest.raises(RuntimeError, match="shut down"):
         eng.submit(req(PROMPT, 2))
+
+
+def test_entropies_equal_the_teacher_forced_sampling_distribution(engine):
+    # Asked for, each output token's entropy is that of softmax(logits / T) at its position, in
+    # a batch with a row that did not ask (and gets None); T = 0 (greedy) is measured at T = 1.
+    requests = [req(PROMPT, 6, seed=1, temperature=0.7, return_entropy=True), req(PROMPT[:5], 6, seed=2),
+                req([3, 1, 4], 4, temperature=0.0, return_entropy=True)]
+    results = engine.generate_sync(requests)
+    assert results[1][0].entropies is None
+    for request, temperature in ((requests[0], 0.7), (requests[2], 1.0)):
+        out = engine.generate_sync([request])[0][0]
+        prompt = request.input_ids
+        with torch.no_grad():
+            logits = engine.model(torch.tensor([prompt + out.output_ids])).logits[0].float()
+        logp = torch.log_softmax(logits[len(prompt) - 1 : -1] / temperature, dim=-1)
+        expected = -(logp.exp() * logp).sum(dim=-1)
+        assert len(out.entropies) == len(out.output_ids)
+        assert torch.allclose(torch.tensor(out.entropies), expected, atol=1e-4)
+    assert results[0][0].entropies == pytest.approx(engine.generate_sync([requests[0]])[0][0].entropies, abs=1e-5)
+
+
+def test_token_entropies_by_hand():
+    from arbor.engines.embedded.decode_batch import token_entropies
+
+    logits = torch.tensor([[0.0, 0.0, 0.0, 0.0], [0.0, -math.inf, -math.inf, -math.inf]])
+    assert token_entropies(logits, [1.0, 1.0]) == pytest.approx([math.log(4), 0.0])
+    # T = 0.5 doubles the logits: [log 2, 0] -> p = [2/3, 1/3] -> 0.6365.
+    two = torch.tensor([[math.log(2) / 2, 0.0]])
+    assert token_entropies(two, [0.5]) == pytest.approx([0.6365141683])

@@ -160,3 +160,26 @@ def test_batched_rounds_sample_the_same_trees_in_fewer_requests(server):
     # Across trees: one call per round (trees in step), plus the root prompts committed
     # before their forks; a fallback round may fall out of step once.
     assert across_calls <= 2 * rounds + 1, (across_calls, rounds)
+
+
+def test_entropy_forking_against_server_with_exact_entropies(server):
+    # fork_at entropy, scored by the engine's exact entropies over HTTP: width leaves of whole
+    # answers, nodes split inside sampled text, and every path's log-probs still the model's.
+    from transformers import AutoModelForCausalLM
+
+    cfg = RolloutConfig(fork_at="entropy", fork_entropy="distribution", width=5, branch=2, entropy_init=2,
+                        entropy_forks=1, segment_tokens=6, max_depth=2)
+    trees, stats, log = sample(server[0], seed=3, cfg=cfg)
+    assert all(r.sampling.return_entropy and len(o.entropies) == len(o.output_ids) for r, outs in log for o in outs)
+    assert [r.sampling.n for r, _ in log[:1]] == [2]  # M = 2 whole paths first
+    model = AutoModelForCausalLM.from_pretrained(server[1], dtype=torch.float32).eval()
+    for tree, st in zip(trees, stats):
+        assert len(tree.leaves()) == 5 and st.leaves == 5 and st.forks >= 1 and st.shortfall_reason is None
+        assert all(leaf.end <= 12 for leaf in tree.leaves())  # the response budget, forks included
+        for leaf in tree.leaves():
+            ids = tree.full_ids(leaf)
+            with torch.no_grad():
+                logp = torch.log_softmax(model(torch.tensor([ids])).logits[0, :-1].float(), dim=-1)
+            prompt = len(tree.prompt_ids)
+            expected = logp[prompt - 1 :].gather(1, torch.tensor(ids[prompt:])[:, None])[:, 0]
+            assert torch.allclose(torch.tensor(tree.response_logprobs(leaf)), expected, atol=1e-4)

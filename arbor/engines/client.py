@@ -39,6 +39,7 @@ import aiohttp
 from arbor.engines.auth import API_KEY_ENV
 from arbor.engines.types import GenerateOutput, GenerateRequest
 from arbor.engines.wire import (
+    entropy_top_k,
     error_message,
     fork_items,
     generate_payload,
@@ -177,11 +178,13 @@ class SGLangClient:
         async def batch(url: str, indices: list[int]) -> None:
             await self._commit_prefixes(url, [requests[i] for i in indices])
             items = [item for i in indices for item in fork_items(requests[i])]
-            payload = {
+            payload: dict[str, Any] = {
                 "input_ids": [list(item.input_ids) for item in items],
                 "sampling_params": [sampling_payload(item.sampling) for item in items],
                 "return_logprob": True,
             }
+            if any(item.sampling.return_entropy for item in items):
+                payload["top_logprobs_num"] = [entropy_top_k(item.sampling) for item in items]
             body = await self._call(url, "POST", "/generate", payload)
             if not isinstance(body, list) or len(body) != len(items):
                 got = len(body) if isinstance(body, list) else 1

@@ -20,6 +20,9 @@ class SamplingParams:
     n: int = 1  # continuations of the same prefix; the radix cache computes the prefix once
     stop_token_ids: list[int] = field(default_factory=list)
     seed: int | None = None  # per-request sampling seed (reproducible trees)
+    # Ask for each output token's entropy (GenerateOutput.entropies): exact from the embedded
+    # engine, estimated from the top TOP_LOGPROBS_NUM log-probs on SGLang (arbor.engines.wire).
+    return_entropy: bool = False
 
 
 @dataclass
@@ -39,6 +42,9 @@ class GenerateOutput:
     prompt_tokens: int
     cached_tokens: int  # prompt tokens served from the radix cache
     weight_version: str  # the engine's weights when it sampled this
+    # Entropy (nats) of the distribution each output token was drawn from (softmax(logits / T),
+    # before top-k / top-p), one per output token; None unless SamplingParams.return_entropy.
+    entropies: list[float] | None = None
 
 
 class RolloutEngine(Protocol):

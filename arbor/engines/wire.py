@@ -13,6 +13,7 @@ weight-update group's requests carry (:func:`rank_layout`).
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import replace
 from typing import Any
 
@@ -21,11 +22,38 @@ from arbor.engines.types import GenerateOutput, GenerateRequest, SamplingParams
 
 def generate_payload(request: GenerateRequest) -> dict[str, Any]:
     """The ``/generate`` body SGLang expects for one request."""
-    return {
+    payload: dict[str, Any] = {
         "input_ids": list(request.input_ids),
         "sampling_params": sampling_payload(request.sampling),
         "return_logprob": True,
     }
+    if request.sampling.return_entropy:
+        payload["top_logprobs_num"] = TOP_LOGPROBS_NUM
+    return payload
+
+
+# Log-probs per output token asked of SGLang when a request wants entropies: the entropy is
+# estimated from them (entropy_from_top_logprobs). 20 keeps the reply ~20x the size of a
+# logprob-only one; the mass beyond the top 20 is small where it matters (peaked tokens).
+TOP_LOGPROBS_NUM = 20
+
+
+def entropy_top_k(sp: SamplingParams) -> int:
+    """``top_logprobs_num`` for one request: :data:`TOP_LOGPROBS_NUM` when it wants entropies."""
+    return TOP_LOGPROBS_NUM if sp.return_entropy else 0
+
+
+def entropy_from_top_logprobs(logprobs: list[float]) -> float:
+    """Entropy (nats) estimated from the ``k`` largest log-probs of a distribution.
+
+    ``−Σ p_i log p_i`` over the top k, plus the rest of the mass ``r = 1 − Σ p_i`` counted as
+    one outcome (``−r log r``): a lower bound, short of the exact entropy by at most
+    ``r · log(V − k)`` (the tail spread evenly over the other V − k tokens).
+    ``entropy_from_top_logprobs([log 0.5, log 0.25]) == 0.5 log 2 + 0.25 log 4 + 0.25 log 4 = 1.0397``.
+    """
+    probs = [math.exp(lp) for lp in logprobs if lp > -math.inf]
+    rest = max(0.0, 1.0 - sum(probs))
+    return -sum(p * math.log(p) for p in probs if p > 0) - (rest * math.log(rest) if rest > 0 else 0.0)
 
 
 def sampling_payload(sp: SamplingParams) -> dict[str, Any]:
@@ -78,7 +106,23 @@ def parse_output(item: dict[str, Any]) -> GenerateOutput:
         prompt_tokens=int(meta.get("prompt_tokens", 0)),
         cached_tokens=int(meta.get("cached_tokens", 0)),
         weight_version=str(meta.get("weight_version", "default")),
+        entropies=_entropies(meta, len(output_ids)),
     )
+
+
+def _entropies(meta: dict[str, Any], tokens: int) -> list[float] | None:
+    """Per-token entropies of a reply: exact from arbor's server (``output_token_entropy``),
+    estimated from SGLang's ``output_top_logprobs`` (``[[logprob, id, text], ...]`` per token);
+    None when the request did not ask (``top_logprobs_num`` 0)."""
+    if meta.get("output_token_entropy") is not None:
+        values = [float(h) for h in meta["output_token_entropy"]]
+    elif meta.get("output_top_logprobs"):
+        values = [entropy_from_top_logprobs([float(e[0]) for e in top or []]) for top in meta["output_top_logprobs"]]
+    else:
+        return None
+    if len(values) != tokens:
+        raise ValueError(f"{tokens} output ids but {len(values)} per-token entropies")
+    return values
 
 
 def error_message(text: str) -> str:

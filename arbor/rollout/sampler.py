@@ -49,6 +49,8 @@ multimodal-art-projection/TreePO at b86ce51, ``vllm_rollout_spmd.py``, cited "sp
   well-formed, the root restarts with ``branch`` copies (spmd:1033-1041), so a tree
   always ends with exactly ``width`` leaves. ``fallback: false`` stops there instead,
   with a shortfall (the reference's ``no_fallback``, spmd:945-947).
+- ``fork_at: entropy`` grows the tree with TreeRL's EPTree instead (whole answers forked at
+  their highest-entropy tokens, :mod:`arbor.rollout.entropy_fork`), with the same early stops.
 - ``mode: independent`` (the GRPO baseline) is one round: one request ``n = width`` with
   the whole response budget ``max_depth · segment_tokens`` — the fastest way an engine can
   sample independent answers, so tree-vs-independent benchmarks are conservative.
@@ -77,6 +79,7 @@ from arbor.rollout.budget import (
     root_copies,
     segment_score,
 )
+from arbor.rollout.entropy_fork import EntropyForker
 from arbor.tree import Node, RolloutTree
 
 FINISHED = "stop"  # the only well-formed ending; everything else is an early stop
@@ -109,6 +112,7 @@ class SampleStats:
     tool_errors: int = 0  # agent messages marked error=True (a tool timed out, raised, ...)
     agent_timeouts: int = 0  # agent.step calls past rollout.agent_timeout_s (episode ended)
     resampled: int = 0  # segments overtaken by a weight update in flight and sampled again (partial rollouts)
+    forks: int = 0  # fork points branched at (rollout.fork_at: entropy)
     finish_reasons: dict[str, int] = field(default_factory=dict)  # leaf reason → count
     shortfall_reason: str | None = None
 
@@ -172,6 +176,8 @@ async def sample_trees(
         raise ValueError(f"{len(problems)} problems but {len(prompts)} prompts")
     if cfg.mode not in ("tree", "independent"):
         raise ValueError(f"rollout.mode must be 'tree' or 'independent', got {cfg.mode!r}")
+    if agent is not None and cfg.fork_at == "entropy":
+        raise ValueError("rollout.fork_at: entropy does not fork multi-turn episodes (rollout.agent)")
 
     batcher = RoundBatcher(engine, across_trees=across_trees)
 
@@ -231,6 +237,11 @@ class _TreeSampler:
                 active, _ = await self._round(tree, active, counts, cfg.max_response_tokens)
                 counts = [1] * len(active)
             return self._done(tree)
+        if cfg.fork_at == "entropy":  # TreeRL's EPTree: whole paths, forked at high-entropy tokens
+            forker = EntropyForker(cfg, index=self.index, seed=self.seed, stop_ids=self.stop_ids, stats=self.stats,
+                                   forks_sent=self.forks_sent, add=self._add, generate=self._generate)
+            await forker.run(tree)
+            return self._done(tree)
         rng = random.Random(f"{self.seed}/{self.index}/init")
         # Capped at width: a RolloutConfig built in code skips validate's check.
         copies = min(width, root_copies(cfg.root_fork, branch=cfg.branch, rng=rng))
@@ -287,9 +298,7 @@ class _TreeSampler:
             )
             input_ids = tree.prompt_ids + _response_upto(tree, path.node)
             requests.append(GenerateRequest(input_ids, sampling, f"tree-{self.index}"))
-        results = await self.batcher.generate(requests)
-        if self.is_stale is not None:
-            results = await self._resample_stale(tree, requests, results)
+        results = await self._generate(tree, requests)
         self.stats.rounds += 1
         self.stats.requests += len(requests)
         survivors: list[_Path] = []
@@ -320,6 +329,13 @@ class _TreeSampler:
                 else:
                     ended += 1
         return survivors, ended
+
+    async def _generate(self, tree: RolloutTree, requests: list[GenerateRequest]) -> list[list[GenerateOutput]]:
+        """A round's outputs; with partial rollouts, none sampled by weights overtaken in flight."""
+        results = await self.batcher.generate(requests)
+        if self.is_stale is not None:
+            results = await self._resample_stale(tree, requests, results)
+        return results
 
     async def _resample_stale(
         self, tree: RolloutTree, requests: list[GenerateRequest], results: list[list[GenerateOutput]]

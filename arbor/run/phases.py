@@ -327,6 +327,10 @@ def rollout_metrics(batch: Batch) -> dict[str, float]:
         "reward/accuracy": sum(batch.correct) / n,
         "reward/timeouts": float(batch.reward_timeouts),
         "reward/crashed": float(batch.reward_crashed),
+        # Leaves whose group-relative advantage can be non-zero: those of trees whose leaves'
+        # rewards differ (the rest teach nothing). Why an arm learns more per step than another.
+        "reward/signal_leaves": sum(len(t.leaves()) for t in batch.sampled
+                                    if len({leaf.reward for leaf in t.leaves()}) > 1) / n,
         "response/length_mean": sum(lengths) / n,
         "response/length_max": float(max(lengths, default=0)),
         "response/finished": sum(leaf.finish_reason == "stop" for leaf in leaves) / n,

@@ -29,7 +29,7 @@ TokenAdvantages = list[list[list[float]]]  # per tree, per leaf, per response to
 
 EPS = 1e-6  # added to the group std (GRPO, TEMPO)
 WHITEN_EPS = 1e-8  # added to the variance when whitening, as verl's masked_whiten
-ESTIMATORS = ("grpo", "treepo", "reinforce_pp", "tempo")
+ESTIMATORS = ("grpo", "treepo", "reinforce_pp", "tempo", "treerl")
 
 
 # -- helpers ----------------------------------------------------------------------------
@@ -189,6 +189,36 @@ def tempo_advantages(trees: Sequence[RolloutTree], eps: float = EPS) -> TokenAdv
     return out
 
 
+def treerl_advantages(trees: Sequence[RolloutTree]) -> TokenAdvantages:
+    """TreeRL's process supervision (Hou et al., ACL 2025, §3.2), one value per response token.
+
+    V(s) = mean reward of the leaves under node s (V(root) = the group mean). Every token of
+    node s gets R(s) = (GA(s) + LA(s)) / sqrt(|L(s)|), the global advantage GA = V(s) − V(root)
+    plus the local one LA = V(s) − V(parent(s)), over the square root of the leaves under s
+    (so a prefix shared by many leaves, trained once per leaf, does not outweigh their own
+    steps; the reference's ``weighted_value_style: sqrt``). It differs from TreePO's subgroup
+    advantage, which gives a whole path one value: here a shared step is judged by the leaves
+    under it, a leaf's own tokens by their outcome against their siblings'. No std scaling
+    here; the trainer whitens per token afterwards. Shapes: per tree, per leaf, ``leaf.end``.
+    """
+    out = []
+    for tree in trees:
+        rewards = _rewards(tree)
+        value, count = _subtree_stats(tree, rewards)
+        root = value[tree.root.id]
+        per_leaf = []
+        for leaf in tree.leaves():
+            tokens: list[float] = []
+            for node in tree.path(leaf):
+                v = value[node.id]
+                assert node.parent is not None  # tree.path(leaf) starts below the root
+                step = ((v - root) + (v - value[node.parent.id])) / math.sqrt(count[node.id])
+                tokens.extend([step] * len(node.token_ids))
+            per_leaf.append(tokens)
+        out.append(per_leaf)
+    return out
+
+
 # -- whitening and filtering ----------------------------------------------------------------
 
 
@@ -274,7 +304,7 @@ def compute_advantages(
     ``treepo_aggregate`` applies to "treepo", ``std_normalize`` to "grpo".
     ``whiten_tokens`` whitens over the batch's linearised trainable tokens afterwards;
     "reinforce_pp" is whitened by definition and is never whitened twice. "tempo"
-    returns per-token values (:data:`TokenAdvantages`, whitened per token); the others
+    and "treerl" return per-token values (:data:`TokenAdvantages`, whitened per token); the others
     per-leaf values (:data:`LeafAdvantages`). ``arbor.train.packing`` accepts both shapes.
     """
     if estimator == "grpo":
@@ -283,8 +313,8 @@ def compute_advantages(
         leaf_adv = treepo_advantages(trees, aggregate=treepo_aggregate)
     elif estimator == "reinforce_pp":
         return reinforce_pp_advantages(trees)
-    elif estimator == "tempo":
-        token_adv = tempo_advantages(trees)
+    elif estimator in ("tempo", "treerl"):
+        token_adv = tempo_advantages(trees) if estimator == "tempo" else treerl_advantages(trees)
         return whiten_token_values(trees, token_adv) if whiten_tokens else token_adv
     else:
         raise ValueError(

@@ -336,6 +336,20 @@ def sample_rows(
     return tokens[:, 0].tolist(), chosen[:, 0].tolist()
 
 
+def token_entropies(logits: torch.Tensor, temperature: list[float]) -> list[float]:
+    """Entropy in nats of each row's sampling distribution ``softmax(logits / T)`` (``[B, V]``
+    logits; T = 0, greedy, is measured at T = 1 like its logprob): the distribution
+    :func:`sample_rows` reports log-probs under, before top-k / top-p.
+
+    Uniform logits over 4 tokens give ``log 4 = 1.386``; a one-hot (``[0, -inf, ...]``) gives 0.
+    """
+    temps = torch.tensor(temperature, dtype=logits.dtype, device=logits.device)
+    logprobs = torch.log_softmax(logits / torch.where(temps == 0, 1.0, temps)[:, None], dim=-1)
+    # p·log p with p = 0 is 0 (not nan): -inf logits give exp(-inf) · -inf = 0 · -inf.
+    terms = torch.where(logprobs.isfinite(), logprobs.exp() * logprobs, torch.zeros_like(logprobs))
+    return (-terms.sum(dim=-1)).tolist()
+
+
 def sample_token(
     logits: torch.Tensor, temperature: float, top_p: float, top_k: int, generator: torch.Generator
 ) -> tuple[int, float]:

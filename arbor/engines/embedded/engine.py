@@ -57,6 +57,7 @@ from arbor.engines.embedded.decode_batch import (
     make_decoder,
     sample_rows,
     sample_token,
+    token_entropies,
 )
 from arbor.engines.embedded.radix_cache import TOKENS, PrefixHit, RadixKVCache, stack_kv
 from arbor.engines.types import GenerateOutput, GenerateRequest
@@ -94,6 +95,7 @@ class _Row:
     cached_tokens: int
     output: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    entropies: list[float] = field(default_factory=list)  # only with sampling.return_entropy
     finish_reason: str | None = None
 
     @property
@@ -448,9 +450,12 @@ class LocalEngine:
             [sp.top_k for sp in params],
             [r.generator for r in rows],
         )
+        # A [B, V] pass more, only for steps where a row asked for entropies.
+        wanted = any(sp.return_entropy for sp in params)
+        entropies = token_entropies(logits.float(), [sp.temperature for sp in params]) if wanted else None
         done = []
         for b, row in enumerate(rows):
-            self._record(row, tokens_out[b], logprobs_out[b])
+            self._record(row, tokens_out[b], logprobs_out[b], None if entropies is None else entropies[b])
             if row.finish_reason is not None:
                 self._finish(row, batch.row_kv(b))
                 done.append(b)
@@ -470,6 +475,7 @@ class LocalEngine:
         job.outputs[row.fork] = GenerateOutput(
             output_ids=row.output,
             logprobs=row.logprobs,
+            entropies=row.entropies if job.request.sampling.return_entropy else None,
             finish_reason=row.finish_reason or "length",
             prompt_tokens=len(row.prompt),
             cached_tokens=row.cached_tokens,
@@ -482,13 +488,16 @@ class LocalEngine:
     def _append_sample(self, row: _Row, logits: torch.Tensor) -> None:
         """Sample one token for ``row`` from ``logits`` ``[V]``."""
         sp = row.job.request.sampling
-        self._record(row, *sample_token(logits, sp.temperature, sp.top_p, sp.top_k, row.generator))
+        entropy = token_entropies(logits[None], [sp.temperature])[0] if sp.return_entropy else None
+        self._record(row, *sample_token(logits, sp.temperature, sp.top_p, sp.top_k, row.generator), entropy)
 
-    def _record(self, row: _Row, token: int, logprob: float) -> None:
-        """Append a sampled token and update the row's finish state."""
+    def _record(self, row: _Row, token: int, logprob: float, entropy: float | None = None) -> None:
+        """Append a sampled token (and its entropy, when asked for) and update the row's finish state."""
         sp = row.job.request.sampling
         row.output.append(token)
         row.logprobs.append(logprob)
+        if entropy is not None:
+            row.entropies.append(entropy)
         if token in self.eos_token_ids or token in sp.stop_token_ids:
             row.finish_reason = "stop"
         elif len(row.output) >= sp.max_new_tokens:

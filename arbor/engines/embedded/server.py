@@ -6,7 +6,9 @@ Run:  python -m arbor.engines.embedded.server --model PATH [--host 127.0.0.1] [-
 Endpoints (request / response fields as SGLang 0.5 names them):
 - ``POST /generate`` ``{"input_ids": [..] | [[..], ..], "text": str | [str], "sampling_params":
   {max_new_tokens, temperature, top_p, top_k, n, stop_token_ids, sampling_seed},
-  "return_logprob"}`` -> one object, or a list for batches / ``n > 1`` (prompt-major).
+  "return_logprob", "top_logprobs_num"}`` -> one object, or a list for batches / ``n > 1``
+  (prompt-major). ``top_logprobs_num > 0`` returns each output token's exact entropy as
+  ``meta_info.output_token_entropy`` (an arbor field) instead of SGLang's top-k lists.
   ``max_new_tokens: 0`` commits the prompt into the radix cache and returns no tokens.
 - ``POST /update_weights_from_disk`` ``{model_path, weight_version?}``;
   ``POST /init_weights_update_group`` ``{master_address, master_port, rank_offset, world_size,
@@ -39,6 +41,7 @@ import os
 import sys
 import threading
 import time
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -188,6 +191,8 @@ class ServerState:
             meta["output_token_logprobs"] = [
                 [lp, tok, None] for lp, tok in zip(out.logprobs, out.output_ids)
             ]
+        if out.entropies is not None:
+            meta["output_token_entropy"] = out.entropies
         text = self.tokenizer.decode(out.output_ids) if self.tokenizer is not None else ""
         return {"text": text, "output_ids": out.output_ids, "meta_info": meta}
 
@@ -238,6 +243,13 @@ def build_app(
             raise BadRequest(f"{len(params)} sampling_params for {len(prompts)} prompts")
         if params is None:
             params = [parse_sampling_params(raw_params)] * len(prompts)
+        # top_logprobs_num > 0 (the client's request for entropies) is answered with the
+        # exact per-token entropy ("output_token_entropy"), not SGLang's top-k lists.
+        top = body.get("top_logprobs_num") or 0
+        tops = top if isinstance(top, list) else [top] * len(prompts)
+        if len(tops) != len(prompts) or not all(isinstance(k, int) and k >= 0 for k in tops):
+            raise BadRequest(f"top_logprobs_num must be an int >= 0 or one per prompt, got {top!r}")
+        params = [replace(sp, return_entropy=True) if k > 0 else sp for sp, k in zip(params, tops)]
         requests = [GenerateRequest(p, sp) for p, sp in zip(prompts, params)]
         with _checking_request():
             for r in requests:
