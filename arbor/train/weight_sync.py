@@ -65,7 +65,7 @@ def whole_nbytes(tensor: torch.Tensor) -> int:
 
 
 def gathered_buckets(
-    model: torch.nn.Module, zero_stage: int, bucket_mb: float, copy: bool = True
+    model: torch.nn.Module, zero_stage: int, bucket_mb: float, copy: bool = True, trainable_only: bool = False
 ) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """Whole parameters in buckets of at most ``bucket_mb`` (a bigger tensor alone), in
     ``named_parameters`` order.
@@ -74,8 +74,9 @@ def gathered_buckets(
     to the end) whose tensors are copied out before it is released, so a bucket stays
     valid while the next one is gathered. ``copy=False``: gather and release only (the
     ranks that take part but send nothing); the bucket then holds the empty placeholders.
+    ``trainable_only``: only parameters with ``requires_grad`` (a LoRA adapter).
     """
-    named = model.named_parameters()
+    named = ((n, p) for n, p in model.named_parameters() if p.requires_grad or not trainable_only)
     if zero_stage != 3:
         yield from named_tensor_buckets(((name, param.detach()) for name, param in named), bucket_mb)
         return
