@@ -29,6 +29,7 @@ import asyncio
 import os
 import sys
 import threading
+from pathlib import Path
 
 from arbor.engines.client import EngineError, run_sync
 from arbor.engines.launch import EngineLaunchError
@@ -108,9 +109,17 @@ class EngineRecovery:
         """The restarted server serves model.path's weights: give it the run's current ones."""
         version = self.learners.weight_version
         if version is not None:
-            directory = os.path.join(self.output_dir, "weight-sync")  # where disk sync writes too
-            self.learners.export_hf(directory)
-            run_sync(lambda c: c.update_weights_from_disk(directory, weight_version=version), [url])
+            sync_dir = os.path.join(self.output_dir, "weight-sync")  # where disk and LoRA sync write too
+            if self.learners.adapter is not None:
+                # LoRA: every adapter the other engines hold (their directories are kept until
+                # unloaded), oldest first, so the current one is loaded last and served.
+                held = sorted(Path(sync_dir).glob("arbor-lora-*"), key=lambda p: p.stat().st_mtime)
+                for path in held:
+                    run_sync(lambda c, path=path: c.load_lora_adapter(path.name, str(path)), [url])
+                run_sync(lambda c: c.update_weight_version(version), [url])
+            else:
+                self.learners.export_hf(sync_dir)
+                run_sync(lambda c: c.update_weights_from_disk(sync_dir, weight_version=version), [url])
             run_sync(lambda c: c.flush_cache(), [url])
             served = run_sync(lambda c: c.get_weight_version(), [url])
             if served != [version]:
