@@ -30,8 +30,6 @@ import torch
 if TYPE_CHECKING:
     from aiohttp import web
 
-    from arbor.engines.embedded.engine import LocalEngine
-
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 PEFT_PREFIX = "base_model.model."  # peft's saved names: base_model.model.<module>.lora_A.weight
@@ -150,12 +148,18 @@ class MergedAdapters:
                                  "(the adapter that superseded it was unloaded): load it again")
 
 
-def add_lora_routes(routes: Any, engine: LocalEngine, handler: Callable, refused: Callable[[str], Any]) -> None:
+def add_lora_routes(routes: Any, engine: Any, handler: Callable, refused: Callable[[str], Any]) -> None:
     """SGLang's ``POST /load_lora_adapter`` ``{lora_name, lora_path}`` and ``/unload_lora_adapter``
-    ``{lora_name}`` on ``arbor serve``'s routes; ``handler`` turns bad requests into 400s."""
+    ``{lora_name}`` on ``arbor serve``'s routes for ``engine`` (a ``LocalEngine``); ``handler``
+    turns the ValueErrors of bad requests into 400s."""
     from aiohttp import web
 
-    from arbor.engines.embedded.server import BadRequest, _json_body
+    async def fields(request: web.Request, *names: str) -> list[str]:
+        body = await request.json()  # malformed JSON: a ValueError, so a 400
+        values = [body.get(name) if isinstance(body, dict) else None for name in names]
+        if not all(isinstance(v, str) for v in values):
+            raise ValueError(f"{' and '.join(names)} must be strings")
+        return values
 
     async def adapters_changed(change: Any, *args: str) -> web.Response:
         """Run a LoRA change off the event loop; SGLang's answer (loaded adapters, or 400)."""
@@ -168,16 +172,9 @@ def add_lora_routes(routes: Any, engine: LocalEngine, handler: Callable, refused
     @routes.post("/load_lora_adapter")
     @handler
     async def load_lora_adapter(request: web.Request) -> web.Response:
-        body = await _json_body(request)
-        name, path = body.get("lora_name"), body.get("lora_path")
-        if not isinstance(name, str) or not isinstance(path, str):
-            raise BadRequest("lora_name and lora_path must be strings")
-        return await adapters_changed(engine.load_adapter, name, path)
+        return await adapters_changed(engine.load_adapter, *await fields(request, "lora_name", "lora_path"))
 
     @routes.post("/unload_lora_adapter")
     @handler
     async def unload_lora_adapter(request: web.Request) -> web.Response:
-        name = (await _json_body(request)).get("lora_name")
-        if not isinstance(name, str):
-            raise BadRequest("lora_name must be a string")
-        return await adapters_changed(engine.unload_adapter, name)
+        return await adapters_changed(engine.unload_adapter, *await fields(request, "lora_name"))
