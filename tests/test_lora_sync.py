@@ -70,23 +70,36 @@ def test_bad_adapters_are_refused_naming_the_problem(tmp_path, tensors, extra, m
     assert torch.equal(model[0].weight, before) and adapters.loaded == []
 
 
+class MovingAdapter:
+    """A peft LoRA model of ``path`` whose adapter moves at random, written as a push writes it."""
+
+    def __init__(self, path, root, rank=4, alpha=8, scale=0.3):
+        model_cfg = load_config(None, [f"model.path={path}", f"model.lora_rank={rank}", f"model.lora_alpha={alpha}"]).model
+        torch.manual_seed(0)
+        self.model = add_adapter(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), model_cfg).eval()
+        self.root, self.scale = root, scale
+
+    def move(self):
+        with torch.no_grad():
+            for p in self.model.parameters():
+                if p.requires_grad:
+                    p.add_(self.scale * torch.randn_like(p))
+
+    def write(self, version):
+        whole = {n: p.detach().clone() for n, p in self.model.named_parameters() if p.requires_grad}
+        directory = self.root / adapter_name(version)
+        save_adapter(self.model, directory, adapter_state(self.model, whole))
+        return directory
+
+    def nbytes(self):
+        return 4 * sum(p.numel() for p in self.model.parameters() if p.requires_grad)  # float32
+
+
 def test_lora_sync_to_arbor_serve(tmp_path):
     path = build_tiny_model_dir(tmp_path / "tiny")
-    model_cfg = load_config(None, [f"model.path={path}", "model.lora_rank=4", "model.lora_alpha=8"]).model
-    learner = add_adapter(AutoModelForCausalLM.from_pretrained(path), model_cfg).eval()
+    moving = MovingAdapter(path, tmp_path / "sync")
+    learner, move_adapter, write = moving.model, moving.move, moving.write
     prompts = [[5, 6, 7], [9, 10, 11, 12]]
-
-    def move_adapter():
-        with torch.no_grad():
-            for p in learner.parameters():
-                if p.requires_grad:
-                    p.add_(0.3 * torch.randn_like(p))
-
-    def write(version):
-        whole = {n: p.detach().clone() for n, p in learner.named_parameters() if p.requires_grad}
-        directory = tmp_path / "sync" / adapter_name(version)
-        save_adapter(learner, directory, adapter_state(learner, whole))
-        return directory
 
     async def main(url):
         async with SGLangClient([url]) as client:
@@ -111,8 +124,7 @@ def test_lora_sync_to_arbor_serve(tmp_path):
         before, gaps, sent, held, versions = asyncio.run(main(handle.urls[0]))
     assert before > 1e-2
     assert max(gaps) <= 1e-4, gaps
-    adapter_bytes = 4 * sum(p.numel() for p in learner.parameters() if p.requires_grad)  # float32
-    assert sent == [adapter_bytes] * 3
+    assert sent == [moving.nbytes()] * 3
     assert held == ["arbor-lora-2", "arbor-lora-3"] and versions == ["3"]
     assert sorted(p.name for p in (tmp_path / "sync").iterdir()) == held  # unloaded adapters' files go
 
