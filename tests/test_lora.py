@@ -199,3 +199,14 @@ def test_sft_trains_an_adapter_and_resumes(tmp_path):
     assert (hf / "adapter_model.safetensors").exists() and not (hf / "model.safetensors").exists()
     base = AutoModelForCausalLM.from_pretrained(tiny)
     assert not torch.allclose(logits(PeftModel.from_pretrained(base, hf)), logits(AutoModelForCausalLM.from_pretrained(tiny)))
+
+
+def test_sglang_is_started_with_lora_flags(tmp_path):
+    from arbor.run.orchestration import engine_args
+
+    path = tiny_model_dir(tmp_path / "m")
+    flags = engine_args(load_config(None, ["engine.kind=sglang", f"model.path={path}", "model.lora_rank=8",
+                                           "model.lora_targets=[q_proj, v_proj]"]))
+    start = flags.index("--enable-lora")
+    assert flags[start:start + 6] == ["--enable-lora", "--max-lora-rank", "8", "--lora-target-modules", "q_proj", "v_proj"]
+    assert "--enable-lora" not in engine_args(load_config(None, ["engine.kind=sglang", f"model.path={path}"]))

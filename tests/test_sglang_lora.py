@@ -21,16 +21,18 @@ import torch
 from test_lora_sync import MovingAdapter
 from transformers import AutoModelForCausalLM
 
+from arbor.config import load_config
 from arbor.engines.client import EngineError, SGLangClient, adapter_name
 from arbor.engines.embedded.server import free_port
 from arbor.engines.types import GenerateRequest, SamplingParams
-from arbor.train.lora import DEFAULT_TARGETS
+from arbor.train.lora import sglang_lora_flags
 from arbor.train.weight_sync import WeightSync, probe_logprob_gap
 
 SGLANG_PYTHON = os.environ.get("ARBOR_SGLANG_PYTHON")
 REPO = Path(__file__).resolve().parents[1]
 MODEL = REPO / "models" / "tiny-arith"
 RANK = 8
+MODEL_CFG = load_config(None, [f"model.path={MODEL}", f"model.lora_rank={RANK}"]).model
 
 pytestmark = pytest.mark.skipif(not SGLANG_PYTHON, reason="ARBOR_SGLANG_PYTHON (a CPU SGLang 0.5.23 python) is not set")
 
@@ -44,8 +46,7 @@ def sglang_url(tmp_path_factory):
     command = [SGLANG_PYTHON, "-m", "sglang.launch_server", "--model-path", str(MODEL), "--device", "cpu",
                "--attention-backend", "torch_native", "--dtype", "float32", "--disable-overlap-schedule",
                "--max-total-tokens", "2048", "--host", "127.0.0.1", "--port", str(port),
-               "--enable-lora", "--max-lora-rank", str(RANK), "--lora-backend", "torch_native",
-               "--lora-target-modules", *DEFAULT_TARGETS["qwen2"]]
+               "--lora-backend", "torch_native", *sglang_lora_flags(MODEL_CFG)]  # the flags arbor starts SGLang with
     with open(log, "w") as out:
         server = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
     url = f"http://127.0.0.1:{port}"
