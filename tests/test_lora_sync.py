@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM
 
 from arbor.config import load_config
 from arbor.engines.client import EngineError, SGLangClient, adapter_name
-from arbor.engines.embedded.lora import MergedAdapters, read_deltas
+from arbor.engines.embedded.lora import MergedAdapters, delta, read_factors
 from arbor.engines.launch import launch_engines
 from arbor.run.trainer import train
 from arbor.train.lora import adapter_state, add_adapter, save_adapter
@@ -33,15 +33,23 @@ def test_delta_by_hand_and_exact_restore(tmp_path):
     b = torch.tensor([[1.0, 1.0], [0.0, 3.0]])  # [out=2, r=2]
     path = write_adapter(tmp_path / "x", {"base_model.model.0.lora_A.weight": a, "base_model.model.0.lora_B.weight": b})
     # scale = alpha / r = 2; B A = [[1, 1, 2], [0, 3, 0]]
-    delta = read_deltas(path, model)["0"]
-    assert delta.tolist() == [[2.0, 2.0, 4.0], [0.0, 6.0, 0.0]]
+    change = delta(read_factors(path, model)["0"])
+    assert change.tolist() == [[2.0, 2.0, 4.0], [0.0, 6.0, 0.0]]
     adapters = MergedAdapters(model)
     adapters.load("x", path)
-    torch.testing.assert_close(model[0].weight, base + delta, rtol=0, atol=0)
+    torch.testing.assert_close(model[0].weight, base + change, rtol=0, atol=0)
     adapters.load("y", write_adapter(tmp_path / "y", {"base_model.model.0.lora_A.weight": a,
                                                       "base_model.model.0.lora_B.weight": -b}))
-    torch.testing.assert_close(model[0].weight, base - delta, rtol=0, atol=0)  # from the base, not from x's merge
+    torch.testing.assert_close(model[0].weight, base - change, rtol=0, atol=0)  # from the base, not from x's merge
     adapters.check_requested(["x", "y"])  # x was superseded but stays loaded: served by y's weights
+    # A full weight update gives a new base; y stays merged on top of it.
+    with torch.no_grad():
+        model[0].weight.copy_(base * 3)
+    adapters.rebase(["0.weight"])
+    torch.testing.assert_close(model[0].weight, base * 3 - change, rtol=0, atol=0)
+    with torch.no_grad():
+        model[0].weight.copy_(base)
+    adapters.rebase(["0.weight"])
     adapters.unload("x")
     with pytest.raises(ValueError, match="'x' is not loaded"):
         adapters.check_requested(["x"])

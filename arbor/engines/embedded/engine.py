@@ -235,7 +235,7 @@ class LocalEngine:
                         f"{name}: shape {tuple(tensor.shape)} != {tuple(params[name].shape)}"
                     )
             self.model.load_state_dict(state, strict=strict)
-            self.adapters.forget()  # new base weights: no adapter is merged into them
+            self.adapters.rebase(list(state))  # new base weights; the served adapter stays on top
             if flush:
                 self._new_version(weight_version)
             elif weight_version is not None:

@@ -10,7 +10,8 @@ weights, so it merges the newest adapter: each target linear becomes
 ``W_base + (lora_alpha / r) · B A`` (``lora_alpha / √r`` with rsLoRA), computed in float32
 from a copy of ``W_base`` kept the first time a module is merged. Every load starts from
 that copy, so push after push the weights are exactly base + the current adapter, never
-an accumulation of rounding. The latest loaded adapter is the one served; requests may
+an accumulation of rounding. A full weight update replaces the base (of the modules it
+sends) and the served adapter is merged on top again, as SGLang keeps adapters across one. The latest loaded adapter is the one served; requests may
 name it or an adapter it superseded that is still loaded (a request sent just before the
 client learnt of the new one): those run on the current weights, as after a full weight
 update, and their outputs carry the current ``weight_version``.
@@ -35,9 +36,18 @@ ADAPTER_WEIGHTS = "adapter_model.safetensors"
 PEFT_PREFIX = "base_model.model."  # peft's saved names: base_model.model.<module>.lora_A.weight
 
 
-def read_deltas(directory: str | Path, model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Module name -> the adapter's weight delta ``scale · B A`` ([out, in], float32) of a peft
-    LoRA directory; every error names the directory and the tensor or config field."""
+Factors = tuple[float, torch.Tensor, torch.Tensor]  # scale, A [r, in], B [out, r] (float32)
+
+
+def delta(factors: Factors) -> torch.Tensor:
+    """The weight update ``scale · B A`` of one module: [out, in], float32."""
+    scale, a, b = factors
+    return scale * (b @ a)
+
+
+def read_factors(directory: str | Path, model: torch.nn.Module) -> dict[str, Factors]:
+    """Module name -> (scale, A, B) of a peft LoRA directory, checked against ``model``; every
+    error names the directory and the tensor or config field."""
     from safetensors.torch import load_file
 
     directory = Path(directory)
@@ -62,7 +72,7 @@ def read_deltas(directory: str | Path, model: torch.nn.Module) -> dict[str, torc
             raise ValueError(f"{directory}/{ADAPTER_WEIGHTS}: tensor {key!r} is not a LoRA A or B weight")
         pairs.setdefault(module, {})[part[0]] = tensor
     modules = dict(model.named_modules())
-    deltas = {}
+    factors = {}
     for module, ab in pairs.items():
         linear = modules.get(module)
         if not isinstance(linear, torch.nn.Linear):
@@ -73,8 +83,8 @@ def read_deltas(directory: str | Path, model: torch.nn.Module) -> dict[str, torc
         if a.shape != (rank, linear.in_features) or b.shape != (linear.out_features, rank):
             raise ValueError(f"{directory}: {module} has A {tuple(a.shape)}, B {tuple(b.shape)}; expected "
                              f"A ({rank}, {linear.in_features}), B ({linear.out_features}, {rank})")
-        deltas[module] = scale * (b @ a)
-    return deltas
+        factors[module] = (scale, a, b)
+    return factors
 
 
 class MergedAdapters:
@@ -89,23 +99,20 @@ class MergedAdapters:
         self.paths: dict[str, str] = {}
         self.active: str | None = None  # the adapter merged into the weights
         self._base: dict[str, torch.Tensor] = {}  # module -> its weight before any merge
-        self._merged: set[str] = set()  # modules whose weight is not the base now
+        self._merged: dict[str, Factors] = {}  # module -> the served adapter's factors merged into it
 
     def load(self, name: str, path: str | Path) -> None:
         if not name:
             raise ValueError("lora_name must be a non-empty string")
         if name in self.paths:
             raise ValueError(f"LoRA adapter {name!r} is already loaded; unload it first")
-        deltas = read_deltas(path, self.model)  # before any change: a bad adapter leaves all as it was
+        factors = read_factors(path, self.model)  # before any change: a bad adapter leaves all as it was
+        self.restore_base()
         modules = dict(self.model.named_modules())
-        with torch.no_grad():
-            for module in self._merged - set(deltas):
-                modules[module].weight.copy_(self._base[module])
-            for module, delta in deltas.items():
-                weight = modules[module].weight
-                base = self._base.setdefault(module, weight.detach().clone())
-                weight.copy_((base.float() + delta.to(base.device)).to(weight.dtype))
-        self._merged = set(deltas)
+        for module in factors:
+            self._base.setdefault(module, modules[module].weight.detach().clone())
+        self._merged = factors
+        self._merge(list(factors))
         self.loaded.append(name)
         self.paths[name] = str(path)
         self.active = name
@@ -124,13 +131,27 @@ class MergedAdapters:
         with torch.no_grad():
             for module in self._merged:
                 modules[module].weight.copy_(self._base[module])
-        self._merged = set()
+        self._merged = {}
         self.active = None
 
-    def forget(self) -> None:
-        """New base weights arrived (a full weight update): no adapter, no base copies."""
-        self.loaded, self.paths, self.active = [], {}, None
-        self._base, self._merged = {}, set()
+    def rebase(self, parameter_names: list[str]) -> None:
+        """These parameters were just overwritten with new base weights (a full weight update,
+        as SGLang's, keeps the adapters): they become the base, the served adapter is merged
+        on top again."""
+        modules = dict(self.model.named_modules())
+        updated = [name.removesuffix(".weight") for name in parameter_names if name.endswith(".weight")]
+        updated = [module for module in updated if module in self._base]
+        for module in updated:
+            self._base[module] = modules[module].weight.detach().clone()
+        self._merge([module for module in updated if module in self._merged])
+
+    def _merge(self, names: list[str]) -> None:
+        """weight = base + the served adapter's delta, for the modules ``names``."""
+        modules = dict(self.model.named_modules())
+        with torch.no_grad():
+            for module in names:
+                weight, base = modules[module].weight, self._base[module]
+                weight.copy_((base.float() + delta(self._merged[module]).to(base.device)).to(weight.dtype))
 
     def check_requested(self, names: list[str | None]) -> None:
         """Refuse a request naming an adapter that is not loaded, or any adapter while the
