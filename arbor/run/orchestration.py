@@ -255,7 +255,10 @@ class LearnerWorker:
         cfg = self.cfg
         if cfg.learner.weight_sync == "disk" or self.learner.lora:
             directory = os.path.join(self.sync_dir, adapter_name(version)) if self.learner.lora else self.sync_dir
-            self.export_hf(directory)
+            if self.learner.lora:
+                self.learner.export_hf(directory)  # the adapter alone: the engines have the tokenizer
+            else:
+                self.export_hf(directory)
             if self.rank != 0:
                 return 0
             sync = self._weight_sync(urls)
