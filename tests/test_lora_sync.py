@@ -152,3 +152,18 @@ def test_a_lora_run_syncs_only_the_adapter(run_inputs, tmp_path):  # noqa: F811
     assert history[-1]["train/kl"] > 0  # the reference (adapter off) differs from the trained policy
     assert (tmp_path / "out" / "hf" / "adapter_config.json").exists()
     assert (tmp_path / "out" / "checkpoints" / "step-000002" / "learner" / "adapter" / "adapter_model.safetensors").exists()
+
+
+def test_a_restarted_engine_gets_the_adapters_back(run_inputs, tmp_path):  # noqa: F811
+    from test_trainer import kill_engine_mid_rollout
+
+    root, model, data = run_inputs
+    # Two engines: the survivor keeps its adapters, the restarted one loads those still held.
+    cfg = config(root, model, data, tmp_path / "r", "learner.backend=torch", "learner.zero_stage=0", "run.steps=3",
+                 "engine.num_engines=2", "model.lora_rank=4")
+    arm, kills = kill_engine_mid_rollout({3})
+    history = train(cfg, after_step=arm)
+    assert len(kills) == 1
+    assert [m["engine/restarts"] for m in history] == [0, 0, 1]
+    assert all(m["sync/logprob_gap"] <= 1e-4 for m in history)  # the push after the restart reached both
+    assert sorted(p.name for p in (tmp_path / "r" / "weight-sync").iterdir()) == ["arbor-lora-2", "arbor-lora-3"]

@@ -124,7 +124,7 @@ class EngineRecovery:
             served = run_sync(lambda c: c.get_weight_version(), [url])
             if served != [version]:
                 raise EngineFailedError(f"engine {url} restarted but serves weight version {served}, not {version!r}")
-        if self.weight_sync == "distributed":
+        if self.weight_sync == "distributed" and not self.learners.lora:  # LoRA pushes open no group
             # The old group had the dead server in it: the others leave, the next sync opens a new one.
             self.learners.reset_weight_sync([u for u in self.engines.urls if u != url])
         print(f"arbor train: engine {url} is back, serving weight version {version or 'of model.path'}",
