@@ -138,9 +138,10 @@ def test_lora_sync_to_arbor_serve(tmp_path):
 
 
 def test_a_lora_run_syncs_only_the_adapter(run_inputs, tmp_path):  # noqa: F811
+    """Two ZeRO-3 learner ranks under Ray: the adapter is gathered, rank 0 pushes it."""
     root, model, data = run_inputs
-    cfg = config(root, model, data, tmp_path / "out", "learner.backend=torch", "learner.zero_stage=0",
-                 "model.lora_rank=4", "model.lora_alpha=16", "loss.kl_coef=0.01")
+    cfg = config(root, model, data, tmp_path / "out", "learner.backend=deepspeed", "learner.zero_stage=3",
+                 "learner.num_ranks=2", "model.lora_rank=4", "model.lora_alpha=16", "loss.kl_coef=0.01")
     history = train(cfg)
     rank, hidden, layers = 4, 64, 2
     kv = 2 * hidden // 4  # 2 of 4 heads of 16
