@@ -186,8 +186,9 @@ class Learner:
         elif full_reference:
             self.ref_model = load_policy(model_cfg, self.dtype, model_cfg.ref_path).to(self.device).eval()
             self.ref_model.requires_grad_(False)
+        trained = [p for p in policy.parameters() if p.requires_grad]  # with LoRA: the adapter alone
         optimizer = torch.optim.AdamW(
-            [p for p in policy.parameters() if p.requires_grad], lr=optim_cfg.lr, betas=tuple(optim_cfg.betas), eps=optim_cfg.eps,
+            trained, lr=optim_cfg.lr, betas=tuple(optim_cfg.betas), eps=optim_cfg.eps,
             weight_decay=optim_cfg.weight_decay,
         )
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(optim_cfg, total_steps))
@@ -329,7 +330,8 @@ class Learner:
         if self.lora:  # adapter tensors only: every one of them must be there
             missing = sorted(set(dict(self._trained_named_tensors())) - set(state["model"]))
             if missing:
-                raise KeyError(f"{directory}/learner.pt lacks adapter tensors {missing[:3]} (a full fine-tuning checkpoint?)")
+                raise KeyError(f"{directory}/learner.pt lacks adapter tensors {missing[:3]} "
+                               "(a full fine-tuning checkpoint?)")
         self.model.load_state_dict(state["model"], strict=not self.lora)
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
