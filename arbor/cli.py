@@ -3,6 +3,7 @@
     arbor train configs/math.yaml [section.key=value ...]   # RL with tree rollouts
     arbor config configs/math.yaml loss.clip_high=0.3       # validate, print the resolved config
     arbor serve --model PATH [--host H] [--port P]          # embedded engine, SGLang's native API
+    arbor export RUN/hf --merge OUT                         # a LoRA adapter merged into its base
 
 Every command that takes a config validates it (and its overrides) before any work
 starts; a bad key exits with status 2 and a message naming it.
@@ -27,6 +28,7 @@ COMMANDS: dict[str, tuple[str, str, str, bool]] = {
     "eval": ("arbor.run.evaluate", "main", "pass@k / maj@k of a model on a jsonl set", True),
     "config": ("arbor.cli", "print_config", "validate a config and print its resolved form", True),
     "serve": ("arbor.engines.embedded.server", "main", "serve the embedded engine behind SGLang's API", False),
+    "export": ("arbor.run.export", "main", "merge a LoRA run's adapter into its base model", False),
     "view": ("arbor.viewer", "main", "render a saved rollout tree as a self-contained HTML page", False),
 }
 

@@ -37,6 +37,13 @@ class ModelConfig:
     gradient_checkpointing: bool = False
     ref_path: str | None = None  # frozen reference model for KL; None: same as `path`
     chat_template: bool = True  # format prompts with the tokenizer's chat template
+    # LoRA (docs/lora.md): train a rank-r adapter on the frozen model (peft) and sync only the
+    # adapter to the engines; 0: full fine-tuning. The KL reference is the model with the adapter off.
+    lora_rank: int = 0
+    lora_alpha: float = 16.0  # the adapter's update is scaled by lora_alpha / lora_rank
+    lora_dropout: float = 0.0  # > 0 makes the learner's log-probs differ from the engines'
+    # Module names the adapter wraps; empty: the architecture's default (arbor.train.lora).
+    lora_targets: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -398,6 +405,14 @@ def validate(cfg: Config, where: Callable[[str], str] | None = None) -> None:
             raise ConfigError(f"{where(key)}: {key} {why}")
 
     r, e, lo, a, o, le = cfg.rollout, cfg.engine, cfg.loss, cfg.algorithm, cfg.optim, cfg.learner
+    m = cfg.model
+    need(m.lora_rank >= 0, "model.lora_rank", f"must be ≥ 0 (0: full fine-tuning), got {m.lora_rank}")
+    need(m.lora_alpha > 0, "model.lora_alpha", f"must be > 0, got {m.lora_alpha}")
+    need(0 <= m.lora_dropout < 1, "model.lora_dropout", f"must be in [0, 1), got {m.lora_dropout}")
+    need(all(t.strip() for t in m.lora_targets), "model.lora_targets", f"must be module names, got {m.lora_targets}")
+    need(m.lora_rank > 0 or not m.lora_targets, "model.lora_targets", "needs model.lora_rank > 0 (0: full fine-tuning)")
+    need(m.lora_rank == 0 or m.ref_path is None, "model.ref_path",
+         "must be null with model.lora_rank > 0 (the KL reference is the model with its adapter off)")
     need(r.width >= 1, "rollout.width", f"must be ≥ 1, got {r.width}")
     need(r.branch >= 1, "rollout.branch", f"must be ≥ 1, got {r.branch}")
     need(r.branch <= r.width, "rollout.branch", f"({r.branch}) must not exceed rollout.width ({r.width})")

@@ -24,6 +24,15 @@ Ends with ``RESULT gb=<GB pushed> sync_s_per_tensor=... sync_s_bucketed=... sync
 raw_gbps=<GB/s> bucketed_gbps=<GB/s>`` (best of ``--repeats``). On a 2-core machine the
 learner, the server and the receiver share the cores: run it on a quiet machine, note
 ``uptime``. ``--tiny``: a 2-layer toy model, to check that the script runs.
+
+    python scripts/bench_weight_sync.py --lora [--lora-rank 8] [--shapes smollm2-135m qwen2.5-0.5b]
+
+``--lora``: full vs adapter sync instead, for each shape (SmolLM2-135M: Llama, 30 layers,
+hidden 576, vocabulary 49,152, tied; Qwen2.5-0.5B as above), bfloat16: the bucketed full
+push, and a LoRA run's push (the adapter of rank ``--lora-rank`` on every attention and MLP
+linear, written in peft's format and loaded by the server, which merges it). One line per
+shape: ``RESULT_LORA shape=... full_bytes=... adapter_bytes=... full_s=... adapter_s=...``
+(bytes are exact anywhere; seconds need a quiet machine).
 """
 
 from __future__ import annotations
@@ -55,6 +64,11 @@ TINY = dict(
     hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
     intermediate_size=128, vocab_size=512, tie_word_embeddings=True, max_position_embeddings=512,
 )
+SMOLLM2_135M = dict(
+    model_type="llama", hidden_size=576, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+    intermediate_size=1536, vocab_size=49152, tie_word_embeddings=True, max_position_embeddings=8192,
+)
+SHAPES = {"qwen2.5-0.5b": QWEN25_05B, "smollm2-135m": SMOLLM2_135M, "tiny": TINY}  # model_type default: qwen2
 
 # The raw receiver: joins the group as rank 1 and receives buffers of the given sizes into
 # one buffer touched beforehand (pure transfer: no page faults, no copies).
@@ -71,14 +85,61 @@ print("received", flush=True)
 """
 
 
-def build_model(config_kwargs: dict, path: Path) -> torch.nn.Module:
-    """A random bfloat16 Qwen2 model, saved to ``path`` for the server to load."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+def build_model(config_kwargs: dict, path: Path, dtype: torch.dtype = torch.bfloat16) -> torch.nn.Module:
+    """A random model of ``config_kwargs`` (Qwen2 unless ``model_type`` says otherwise), saved
+    to ``path`` for the server to load."""
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     torch.manual_seed(0)
-    model = Qwen2ForCausalLM(Qwen2Config(**config_kwargs, torch_dtype="bfloat16")).to(torch.bfloat16)
+    kwargs = dict(config_kwargs)
+    config = AutoConfig.for_model(kwargs.pop("model_type", "qwen2"), **kwargs, dtype=dtype)
+    model = AutoModelForCausalLM.from_config(config).to(dtype)
     model.save_pretrained(path)
     return model
+
+
+async def time_lora(url: str, model: torch.nn.Module, sync_dir: Path, rank: int, bucket_mb: float,
+                    repeats: int) -> dict[str, float]:
+    """Bytes and best seconds of a full bucketed push and of a LoRA adapter push."""
+    from arbor.config import load_config
+    from arbor.engines.client import adapter_name
+    from arbor.train.lora import adapter_state, add_adapter, save_adapter
+
+    named = [(name, param.detach()) for name, param in model.named_parameters()]
+    cfg = load_config(None, ["model.path=bench", f"model.lora_rank={rank}"]).model
+    adapted = add_adapter(model, cfg)
+    with torch.no_grad():  # a trained adapter: B away from its zero start
+        for param in adapted.parameters():
+            if param.requires_grad:
+                param.normal_(0, 0.01)
+    out = {"full_s": float("inf"), "adapter_s": float("inf")}
+    async with SGLangClient([url], timeout_s=3600) as client:
+        sync = WeightSync(client, "distributed", master_address="127.0.0.1")
+        out["full_bytes"] = await sync.push(named_tensor_buckets(iter(named), bucket_mb), "warm-up")
+        for repeat in range(repeats):
+            start = time.perf_counter()
+            await sync.push(named_tensor_buckets(iter(named), bucket_mb), f"full-{repeat}")
+            out["full_s"] = min(out["full_s"], time.perf_counter() - start)
+            version = f"lora-{repeat}"
+            start = time.perf_counter()  # what a LoRA run's push does: write the adapter, then load it
+            whole = {name: p.detach() for name, p in adapted.named_parameters() if p.requires_grad}
+            save_adapter(adapted, sync_dir / adapter_name(version), adapter_state(adapted, whole))
+            out["adapter_bytes"] = await sync.push_adapter(sync_dir / adapter_name(version), version)
+            out["adapter_s"] = min(out["adapter_s"], time.perf_counter() - start)
+            print(f"repeat {repeat}: full {out['full_s']:.2f} s, adapter {out['adapter_s']:.2f} s", flush=True)
+    return out
+
+
+def bench_lora(args: argparse.Namespace) -> None:
+    for shape in ["tiny"] if args.tiny else args.shapes:
+        with tempfile.TemporaryDirectory(prefix="bench-weight-sync-") as tmp:
+            model = build_model(SHAPES[shape], Path(tmp) / "model")
+            with launch_engines("embedded", model_path=str(Path(tmp) / "model"), dtype="bfloat16",
+                                log_dir=Path(tmp) / "logs", startup_timeout_s=600) as handle:
+                out = asyncio.run(time_lora(handle.urls[0], model, Path(tmp) / "sync", args.lora_rank,
+                                            args.bucket_mb, args.repeats))
+        print(f"RESULT_LORA shape={shape} full_bytes={out['full_bytes']} adapter_bytes={out['adapter_bytes']} "
+              f"full_s={out['full_s']:.3f} adapter_s={out['adapter_s']:.3f}", flush=True)
 
 
 def bucket_sizes(named: list[tuple[str, torch.Tensor]], bucket_mb: float) -> list[int]:
@@ -138,8 +199,14 @@ def main() -> None:
     parser.add_argument("--bucket-mb", type=float, default=512.0, help="learner.sync_bucket_mb")
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--tiny", action="store_true", help="a toy model: check that it runs")
+    parser.add_argument("--lora", action="store_true", help="full vs LoRA adapter sync per shape")
+    parser.add_argument("--lora-rank", type=int, default=8)
+    parser.add_argument("--shapes", nargs="+", choices=sorted(SHAPES), default=["smollm2-135m", "qwen2.5-0.5b"])
     args = parser.parse_args()
     torch.set_num_threads(1)
+    if args.lora:
+        bench_lora(args)
+        return
     with tempfile.TemporaryDirectory(prefix="bench-weight-sync-") as tmp:
         model = build_model(TINY if args.tiny else QWEN25_05B, Path(tmp) / "model")
         named = [(name, param.detach()) for name, param in model.named_parameters()]

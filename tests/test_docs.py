@@ -14,7 +14,7 @@ PAGES = [REPO / "README.md", REPO / "CHANGELOG.md", *sorted((REPO / "docs").glob
 
 # docs/ pages written on other branches and linked before they land; once they are all in
 # the repository this set is empty and can go.
-PENDING_PAGES = {"sglang.md", "lora.md"}
+PENDING_PAGES = {"sglang.md"}
 
 # Developer notes that live outside the repository: a user cannot follow a reference to them.
 OUTSIDE_NOTES = re.compile(r"\b(ALGORITHMS|ARCHITECTURE|ENVIRONMENT|STYLE)\.md\b|\.\./shared\b")

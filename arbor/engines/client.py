@@ -20,6 +20,8 @@
 - :func:`engine_client` builds the client a run's config describes (timeouts, retries, key).
 - Control calls (weights, cache, memory, health) go to every server; weight pushes run in
   SGLang's sessions (``/begin_weight_update`` ... ``/end_weight_update``).
+- ``client.lora_path = name``: every ``/generate`` names that LoRA adapter (SGLang's
+  ``lora_path``), the one the last push loaded (:func:`adapter_name`); None: the base weights.
 - Every request carries ``Authorization: Bearer <api_key>`` (default:
   ``$ARBOR_ENGINE_API_KEY``; none when unset), the key the run gave its engines.
 """
@@ -129,6 +131,7 @@ class SGLangClient:
         self.prefixes = CachedPrefixes()
         # /generate calls sent (a batch is one; retries are not counted): rollout/requests.
         self.generate_calls = 0
+        self.lora_path: str | None = None  # the LoRA adapter every /generate names (None: none)
         api_key = api_key or os.environ.get(API_KEY_ENV)
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
@@ -148,7 +151,7 @@ class SGLangClient:
     async def generate(self, request: GenerateRequest) -> list[GenerateOutput]:
         """``request.sampling.n`` continuations (a list even for ``n = 1``)."""
         url = self.server_for(request.affinity_key)
-        body = await self._call(url, "POST", "/generate", generate_payload(request))
+        body = await self._call(url, "POST", "/generate", self._adapter(generate_payload(request)))
         items = body if isinstance(body, list) else [body]
         if len(items) != request.sampling.n:
             raise EngineError(f"asked n={request.sampling.n}, got {len(items)} outputs", url=url)
@@ -185,6 +188,7 @@ class SGLangClient:
             }
             if any(item.sampling.return_entropy for item in items):
                 payload["top_logprobs_num"] = [entropy_top_k(item.sampling) for item in items]
+            payload = self._adapter(payload)
             body = await self._call(url, "POST", "/generate", payload)
             if not isinstance(body, list) or len(body) != len(items):
                 got = len(body) if isinstance(body, list) else 1
@@ -207,11 +211,17 @@ class SGLangClient:
                 uncached.setdefault(hash(tuple(ids)), ids)
         if not uncached:
             return
-        payload = {"input_ids": list(uncached.values()), "sampling_params": {"max_new_tokens": 0}}
+        payload = self._adapter({"input_ids": list(uncached.values()), "sampling_params": {"max_new_tokens": 0}})
         body = await self._call(url, "POST", "/generate", payload)
         replies = body if isinstance(body, list) else [body]
         for ids, reply in zip(uncached.values(), replies):
             self.prefixes.add(url, ids, parse_output(reply).weight_version)
+
+    def _adapter(self, payload: dict[str, Any]) -> dict[str, Any]:
+        """``payload`` naming :attr:`lora_path` (SGLang applies one name to every prompt of a batch)."""
+        if self.lora_path is not None:
+            payload["lora_path"] = self.lora_path
+        return payload
 
     def server_for(self, affinity_key: str | None) -> str:
         """The server a request goes to: rendezvous hash of the key, else round-robin."""
@@ -233,6 +243,21 @@ class SGLangClient:
             payload["weight_version"] = weight_version
         self.prefixes.forget()
         return await self._all("POST", "/update_weights_from_disk", payload, check_success=True)
+
+    async def load_lora_adapter(self, name: str, path: str) -> list[Any]:
+        """Every server loads the peft adapter directory ``path`` as ``name`` (SGLang needs
+        ``--enable-lora``); requests naming ``name`` then use it."""
+        self.prefixes.forget()
+        return await self._all("POST", "/load_lora_adapter", {"lora_name": name, "lora_path": path},
+                               check_success=True)
+
+    async def unload_lora_adapter(self, name: str) -> list[Any]:
+        return await self._all("POST", "/unload_lora_adapter", {"lora_name": name}, check_success=True)
+
+    async def update_weight_version(self, version: str) -> list[Any]:
+        """Every server reports ``version`` from now on (in-flight requests keep running)."""
+        return await self._all("POST", "/update_weight_version",
+                               {"new_version": version, "abort_all_requests": False}, check_success=True)
 
     async def init_weights_update_group(
         self,
@@ -470,9 +495,16 @@ async def _with_retries(
     raise AssertionError("unreachable")
 
 
+def adapter_name(version: str) -> str:
+    """The LoRA adapter name of weight version ``version``: a new name per push, so an engine
+    never confuses two versions of the adapter."""
+    return f"arbor-lora-{version}"
+
+
 def _check_success(result: Any, url: str) -> Any:
     if isinstance(result, dict) and result.get("success") is False:
-        raise EngineError(str(result.get("message", "request failed")), url=url)
+        # SGLang's LoRA endpoints say why in error_message, the others in message.
+        raise EngineError(str(result.get("message") or result.get("error_message") or "request failed"), url=url)
     return result
 
 

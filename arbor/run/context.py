@@ -105,6 +105,7 @@ class RunContext:
         self.stream.load_state_dict(state["stream"])
         self.start_step = int(state["step"])
         self.learners.push_weights(self.engines.urls, str(self.start_step))
+        self.client.lora_path = self.learners.adapter
         self.run_async(self.client.flush_cache())
         print(f"arbor train: resumed from {directory} (step {self.start_step})", flush=True)
 

@@ -88,6 +88,10 @@ def engine_args(cfg: Config) -> list[str]:
             seed=cfg.run.seed, trust_remote_code=cfg.model.trust_remote_code,
             memory_saver=cfg.ray.colocate, deterministic=cfg.engine.deterministic,
         )
+        if cfg.model.lora_rank:  # the adapters each sync loads (arbor.train.lora)
+            from arbor.train.lora import sglang_lora_flags
+
+            args += sglang_lora_flags(cfg.model)
     else:
         args = ["--max-cached-tokens", str(cfg.engine.max_cached_tokens)]
     return args + list(cfg.engine.extra_args)

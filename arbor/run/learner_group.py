@@ -75,30 +75,37 @@ class LearnerWorker:
         """π_old of this rank's packs before the update (:meth:`arbor.train.learner.Learner.old_logprobs`)."""
         return self.learner.old_logprobs(packs, filler)
 
-    def push_weights(self, urls: list[str], version: str) -> None:
-        """Gather the parameters (collective) and, on rank 0, send them to every engine.
+    def push_weights(self, urls: list[str], version: str) -> int:
+        """Gather the parameters (collective) and, on rank 0, send them to every engine; the
+        bytes sent (0 on other ranks). A LoRA run sends only its adapter (``push_adapter``).
 
         ``learner.weight_sync: distributed`` gathers and broadcasts ``learner.sync_bucket_mb``
         buckets over a gloo/NCCL group, gathering the next while one is sent; ``disk`` writes an HF directory (``<run.output_dir>/weight-sync``)
         that the engines load (for engines the learner cannot reach over torch.distributed).
         """
+        from arbor.engines.client import adapter_name
         from arbor.train.weight_sync import gathered_buckets
 
         cfg = self.cfg
-        if cfg.learner.weight_sync == "disk":
-            self.export_hf(self.sync_dir)
-            if self.rank == 0:
-                sync = self._weight_sync(urls)
-                asyncio.run(closing(sync.client, sync.push_directory(self.sync_dir, version)))
-            return
+        if cfg.learner.weight_sync == "disk" or self.learner.lora:
+            directory = os.path.join(self.sync_dir, adapter_name(version)) if self.learner.lora else self.sync_dir
+            if self.learner.lora:
+                self.learner.export_hf(directory)  # the adapter alone: the engines have the tokenizer
+            else:
+                self.export_hf(directory)
+            if self.rank != 0:
+                return 0
+            sync = self._weight_sync(urls)
+            push = sync.push_adapter if self.learner.lora else sync.push_directory
+            return asyncio.run(closing(sync.client, push(directory, version)))
         buckets = gathered_buckets(self.learner.model, self._zero_stage(), cfg.learner.sync_bucket_mb,
                                    copy=self.rank == 0)
         if self.rank != 0:
             for _ in buckets:  # take part in each gather
                 pass
-            return
+            return 0
         sync = self._weight_sync(urls)
-        asyncio.run(closing(sync.client, sync.push(buckets, version)))
+        return asyncio.run(closing(sync.client, sync.push(buckets, version)))
 
     def logprob_gap(self, samples: list[tuple[list[int], list[int], list[float]]]) -> float:
         """Mean |engine − learner| logprob over probe samples (every rank: ZeRO-3 forwards are collective)."""
@@ -186,6 +193,7 @@ class LearnerGroup:
             for rank in range(cfg.learner.num_ranks)
         ]
         self.output_dir = cfg.run.output_dir
+        self.lora = cfg.model.lora_rank > 0
         # Rank 0's address reaches every setup as a ref: Ray resolves it, nothing blocks here.
         master = self.workers[0].address.remote()
         self.starting = [w.setup.remote(master, total_steps) for w in self.workers]  # ref r: rank r is set up
@@ -238,9 +246,18 @@ class LearnerGroup:
 
     # Every method below runs on all ranks at once (collectives need every rank); results by rank.
 
-    def push_weights(self, urls: list[str], version: str) -> None:
-        self.results([w.push_weights.remote(urls, version) for w in self.workers])
+    def push_weights(self, urls: list[str], version: str) -> int:
+        """Weights (a LoRA run: the adapter) to every engine; the bytes sent."""
+        sent = self.results([w.push_weights.remote(urls, version) for w in self.workers])[0]
         self.weight_version = version
+        return sent
+
+    @property
+    def adapter(self) -> str | None:
+        """The LoRA adapter the engines serve, which requests must name (None: no LoRA or no push yet)."""
+        from arbor.engines.client import adapter_name
+
+        return adapter_name(self.weight_version) if self.lora and self.weight_version is not None else None
 
     def logprob_gap(self, samples: list[tuple[list[int], list[int], list[float]]]) -> float:
         return self.results([w.logprob_gap.remote(samples) for w in self.workers])[0]

@@ -261,8 +261,9 @@ def sync_weights(
     from arbor.train.weight_sync import probe_samples
 
     recovery.revive_dead()  # a server that died after its last request is restarted first
-    learners.push_weights(engines.urls, version)
-    metrics: dict[str, float] = {"sync/weight_version": float(version)}
+    pushed = learners.push_weights(engines.urls, version)
+    sampling.client.lora_path = learners.adapter  # rollouts from now on name the new adapter
+    metrics: dict[str, float] = {"sync/weight_version": float(version), "sync/bytes": float(pushed)}
     if probe:
         prompts = [t.prompt_ids for t in probe]
         samples = sampling.run(probe_samples(sampling.client, prompts, max_new_tokens=rollout_cfg.segment_tokens,

@@ -30,6 +30,7 @@ import os
 import sys
 import threading
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import TypeVar
 
 from arbor.config import EngineConfig
@@ -122,14 +123,23 @@ class EngineRecovery:
         """The restarted server serves model.path's weights: give it the run's current ones."""
         version = self.learners.weight_version
         if version is not None:
-            directory = os.path.join(self.output_dir, "weight-sync")  # where disk sync writes too
-            self.learners.export_hf(directory)
-            self._on(url, lambda c: c.update_weights_from_disk(directory, weight_version=version))
+            sync_dir = os.path.join(self.output_dir, "weight-sync")  # where disk and LoRA sync write too
+            if self.learners.adapter is not None:
+                # LoRA: every adapter the other engines hold (their directories are kept until
+                # unloaded), oldest first, so the current one is loaded last and served.
+                held = sorted(Path(sync_dir).glob("arbor-lora-*"), key=lambda p: p.stat().st_mtime)
+                for path in held:
+                    name, directory = path.name, str(path)
+                    self._on(url, lambda c: c.load_lora_adapter(name, directory))  # noqa: B023 (awaited at once)
+                self._on(url, lambda c: c.update_weight_version(version))
+            else:
+                self.learners.export_hf(sync_dir)
+                self._on(url, lambda c: c.update_weights_from_disk(sync_dir, weight_version=version))
             self._on(url, lambda c: c.flush_cache())
             served = self._on(url, lambda c: c.get_weight_version())
             if served != [version]:
                 raise EngineFailedError(f"engine {url} restarted but serves weight version {served}, not {version!r}")
-        if self.weight_sync == "distributed":
+        if self.weight_sync == "distributed" and not self.learners.lora:  # LoRA pushes open no group
             # The old group had the dead server in it: the others leave, the next sync opens a new one.
             self.learners.reset_weight_sync([u for u in self.engines.urls if u != url])
         print(f"arbor train: engine {url} is back, serving weight version {version or 'of model.path'}",

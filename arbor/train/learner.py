@@ -21,6 +21,10 @@ Under ZeRO-3 the policy and the reference model are built partitioned over the r
 :meth:`Learner.export_hf` still hold the whole model (gathered in ``learner.sync_bucket_mb``
 buckets).
 
+With ``model.lora_rank`` > 0 only a peft LoRA adapter trains (:mod:`arbor.train.lora`): the
+optimizer holds the adapter alone, the KL reference is the policy with its adapter disabled
+(no second copy), and checkpoints and exports hold the adapter in peft's format.
+
 On CPU DeepSpeed talks gloo; ``backend: torch`` is a single-process learner for
 debugging with the same loss and schedule.
 """
@@ -44,6 +48,7 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 from arbor.config import LearnerConfig, LossConfig, ModelConfig, OptimConfig
 from arbor.train.lm_head import check_temperature
 from arbor.train.logprobs import pack_token_logprobs
+from arbor.train.lora import AdapterOff, adapter_state, add_adapter, save_adapter
 from arbor.train.loss import LossStats
 from arbor.train.packed_loss import pack_loss
 from arbor.train.packing import PackedBatch
@@ -178,16 +183,21 @@ class Learner:
             policy = build_partitioned(model_cfg, self.dtype, ds_config)
         else:
             policy = load_policy(model_cfg, self.dtype)
-        self.ref_model: Any = None
+        self.lora = model_cfg.lora_rank > 0
+        if self.lora:
+            policy = add_adapter(policy, model_cfg)  # freezes the base: only the adapter trains
+        self.ref_model: Any = None  # with LoRA set below, once the policy's module is final
         self._ref_engine: Any = None  # under ZeRO-3 the DeepSpeed engine that shards ref_model
-        if loss_cfg.kl_coef > 0 and sharded:
+        full_reference = loss_cfg.kl_coef > 0 and not self.lora  # a LoRA run's reference: AdapterOff
+        if full_reference and sharded:
             self._ref_engine = reference_engine(model_cfg, self.dtype, ds_config)
             self.ref_model = self._ref_engine.module
-        elif loss_cfg.kl_coef > 0:
+        elif full_reference:
             self.ref_model = cast(Any, load_policy(model_cfg, self.dtype, model_cfg.ref_path)).to(self.device).eval()
             self.ref_model.requires_grad_(False)
+        trained = [p for p in policy.parameters() if p.requires_grad]  # with LoRA: the adapter alone
         optimizer = torch.optim.AdamW(
-            policy.parameters(), lr=optim_cfg.lr, betas=(optim_cfg.betas[0], optim_cfg.betas[1]), eps=optim_cfg.eps,
+            trained, lr=optim_cfg.lr, betas=(optim_cfg.betas[0], optim_cfg.betas[1]), eps=optim_cfg.eps,
             weight_decay=optim_cfg.weight_decay,
         )
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(optim_cfg, total_steps))
@@ -205,6 +215,8 @@ class Learner:
             self.engine = None
             self.model = policy.to(self.device)
             self.optimizer, self.scheduler = optimizer, scheduler
+        if self.lora and loss_cfg.kl_coef > 0:
+            self.ref_model = AdapterOff(self.model)
         self.model.train()
         self.steps = 0
 
@@ -343,12 +355,17 @@ class Learner:
     def save(self, directory: str | Path) -> None:
         """Model, optimizer and schedule state of this rank (every rank calls it)."""
         directory = Path(directory)
+        if self.lora:  # the adapter in peft's format too, readable without arbor
+            self.export_hf(directory / "adapter")
         if self.engine is not None:
-            self.engine.save_checkpoint(str(directory), tag="learner", save_latest=False)
+            # With LoRA the frozen base is not state: the run rebuilds it from model.path.
+            self.engine.save_checkpoint(str(directory), tag="learner", save_latest=False,
+                                        exclude_frozen_parameters=self.lora)
             return
         directory.mkdir(parents=True, exist_ok=True)
+        model_state = dict(self._trained_named_tensors())
         torch.save(
-            {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+            {"model": model_state, "optimizer": self.optimizer.state_dict(),
              "scheduler": self.scheduler.state_dict(), "steps": self.steps},
             directory / "learner.pt",
         )
@@ -356,22 +373,33 @@ class Learner:
     def load(self, directory: str | Path) -> None:
         directory = Path(directory)
         if self.engine is not None:
-            path, _ = self.engine.load_checkpoint(str(directory), tag="learner")
+            path, _ = self.engine.load_checkpoint(str(directory), tag="learner", load_module_strict=not self.lora)
             if path is None:
                 raise FileNotFoundError(f"no DeepSpeed checkpoint under {directory}/learner")
             self.steps = int(self.scheduler.last_epoch)
             return
         state = torch.load(directory / "learner.pt", map_location=self.device, weights_only=True)
-        self.model.load_state_dict(state["model"])
+        if self.lora:  # adapter tensors only: every one of them must be there
+            missing = sorted(set(dict(self._trained_named_tensors())) - set(state["model"]))
+            if missing:
+                raise KeyError(f"{directory}/learner.pt lacks adapter tensors {missing[:3]} "
+                               "(a full fine-tuning checkpoint?)")
+        self.model.load_state_dict(state["model"], strict=not self.lora)
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.steps = int(state["steps"])
 
     def export_hf(self, directory: str | Path, tokenizer: Any = None) -> None:
-        """An HF directory (safetensors + config + tokenizer) of the current weights.
+        """An HF directory (safetensors + config + tokenizer) of the current weights; with
+        LoRA the adapter in peft's format (``arbor export DIR --merge OUT`` merges it).
 
         Collective under ZeRO-3 (every rank calls it); rank 0 writes.
         """
+        if self.lora:
+            state = self.adapter_weights()
+            if self.rank == 0:
+                save_adapter(self.model, directory, state, tokenizer)
+            return
         state = self._whole_parameters(keep=self.rank == 0)
         if self.rank != 0:
             return
@@ -387,15 +415,32 @@ class Learner:
         """Whole parameters (gathered under ZeRO-3), on CPU, on every rank."""
         return self._whole_parameters(keep=True)
 
-    def _whole_parameters(self, keep: bool) -> dict[str, torch.Tensor]:
+    def adapter_weights(self) -> dict[str, torch.Tensor]:
+        """The whole LoRA adapter under peft's saved names, on CPU, on rank 0 ({} elsewhere;
+        collective under ZeRO-3)."""
+        whole = self._whole_parameters(keep=self.rank == 0, trainable_only=True)
+        return adapter_state(self.model, whole) if self.rank == 0 else {}
+
+    def _trained_named_tensors(self) -> list[tuple[str, torch.Tensor]]:
+        """What a plain-torch checkpoint holds: every tensor, or with LoRA the adapter's."""
+        if self.lora:
+            return [(k, p.detach()) for k, p in self.model.named_parameters() if p.requires_grad]
+        return list(self.model.state_dict().items())
+
+    def _whole_parameters(self, keep: bool, trainable_only: bool = False) -> dict[str, torch.Tensor]:
         """:meth:`full_state_dict` where ``keep``, else {} (a ZeRO-3 rank still takes part
-        in every gather: ``learner.sync_bucket_mb`` buckets, one ``GatheredParameters`` each)."""
+        in every gather: ``learner.sync_bucket_mb`` buckets, one ``GatheredParameters`` each).
+        ``trainable_only``: the parameters being trained (the LoRA adapter)."""
         if self.engine is None or self.cfg.zero_stage != 3:
-            return {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()} if keep else {}
+            if not keep:
+                return {}
+            named = self._trained_named_tensors() if trainable_only else self.model.state_dict().items()
+            return {k: v.detach().cpu().clone() for k, v in named}
         from arbor.train.weight_sync import gathered_buckets
 
         out: dict[str, torch.Tensor] = {}
-        for bucket in gathered_buckets(self.model, 3, self.cfg.sync_bucket_mb, copy=keep):
+        for bucket in gathered_buckets(self.model, 3, self.cfg.sync_bucket_mb, copy=keep,
+                                       trainable_only=trainable_only):
             if keep:
                 out.update((name, tensor.cpu()) for name, tensor in bucket)
         return out

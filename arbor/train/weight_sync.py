@@ -14,6 +14,12 @@ flat broadcast (``load_format: "flattened_bucket"``) where every server supports
 (SGLang >= 0.5.6, ``arbor serve``), else one broadcast per tensor. The radix cache is
 flushed with the last bucket: KV computed by old weights must never serve new rollouts.
 
+A LoRA run (``model.lora_rank`` > 0) pushes only the adapter (:meth:`WeightSync.push_adapter`):
+the learner writes it in peft's format under a new name per version (``arbor-lora-<version>``),
+every engine loads it (SGLang's ``/load_lora_adapter``; ``arbor serve`` merges it into its
+base weights), the cache is flushed, the version set, and the adapter before the previous one
+unloaded (the previous one stays until requests sent before this push are done).
+
 Under ZeRO-3 the buckets are gathered one :class:`deepspeed.zero.GatheredParameters` each
 (one coalesced all-gather over the learner ranks, not one per tensor), and a push gathers
 the next bucket while the previous one is broadcast to the engines.
@@ -28,7 +34,7 @@ from typing import Any
 
 import torch
 
-from arbor.engines.client import SGLangClient
+from arbor.engines.client import SGLangClient, adapter_name
 from arbor.engines.distributed import (
     FLATTENED,
     FlatBuffer,
@@ -65,7 +71,7 @@ def whole_nbytes(tensor: torch.Tensor) -> int:
 
 
 def gathered_buckets(
-    model: torch.nn.Module, zero_stage: int, bucket_mb: float, copy: bool = True
+    model: torch.nn.Module, zero_stage: int, bucket_mb: float, copy: bool = True, trainable_only: bool = False
 ) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """Whole parameters in buckets of at most ``bucket_mb`` (a bigger tensor alone), in
     ``named_parameters`` order.
@@ -74,8 +80,9 @@ def gathered_buckets(
     to the end) whose tensors are copied out before it is released, so a bucket stays
     valid while the next one is gathered. ``copy=False``: gather and release only (the
     ranks that take part but send nothing); the bucket then holds the empty placeholders.
+    ``trainable_only``: only parameters with ``requires_grad`` (a LoRA adapter).
     """
-    named = model.named_parameters()
+    named = ((n, p) for n, p in model.named_parameters() if p.requires_grad or not trainable_only)
     if zero_stage != 3:
         yield from named_tensor_buckets(((name, param.detach()) for name, param in named), bucket_mb)
         return
@@ -132,9 +139,11 @@ class WeightSync:
         self._group_name = ""
         self._load_format: str | None = None  # set with the group, from the servers' versions
         self._buffer = FlatBuffer()  # the flat bucket being sent, reused push after push
+        self.adapters: list[str] = []  # LoRA adapters the engines hold, oldest first
 
-    async def push(self, buckets: Iterator[list[tuple[str, torch.Tensor]]], version: str) -> None:
-        """Send every bucket; the last one flushes the cache and sets ``version``.
+    async def push(self, buckets: Iterator[list[tuple[str, torch.Tensor]]], version: str) -> int:
+        """Send every bucket; the last one flushes the cache and sets ``version``. Returns the
+        bytes sent.
 
         The bucket after next is taken from ``buckets`` (e.g. gathered over the learner
         ranks by :func:`gathered_buckets`) in a thread while a bucket is broadcast; the one
@@ -149,12 +158,14 @@ class WeightSync:
         if pending is None:
             raise ValueError("weight sync got no tensors to push")
         following = next(buckets, None)
+        sent = 0
         if self._group is None:
             await self._connect(on_gpu=pending[0][1].is_cuda)
         sessions = await self.client.begin_weight_update()
         try:
             while pending is not None:
                 last = following is None
+                sent += sum(whole_nbytes(tensor) for _, tensor in pending)
                 send = send_weights(
                     self.client, self._group, pending, group_name=self._group_name,
                     load_format=self._load_format if self.flatten else None,
@@ -167,6 +178,7 @@ class WeightSync:
         finally:
             await self.client.end_weight_update(sessions)
         await self.check_version(version)
+        return sent
 
     async def _connect(self, on_gpu: bool) -> None:
         """Join every engine's TP ranks to a new group; pick the fastest format all accept."""
@@ -202,17 +214,58 @@ class WeightSync:
             close_group(self._group)
             self._group = None
 
-    async def push_directory(self, model_dir: str | Path, version: str) -> None:
-        """Engines load an HF directory the learner wrote (the fallback transport)."""
+    async def push_directory(self, model_dir: str | Path, version: str) -> int:
+        """Engines load an HF directory the learner wrote (the fallback transport); returns
+        the bytes of its weight files."""
         await self.client.update_weights_from_disk(str(model_dir), weight_version=version)
         await self.client.flush_cache()
         await self.check_version(version)
+        return tensor_bytes(model_dir)
+
+    async def push_adapter(self, adapter_dir: str | Path, version: str, keep: int = 2) -> int:
+        """Engines load the LoRA adapter directory ``adapter_dir`` (peft's format, named
+        ``adapter_name(version)``); the cache is flushed, the version set, and all but the
+        newest ``keep`` adapters unloaded (the directories of adapters no engine holds deleted). Returns the bytes of
+        the adapter's weights.
+
+        Why a path, not SGLang's ``/load_lora_adapter_from_tensors``: that endpoint takes
+        tensors pickled by SGLang's own ``MultiprocessingSerializer`` (shared-memory handles,
+        same host only), which arbor's learner does not import; a path needs the engines to
+        see the learner's ``run.output_dir`` (as ``learner.weight_sync: disk`` does).
+        """
+        import shutil
+
+        name = adapter_name(version)
+        await self.client.load_lora_adapter(name, str(adapter_dir))
+        self.adapters.append(name)
+        await self.client.flush_cache()
+        await self.client.update_weight_version(version)
+        while len(self.adapters) > keep:
+            old = self.adapters.pop(0)
+            await self.client.unload_lora_adapter(old)
+        # Directories of adapters no engine holds (unloaded, or a previous process's) go.
+        for stale in Path(adapter_dir).parent.glob(adapter_name("*")):
+            if stale.name not in self.adapters:
+                shutil.rmtree(stale, ignore_errors=True)
+        await self.check_version(version)
+        return tensor_bytes(adapter_dir)
 
     async def check_version(self, version: str) -> None:
         versions = await self.client.get_weight_version()
         stale = [(url, v) for url, v in zip(self.client.urls, versions) if v != version]
         if stale:
             raise RuntimeError(f"weight sync to version {version!r} failed: engines report {stale}")
+
+
+def tensor_bytes(directory: str | Path) -> int:
+    """Bytes of the tensors in ``directory``'s safetensors files (their headers excluded)."""
+    from arbor.train.zero3 import SafetensorsReader
+
+    return sum(
+        end - begin
+        for file in Path(directory).glob("*.safetensors")
+        for begin, end in (entry["data_offsets"] for entry in SafetensorsReader(file).entries.values())
+    )
 
 
 FLATTENED_SINCE = (0, 5, 6)  # the first SGLang whose distributed receive takes flat buckets

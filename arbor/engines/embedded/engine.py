@@ -59,6 +59,7 @@ from arbor.engines.embedded.decode_batch import (
     sample_token,
     token_entropies,
 )
+from arbor.engines.embedded.lora import MergedAdapters
 from arbor.engines.embedded.radix_cache import TOKENS, PrefixHit, RadixKVCache, stack_kv
 from arbor.engines.types import GenerateOutput, GenerateRequest
 
@@ -132,6 +133,7 @@ class LocalEngine:
             eos if isinstance(eos, list) else [eos] if eos is not None else []
         )
         self.cache = RadixKVCache(max_cached_tokens)
+        self.adapters = MergedAdapters(self.model)  # LoRA adapters, merged (engines/embedded/lora.py)
         self._decoder = make_decoder(self.model)
         # The running rows' KV buffers, kept between batches (allocation is not free).
         self._batch = DecodeBatch(self.device)
@@ -237,10 +239,24 @@ class LocalEngine:
                         f"{name}: shape {tuple(tensor.shape)} != {tuple(params[name].shape)}"
                     )
             self.model.load_state_dict(state, strict=strict)
+            self.adapters.rebase(list(state))  # new base weights; the served adapter stays on top
             if flush:
                 self._new_version(weight_version)
             elif weight_version is not None:
                 self.weight_version = weight_version
+
+    def load_adapter(self, name: str, path: str | Path) -> None:
+        """Merge the peft LoRA adapter at ``path`` as ``name`` (it is served from now on)."""
+        with self._exclusive():
+            self.adapters.load(name, path)
+            self.cache.flush()  # KV of the old weights must not serve the new ones
+
+    def unload_adapter(self, name: str) -> None:
+        with self._exclusive():
+            served = name == self.adapters.active
+            self.adapters.unload(name)
+            if served:  # back to the base weights
+                self.cache.flush()
 
     def flush_cache(self) -> None:
         with self._exclusive():

@@ -17,6 +17,9 @@ Endpoints (request / response fields as SGLang 0.5 names them):
   weight_version?, load_format?}`` (the learner is rank 0 and broadcasts each tensor, or the
   whole list as one ``"flattened_bucket"``), allowed only between ``POST /begin_weight_update``
   and ``POST /end_weight_update`` (400 outside, 400 on a second begin), as in SGLang 0.5.23;
+- ``POST /load_lora_adapter`` ``{lora_name, lora_path}`` (a peft directory, merged into the
+  weights: :mod:`arbor.engines.embedded.lora`), ``/unload_lora_adapter`` ``{lora_name}``,
+  ``/update_weight_version`` ``{new_version}``; ``/generate``'s ``lora_path`` names the adapter;
 - ``POST /flush_cache``, ``/release_memory_occupation``, ``/resume_memory_occupation``;
 - ``GET /model_info`` (= ``/get_model_info``), ``/get_weight_version``, ``/server_info`` (=
   ``/get_server_info``: ``tp_size`` 1 and engine counters), ``/health``, ``/health_generate``.
@@ -56,6 +59,7 @@ from arbor.engines.auth import (
 )
 from arbor.engines.distributed import DEFAULT_GROUP, WeightUpdateGroup
 from arbor.engines.embedded.engine import EngineReleased, LocalEngine
+from arbor.engines.embedded.lora import add_lora_routes
 from arbor.engines.ports import free_port
 from arbor.engines.types import GenerateOutput, GenerateRequest, SamplingParams
 
@@ -68,6 +72,7 @@ ADMIN_PATHS = (
     "/update_weights_from_disk", "/init_weights_update_group", "/destroy_weights_update_group",
     "/update_weights_from_distributed", "/begin_weight_update", "/end_weight_update",
     "/flush_cache", "/release_memory_occupation", "/resume_memory_occupation",
+    "/load_lora_adapter", "/unload_lora_adapter", "/update_weight_version",
 )
 
 
@@ -251,7 +256,9 @@ def build_app(
             raise BadRequest(f"top_logprobs_num must be an int >= 0 or one per prompt, got {top!r}")
         params = [replace(sp, return_entropy=True) if k > 0 else sp for sp, k in zip(params, tops)]
         requests = [GenerateRequest(p, sp) for p, sp in zip(prompts, params)]
+        adapters = body.get("lora_path")  # SGLang's: one name for all prompts, or one each
         with _checking_request():
+            engine.adapters.check_requested(adapters if isinstance(adapters, list) else [adapters] * len(prompts))
             for r in requests:
                 engine.validate(r)
         start = time.perf_counter()
@@ -283,6 +290,17 @@ def build_app(
         return web.json_response(
             {"success": True, "message": f"loaded {path}", "num_paused_requests": 0}
         )
+
+    add_lora_routes(routes, engine, handler, refused)  # /load_lora_adapter, /unload_lora_adapter
+
+    @routes.post("/update_weight_version")
+    @handler
+    async def update_weight_version(request: web.Request) -> web.Response:
+        version = (await _json_body(request)).get("new_version")
+        if not isinstance(version, str) or not version:
+            raise BadRequest("new_version must be a non-empty string")
+        engine.weight_version = version
+        return web.json_response({"success": True, "message": f"weight version {version}"})
 
     @routes.post("/init_weights_update_group")
     @handler

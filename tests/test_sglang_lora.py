@@ -1,0 +1,103 @@
+"""LoRA sync against a real SGLang 0.5.23 server on the CPU (skipped without one).
+
+Set ``ARBOR_SGLANG_PYTHON`` to the python of an environment that serves SGLang on a CPU
+(e.g. one built by ``scripts/sglang_cpu_env.sh``); the test starts its server with LoRA on
+(``--enable-lora --max-lora-rank --lora-target-modules --lora-backend torch_native``) and
+``tests/sglang_cpu_pinless`` on its path (SGLang's LoRA code pins host memory, which needs
+CUDA: that module's docstring names the lines). Then arbor's own calls push adapters:
+``/load_lora_adapter`` under a new name per version, ``/flush_cache``,
+``/update_weight_version``, ``/unload_lora_adapter`` of the oldest, requests naming the
+adapter (``lora_path``, single and batched), and the logprob gap to the peft model.
+"""
+
+import asyncio
+import os
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from test_lora_sync import MovingAdapter
+from transformers import AutoModelForCausalLM
+
+from arbor.config import load_config
+from arbor.engines.client import EngineError, SGLangClient, adapter_name
+from arbor.engines.embedded.server import free_port
+from arbor.engines.types import GenerateRequest, SamplingParams
+from arbor.train.lora import sglang_lora_flags
+from arbor.train.weight_sync import WeightSync, probe_logprob_gap
+
+SGLANG_PYTHON = os.environ.get("ARBOR_SGLANG_PYTHON")
+REPO = Path(__file__).resolve().parents[1]
+MODEL = REPO / "models" / "tiny-arith"
+RANK = 8
+MODEL_CFG = load_config(None, [f"model.path={MODEL}", f"model.lora_rank={RANK}"]).model
+
+pytestmark = pytest.mark.skipif(not SGLANG_PYTHON, reason="ARBOR_SGLANG_PYTHON (a CPU SGLang 0.5.23 python) is not set")
+
+
+@pytest.fixture(scope="module")
+def sglang_url(tmp_path_factory):
+    port = free_port()
+    log = tmp_path_factory.mktemp("sglang") / "server.log"
+    env = dict(os.environ, SGLANG_USE_CPU_ENGINE="1", OMP_NUM_THREADS="1",
+               PYTHONPATH=str(Path(__file__).parent / "sglang_cpu_pinless"))
+    command = [SGLANG_PYTHON, "-m", "sglang.launch_server", "--model-path", str(MODEL), "--device", "cpu",
+               "--attention-backend", "torch_native", "--dtype", "float32", "--disable-overlap-schedule",
+               "--max-total-tokens", "2048", "--host", "127.0.0.1", "--port", str(port),
+               "--lora-backend", "torch_native", *sglang_lora_flags(MODEL_CFG)]  # the flags arbor starts SGLang with
+    with open(log, "w") as out:
+        server = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 600
+        while "The server is fired up" not in log.read_text():
+            if server.poll() is not None or time.monotonic() > deadline:
+                pytest.fail(f"SGLang did not start:\n{log.read_text()[-3000:]}")
+            time.sleep(2)
+        yield url
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            server.kill()
+
+
+def test_adapters_load_serve_and_unload_on_sglang(sglang_url, tmp_path):
+    moving = MovingAdapter(MODEL, tmp_path, rank=RANK, alpha=16, scale=0.05)
+    learner, move_adapter, write = moving.model, moving.move, moving.write
+    base = AutoModelForCausalLM.from_pretrained(MODEL, dtype=torch.float32).eval()
+    prompts = [[5, 6, 7, 8], [9, 10, 11, 12, 13]]
+
+    async def main():
+        async with SGLangClient([sglang_url], timeout_s=300) as client:
+            sync = WeightSync(client, "distributed")
+            move_adapter()
+            out = {"base": await probe_logprob_gap(client, base, prompts),
+                   "before": await probe_logprob_gap(client, learner, prompts), "gaps": [], "sent": []}
+            for version in ("1", "2", "3"):
+                out["sent"].append(await sync.push_adapter(write(version), version))
+                client.lora_path = adapter_name(version)
+                out["gaps"].append(await probe_logprob_gap(client, learner, prompts))
+                move_adapter()
+            # The batched form arbor's rollouts use: one lora_path for every prompt of the batch.
+            forks = await client.generate_many([GenerateRequest(p, SamplingParams(4, n=2, seed=i))
+                                                for i, p in enumerate(prompts)])
+            out["forks"] = [len(outs) for outs in forks]
+            out["versions"], out["held"] = await client.get_weight_version(), list(sync.adapters)
+            client.lora_path = adapter_name("1")  # unloaded by the third push
+            with pytest.raises(EngineError, match="arbor-lora-1"):
+                await client.generate(GenerateRequest(prompts[0], SamplingParams(2)))
+            client.lora_path = None  # the base model is still served without a name
+            out["base_after"] = await probe_logprob_gap(client, base, prompts)
+            return out
+
+    out = asyncio.run(main())
+    assert out["base"] <= 1e-4 and out["base_after"] <= 1e-4
+    assert out["before"] > 1e-2  # the adapter moved the policy away from the base
+    assert max(out["gaps"]) <= 1e-4, out["gaps"]
+    assert out["sent"] == [moving.nbytes()] * 3
+    assert out["forks"] == [2, 2]
+    assert out["versions"] == ["3"] and out["held"] == ["arbor-lora-2", "arbor-lora-3"]
