@@ -70,8 +70,11 @@ def test_argument_errors():
         launch_engines("external")
     with pytest.raises(ValueError, match="model_path"):
         launch_engines("embedded")
-    if not sglang_available():
-        with pytest.raises(EngineLaunchError, match="sglang"):
+    # The interpreter meant to run SGLang cannot import it: a config error naming engine.python.
+    with pytest.raises(ConfigError, match=r"engine.python: /no/such/python cannot import sglang \(FileNotFoundError"):
+        launch_engines("sglang", model_path="m", python="/no/such/python")
+    if subprocess.run([sys.executable, "-c", "import sglang"], capture_output=True).returncode != 0:
+        with pytest.raises(ConfigError, match=r"engine.python: .* \(ModuleNotFoundError: No module named 'sglang'\)"):
             launch_engines("sglang", model_path="m")
 
 
@@ -90,10 +93,24 @@ def test_server_command_lines():
 
 
 def sglang_command(**overrides) -> list[str]:
-    """The full command arbor starts SGLang with, for the config ``overrides`` (dotted keys)."""
+    """The full command arbor starts SGLang with, for the config ``overrides`` (dotted keys;
+    learner.device: cuda unless given: a GPU machine's flags)."""
+    overrides = {"learner.device": "cuda", **overrides}
     cfg = load_config(None, ["engine.kind=sglang", *(f"{k}={v}" for k, v in overrides.items())])
     dtype = None if cfg.model.dtype == "auto" else cfg.model.dtype
-    return _command("sglang", "/models/m", "0.0.0.0", 31000, dtype, engine_args(cfg))
+    return _command("sglang", "/models/m", "0.0.0.0", 31000, dtype, engine_args(cfg), cfg.engine.python)
+
+
+def test_sglang_on_a_cpu_machine_gets_the_cpu_engine_flags():
+    command = sglang_command(**{"learner.device": "cpu", "engine.max_cached_tokens": "4096",
+                                "engine.python": "/venvs/sglang/bin/python"})
+    assert command[:3] == ["/venvs/sglang/bin/python", "-m", "sglang.launch_server"]
+    flags = " ".join(command)
+    assert "--dtype float32" in flags  # the learner's auto dtype on CPU
+    assert "--device cpu --attention-backend torch_native --disable-overlap-schedule --max-total-tokens 4096" in flags
+    assert "--enable-deterministic-inference" not in flags
+    with pytest.raises(ConfigError, match="engine.deterministic"):
+        load_config(None, ["engine.kind=sglang", "learner.device=cpu", "engine.deterministic=true"])
 
 
 def test_sglang_flags_follow_the_config():

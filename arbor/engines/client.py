@@ -18,7 +18,13 @@
   (the trainer restarts that server and restores its weights) and the call is sent again
   once; what ``fn`` raises ends the call.
 - Control calls (weights, cache, memory, health) go to every server; weight pushes run in
-  SGLang's sessions (``/begin_weight_update`` ... ``/end_weight_update``).
+  SGLang's sessions (``/begin_weight_update`` ... ``/end_weight_update``), with generation
+  paused around them (``/pause_generation`` in ``retract`` mode): SGLang flushes its cache
+  only when no request runs, and its running requests resume with their KV recomputed.
+- ``/flush_cache``, which SGLang refuses (400) while requests are pending, is retried until
+  ``flush_timeout_s``.
+- ``send_seeds=False``: no ``sampling_seed`` (SGLang honours seeds only with
+  ``--enable-deterministic-inference``, and then samples with a Triton kernel, GPU only).
 - Every request carries ``Authorization: Bearer <api_key>`` (default:
   ``$ARBOR_ENGINE_API_KEY``; none when unset), the key the run gave its engines.
 """
@@ -94,6 +100,8 @@ class SGLangClient:
         backoff_s: float = 0.5,
         max_concurrency: int = 1024,
         api_key: str | None = None,
+        send_seeds: bool = True,
+        flush_timeout_s: float = 120.0,
     ) -> None:
         urls = [urls] if isinstance(urls, str) else list(urls)
         if not urls:
@@ -103,6 +111,7 @@ class SGLangClient:
         self.max_retries = max_retries
         self.backoff_s = backoff_s
         self.max_concurrency = max_concurrency
+        self.send_seeds, self.flush_timeout_s = send_seeds, flush_timeout_s
         self._round_robin = itertools.cycle(range(len(self.urls)))
         # Called when a retryable call to a server kept failing (it died): restart it, or raise.
         self.recover: Callable[[str, EngineError], Awaitable[None]] | None = None
@@ -131,7 +140,7 @@ class SGLangClient:
     async def generate(self, request: GenerateRequest) -> list[GenerateOutput]:
         """``request.sampling.n`` continuations (a list even for ``n = 1``)."""
         url = self.server_for(request.affinity_key)
-        body = await self._call(url, "POST", "/generate", generate_payload(request))
+        body = await self._call(url, "POST", "/generate", generate_payload(request, self.send_seeds))
         items = body if isinstance(body, list) else [body]
         if len(items) != request.sampling.n:
             raise EngineError(f"asked n={request.sampling.n}, got {len(items)} outputs", url=url)
@@ -163,7 +172,7 @@ class SGLangClient:
             items = [item for i in indices for item in _fork_items(requests[i])]
             payload = {
                 "input_ids": [list(item.input_ids) for item in items],
-                "sampling_params": [sampling_payload(item.sampling) for item in items],
+                "sampling_params": [sampling_payload(item.sampling, self.send_seeds) for item in items],
                 "return_logprob": True,
             }
             body = await self._call(url, "POST", "/generate", payload)
@@ -312,8 +321,43 @@ class SGLangClient:
             _check_success(reply, url)
 
     async def flush_cache(self) -> None:
+        """Flush every server's cache; SGLang answers 400 while requests are pending (also
+        for a moment after the last response): asked again until ``flush_timeout_s``."""
         self.prefixes.forget()
-        await self._all("POST", "/flush_cache", {})
+
+        async def flush(url: str) -> None:
+            deadline = time.monotonic() + self.flush_timeout_s
+            for tries in itertools.count():
+                try:
+                    await self._call(url, "POST", "/flush_cache", {})
+                    return
+                except EngineError as exc:
+                    if exc.status != 400 or time.monotonic() > deadline:
+                        raise
+                await asyncio.sleep(min(1.0, 0.05 * 2**tries))
+
+        await asyncio.gather(*map(flush, self.urls))
+
+    async def pause_generation(self) -> list[str]:
+        """Pause generation on every server that can (SGLang, ``retract`` mode: running requests
+        go back to its queue, to resume after :meth:`continue_generation` with their KV
+        recomputed), so that a weight update may flush the cache; the URLs paused (a server
+        without the route, e.g. ``arbor serve``, answers 404 and drains on its own)."""
+
+        async def pause(url: str) -> str | None:
+            try:
+                await self._call(url, "POST", "/pause_generation", {"mode": "retract"}, retries=0)
+            except EngineError as exc:
+                if exc.status != 404:
+                    raise
+                return None
+            return url
+
+        return [url for url in await asyncio.gather(*map(pause, self.urls)) if url is not None]
+
+    async def continue_generation(self, urls: list[str]) -> None:
+        """Resume what :meth:`pause_generation` paused on ``urls``."""
+        await asyncio.gather(*(self._call(url, "POST", "/continue_generation", {}) for url in urls))
 
     async def release_memory_occupation(self) -> None:
         self.prefixes.forget()  # SGLang flushes its cache when it releases the KV memory
@@ -466,17 +510,17 @@ def rank_layout(tp_sizes: list[int]) -> tuple[int, list[int]]:
     return next_rank, offsets
 
 
-def generate_payload(request: GenerateRequest) -> dict[str, Any]:
+def generate_payload(request: GenerateRequest, send_seeds: bool = True) -> dict[str, Any]:
     """The ``/generate`` body SGLang expects for one request."""
     return {
         "input_ids": list(request.input_ids),
-        "sampling_params": sampling_payload(request.sampling),
+        "sampling_params": sampling_payload(request.sampling, send_seeds),
         "return_logprob": True,
     }
 
 
-def sampling_payload(sp: SamplingParams) -> dict[str, Any]:
-    """SGLang's ``sampling_params`` object for ``sp``."""
+def sampling_payload(sp: SamplingParams, send_seeds: bool = True) -> dict[str, Any]:
+    """SGLang's ``sampling_params`` object for ``sp`` (its seed only with ``send_seeds``)."""
     params: dict[str, Any] = {
         "max_new_tokens": sp.max_new_tokens,
         "temperature": sp.temperature,
@@ -486,7 +530,7 @@ def sampling_payload(sp: SamplingParams) -> dict[str, Any]:
     }
     if sp.stop_token_ids:
         params["stop_token_ids"] = list(sp.stop_token_ids)
-    if sp.seed is not None:
+    if sp.seed is not None and send_seeds:
         params["sampling_seed"] = sp.seed
     return params
 
@@ -518,13 +562,17 @@ def parse_output(item: dict[str, Any]) -> GenerateOutput:
     logprobs = [float(entry[0]) for entry in token_logprobs]
     if len(logprobs) != len(output_ids):
         raise ValueError(f"{len(output_ids)} output ids but {len(logprobs)} logprobs")
+    # SGLang's weight_version is the server's at the reply; a request that ran across an
+    # update lists its spans ({"version", "start", "end"}, oldest first): the output is as old
+    # as its first token's weights (what partial rollouts must tell apart).
+    spans = meta.get("weight_versions") or [{"version": meta.get("weight_version", "default")}]
     return GenerateOutput(
         output_ids=list(output_ids),
         logprobs=logprobs,
         finish_reason=reason,
         prompt_tokens=int(meta.get("prompt_tokens", 0)),
         cached_tokens=int(meta.get("cached_tokens", 0)),
-        weight_version=str(meta.get("weight_version", "default")),
+        weight_version=str(spans[0]["version"] if isinstance(spans[0], dict) else spans[0][0]),
     )
 
 

@@ -43,9 +43,9 @@ from typing import Any
 
 from arbor.config import Config
 from arbor.data import ProblemStream
-from arbor.engines.client import SGLangClient
 from arbor.rollout.rewards import RewardPool
 from arbor.run import phases
+from arbor.run.orchestration import engine_client
 from arbor.run.phases import Batch, Sampling
 from arbor.tree import RolloutTree
 
@@ -111,8 +111,7 @@ class RolloutProducer:
         self, sampling: Sampling, rewards: RewardPool, stream: ProblemStream, cfg: Config, *, first_step: int,
     ) -> None:
         self.cfg, self.max_staleness = cfg, cfg.algorithm.max_staleness
-        client = SGLangClient(sampling.client.urls, timeout_s=cfg.engine.request_timeout_s,
-                              max_retries=cfg.engine.max_retries, api_key=cfg.engine.api_key)
+        client = engine_client(cfg, sampling.client.urls)
         stale = self._overtaken if cfg.engine.partial_rollouts else None
         self.sampling = replace(sampling, client=client, is_stale=stale)
         self.rewards, self.stream = rewards, stream

@@ -26,7 +26,14 @@ from arbor.rollout.agents import fitting_problems, rollout_agent
 from arbor.rollout.rewards import RewardPool
 from arbor.run import checkpoint
 from arbor.run.metrics import MetricsLog
-from arbor.run.orchestration import EngineGroup, LearnerGroup, Placement, start_groups, start_ray
+from arbor.run.orchestration import (
+    EngineGroup,
+    LearnerGroup,
+    Placement,
+    engine_client,
+    start_groups,
+    start_ray,
+)
 from arbor.run.phases import Sampling
 from arbor.run.recovery import EngineRecovery
 from arbor.run.startup import StartupClock
@@ -196,8 +203,7 @@ def _start(cfg: Config, closers: list[Callable[[], Any]], clock: StartupClock) -
     learners = LearnerGroup(cfg, placement, total_steps=schedule_steps * updates_per_step(cfg), wait=False)
     closers.append(learners.shutdown)
     start_groups(engines, learners, clock)
-    client = SGLangClient(engines.urls, timeout_s=cfg.engine.request_timeout_s,
-                          max_retries=cfg.engine.max_retries, api_key=cfg.engine.api_key)
+    client = engine_client(cfg, engines.urls)
     # A server that dies mid-step is restarted with the run's weights; its requests are sent again.
     recovery = EngineRecovery(engines, learners, cfg.engine.max_restarts, cfg.learner.weight_sync, cfg.run.output_dir)
     client.recover = recovery.recover

@@ -41,6 +41,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import os
 import re
 import sys
 import time
@@ -264,10 +265,9 @@ def main(cfg: Config) -> int:
     from transformers import AutoTokenizer
 
     from arbor.data import load_problems, stop_token_ids
-    from arbor.engines.client import SGLangClient
     from arbor.plugins import default_search_dirs
     from arbor.rollout.agents import episode_inputs, fitting_problems, rollout_agent
-    from arbor.run.orchestration import closing
+    from arbor.run.orchestration import closing, engine_client
 
     e = cfg.eval
     path = e.path or cfg.data.eval_path
@@ -294,8 +294,7 @@ def main(cfg: Config) -> int:
     t0 = time.perf_counter()
     with _reward_pool(cfg) as rewards, _start_engines(cfg, out_dir / "logs" / "eval") as engines:
         print(f"arbor eval: engines {', '.join(engines.urls)}", flush=True)
-        client = SGLangClient(engines.urls, timeout_s=cfg.engine.request_timeout_s, max_retries=cfg.engine.max_retries,
-                              api_key=cfg.engine.api_key)
+        client = engine_client(cfg, engines.urls)
         report = run_eval(
             client, rewards, problems, prompts, e, cfg.rollout, decode=decode, eos_token_ids=eos,
             seed=cfg.run.seed, run_async=lambda coroutine: asyncio.run(closing(client, coroutine)),
@@ -327,14 +326,18 @@ def _reward_pool(cfg: Config) -> RewardPool:
 def _start_engines(cfg: Config, log_dir: Path) -> EngineHandle:
     """The run's engines as the trainer starts them, but in this process (no Ray)."""
     from arbor.engines.launch import launch_engines
-    from arbor.run.orchestration import engine_args
+    from arbor.run.orchestration import cpu_threads, engine_args, engine_device
 
+    device = engine_device(cfg)
+    if device == "cpu":  # the servers inherit it: one process has the cores (see run.cpu_threads)
+        os.environ["OMP_NUM_THREADS"] = str(cpu_threads(cfg, sharers=cfg.engine.num_engines))
     return launch_engines(
         cfg.engine.kind, model_path=cfg.model.path, num_engines=cfg.engine.num_engines, urls=cfg.engine.urls,
         host=cfg.engine.host, dtype=None if cfg.model.dtype == "auto" else cfg.model.dtype,
-        device=None if cfg.learner.device == "auto" else cfg.learner.device, extra_args=engine_args(cfg),
+        device=device, extra_args=engine_args(cfg),
         log_dir=log_dir, startup_timeout_s=cfg.engine.startup_timeout_s, gpus_per_engine=cfg.engine.tp_size,
         api_key=cfg.engine.api_key,  # None: $ARBOR_ENGINE_API_KEY, else keyless on this machine
+        python=cfg.engine.python,
     )
 
 

@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from arbor.config import Config, RayConfig
 from arbor.engines.auth import API_KEY_ENV, run_api_key
 from arbor.engines.launch import free_port
+from arbor.errors import ConfigError
 from arbor.run.startup import StartupClock
 
 if TYPE_CHECKING:
@@ -499,11 +500,10 @@ class EngineWorker:
         host = node_address() if bind_node_address else cfg.engine.host
         self.handle = launch_engines(
             cfg.engine.kind, model_path=cfg.model.path, num_engines=1, host=host,
-            dtype=None if cfg.model.dtype == "auto" else cfg.model.dtype,
-            device=None if cfg.learner.device == "auto" else cfg.learner.device,
+            dtype=None if cfg.model.dtype == "auto" else cfg.model.dtype, device=engine_device(cfg),
             extra_args=engine_args(cfg), log_dir=os.path.join(log_dir, f"engine-{index}"),
             startup_timeout_s=cfg.engine.startup_timeout_s, gpus_per_engine=cfg.engine.tp_size,
-            api_key=cfg.engine.api_key,
+            api_key=cfg.engine.api_key, python=cfg.engine.python,
         )
         self.startup_timeout_s = cfg.engine.startup_timeout_s
 
@@ -528,30 +528,66 @@ class EngineWorker:
 def _not_started(index: int, e: Exception) -> Exception:
     from arbor.engines.launch import EngineLaunchError
 
-    # Ray's message holds the actor's whole traceback; the launcher's own error (exit code, log tail) says it all.
+    # Ray's message holds the actor's whole traceback; the launcher's own error (exit code, log
+    # tail) or the config error it found (engine.python) says it all.
     message = str(e)
-    launch_error = message.rfind(f"{EngineLaunchError.__name__}: ")
-    reason = message[launch_error + len(EngineLaunchError.__name__) + 2:] if launch_error >= 0 else message
-    return EngineLaunchError(f"engine {index} did not start: {reason}")
+    for error in (ConfigError, EngineLaunchError):
+        at = message.rfind(f"{error.__name__}: ")
+        if at >= 0:
+            reason = message[at + len(error.__name__) + 2:]
+            return error(reason) if error is ConfigError else error(f"engine {index} did not start: {reason}")
+    return EngineLaunchError(f"engine {index} did not start: {message}")
+
+
+def engine_device(cfg: Config) -> str | None:
+    """The engines' device: ``cpu`` on a machine whose learner runs without CUDA (SGLang then
+    runs its CPU engine), else ``learner.device`` (None: auto)."""
+    if not uses_gpu(cfg):
+        return "cpu"
+    return None if cfg.learner.device == "auto" else cfg.learner.device
+
+
+def runs_sglang(cfg: Config) -> bool:
+    """Whether arbor starts SGLang servers (``engine.kind`` sglang, or auto on a GPU machine with it)."""
+    from arbor.engines.launch import sglang_available
+
+    return cfg.engine.kind == "sglang" or (
+        cfg.engine.kind == "auto" and uses_gpu(cfg) and sglang_available(cfg.engine.python)
+    )
 
 
 def engine_args(cfg: Config) -> list[str]:
     """Server flags from the config (the embedded server's cache bound, SGLang's memory)."""
-    from arbor.engines.launch import sglang_available, sglang_flags
+    from arbor.engines.launch import sglang_cpu_flags, sglang_flags
 
-    sglang = cfg.engine.kind == "sglang" or (cfg.engine.kind == "auto" and sglang_available())
-    if sglang:
-        # With model.dtype auto, the learner's (on GPUs its auto is bfloat16); an explicit
-        # model.dtype reaches the server as launch_engines(dtype=...).
-        dtype = None if cfg.model.dtype != "auto" else cfg.learner.dtype.replace("auto", "bfloat16")
+    if runs_sglang(cfg):
+        cpu = not uses_gpu(cfg)
+        if cpu and cfg.engine.deterministic:
+            raise ConfigError("engine.deterministic: SGLang's seeded sampling runs a Triton kernel, which needs "
+                              "a GPU; on a CPU machine set engine.deterministic: false")
+        # With model.dtype auto, the learner's (its auto: bfloat16 on GPUs, float32 on CPUs); an
+        # explicit model.dtype reaches the server as launch_engines(dtype=...).
+        dtype = None if cfg.model.dtype != "auto" else cfg.learner.dtype.replace("auto", "float32" if cpu else "bfloat16")
         args = sglang_flags(
             mem_fraction=cfg.engine.mem_fraction, tp_size=cfg.engine.tp_size, dtype=dtype,
             seed=cfg.run.seed, trust_remote_code=cfg.model.trust_remote_code,
             memory_saver=cfg.ray.colocate, deterministic=cfg.engine.deterministic,
         )
+        if cpu:
+            args += sglang_cpu_flags(cfg.engine.max_cached_tokens)
     else:
         args = ["--max-cached-tokens", str(cfg.engine.max_cached_tokens)]
     return args + list(cfg.engine.extra_args)
+
+
+def engine_client(cfg: Config, urls: list[str]) -> Any:
+    """The run's :class:`~arbor.engines.client.SGLangClient` on ``urls``, with ``engine``'s
+    timeouts, retries and key. Per-request seeds go only to servers that honour them: SGLang
+    uses them only with ``--enable-deterministic-inference`` (``engine.deterministic``)."""
+    from arbor.engines.client import SGLangClient
+
+    return SGLangClient(urls, timeout_s=cfg.engine.request_timeout_s, max_retries=cfg.engine.max_retries,
+                        api_key=cfg.engine.api_key, send_seeds=cfg.engine.deterministic or not runs_sglang(cfg))
 
 
 class EngineGroup:
@@ -597,6 +633,8 @@ class EngineGroup:
         :class:`EngineLaunchError` names the first engine that failed, with its log's tail."""
         import ray
 
+        if not self.workers:
+            return  # external engines: their URLs were taken at __init__
         self.urls = [u for urls in gather(self.starting, ray.exceptions.RayError, _not_started) for u in urls]
 
     def worker(self, url: str) -> Any:

@@ -13,6 +13,8 @@ a weight-update session (``/begin_weight_update`` ... ``/end_weight_update``, wh
 flat broadcast (``load_format: "flattened_bucket"``) where every server supports it
 (SGLang >= 0.5.6, ``arbor serve``), else one broadcast per tensor. The radix cache is
 flushed with the last bucket: KV computed by old weights must never serve new rollouts.
+SGLang pauses generation around a push (its flush needs no request running; asynchronous
+rollouts keep some in flight), which resumes with KV recomputed under the new weights.
 
 Under ZeRO-3 the buckets are gathered one :class:`deepspeed.zero.GatheredParameters` each
 (one coalesced all-gather over the learner ranks, not one per tensor), and a push gathers
@@ -151,6 +153,7 @@ class WeightSync:
         following = next(buckets, None)
         if self._group is None:
             await self._connect(on_gpu=pending[0][1].is_cuda)
+        paused = await self.client.pause_generation()
         sessions = await self.client.begin_weight_update()
         try:
             while pending is not None:
@@ -166,6 +169,7 @@ class WeightSync:
                 pending, following = following, after
         finally:
             await self.client.end_weight_update(sessions)
+            await self.client.continue_generation(paused)
         await self.check_version(version)
 
     async def _connect(self, on_gpu: bool) -> None:
@@ -176,7 +180,7 @@ class WeightSync:
         # A name of its own: torch allows one live group per name in a process, and a
         # learner may open a new sync (new engines) before the old group is gone.
         self._group_name = f"arbor_weight_sync_{port}"
-        # NCCL where the learner's tensors live on a GPU (SGLang's engines always do).
+        # NCCL where the learner's tensors live on a GPU, gloo on CPUs (SGLang's CPU engine too).
         self._group = await connect_learner(
             self.client, self.master_address, port,
             tp_sizes=[engine_ranks(info, url) for info, url in zip(infos, self.client.urls)],
@@ -204,8 +208,12 @@ class WeightSync:
 
     async def push_directory(self, model_dir: str | Path, version: str) -> None:
         """Engines load an HF directory the learner wrote (the fallback transport)."""
-        await self.client.update_weights_from_disk(str(model_dir), weight_version=version)
-        await self.client.flush_cache()
+        paused = await self.client.pause_generation()
+        try:
+            await self.client.update_weights_from_disk(str(model_dir), weight_version=version)
+            await self.client.flush_cache()
+        finally:
+            await self.client.continue_generation(paused)
         await self.check_version(version)
 
     async def check_version(self, version: str) -> None:
