@@ -294,11 +294,9 @@ class LearnerWorker:
 
     def _weight_sync(self, urls: list[str]) -> Any:
         if self.sync is None or self.sync.client.urls != [u.rstrip("/") for u in urls]:
-            from arbor.engines.client import SGLangClient
             from arbor.train.weight_sync import WeightSync
 
-            client = SGLangClient(urls, timeout_s=self.cfg.engine.request_timeout_s,
-                                  max_retries=self.cfg.engine.max_retries, api_key=self.cfg.engine.api_key)
+            client = engine_client(self.cfg, urls)
             self.sync = WeightSync(client, self.cfg.learner.weight_sync, master_address=node_address(),
                                    export_dir=self.sync_dir)
         return self.sync
