@@ -135,7 +135,10 @@ class EngineConfig:
     # Tensor-parallel GPUs per SGLang engine.
     tp_size: int = 1
     mem_fraction: float = 0.8  # SGLang --mem-fraction-static
-    max_cached_tokens: int = 1_000_000  # embedded engine's radix cache bound
+    max_cached_tokens: int = 1_000_000  # embedded engine's radix cache bound; SGLang on CPU: its KV pool
+    # kind sglang: the interpreter that runs SGLang (it pins its own torch, so it often has a
+    # venv of its own; scripts/sglang_cpu_env.sh builds one for CPUs). null: this interpreter.
+    python: str | None = None
     extra_args: list[str] = field(default_factory=list)  # passed to the server command
     # Seconds an engine may take to answer its health check after launch.
     startup_timeout_s: float = 600.0
@@ -517,9 +520,9 @@ def validate(cfg: Config, where: Callable[[str], str] | None = None) -> None:
         f"(data.max_prompt_tokens + rollout.segment_tokens = {cfg.data.max_prompt_tokens + r.segment_tokens})",
     )
     need(
-        not (le.device == "cpu" and e.kind == "sglang"),
-        "engine.kind",
-        "sglang needs GPUs; with learner.device: cpu use engine.kind: embedded or auto",
+        not (le.device == "cpu" and e.kind == "sglang" and e.deterministic),
+        "engine.deterministic",
+        "needs a GPU with engine.kind: sglang (SGLang samples seeded requests with a Triton kernel)",
     )
     need(
         not (le.attention == "flex" and le.device == "cpu"),

@@ -3,14 +3,13 @@
     python scripts/bench_rollout.py [--width 16] [--branch 2] [--segment-tokens 32]
         [--max-depth 8] [--prompts 16] [--repeats 3] [--hidden 512] [--layers 4]
         [--heads 8] [--kv-heads 1] [--intermediate 2752] [--threads 1]
-        [--engine embedded|sglang] [--model PATH] [--device cpu|cuda] [--dtype bfloat16]
-        [--batching across_trees|per_tree]
+        [--engine embedded|sglang] [--sglang-python PATH] [--model PATH] [--device cpu|cuda]
+        [--dtype bfloat16] [--batching across_trees|per_tree]
 
 Starts ``python -m arbor.engines.embedded.server`` (through the launcher) on a random Qwen2 model
-built into a temp dir by ``tests/tiny_model.py`` — or, with ``--engine sglang`` on a GPU
-machine, SGLang's own server (radix cache, its attention kernels), and with ``--model``
-any model directory (random prompts from its tokenizer's regular vocabulary, its EOS
-ids) — then alternates, ``--repeats`` times,
+built into a temp dir by ``tests/tiny_model.py`` (with ``--model``, any model directory:
+random prompts from its tokenizer's regular vocabulary, its EOS ids), then alternates,
+``--repeats`` times,
 one TreePO batch and one independent batch over the same prompts (cache flushed before
 each batch, a new seed per repeat):
 
@@ -35,6 +34,13 @@ and the ``/generate`` calls they went out in (``calls/batch``, ``paths/call``). 
 ``RESULT trajps_ratio=<tree/independent trajectories/s> compute_ratio=<independent/tree
 tokens computed> cpu_trajps_ratio=<the same per server CPU second, embedded only>``.
 Timings are noisy on a shared machine: compare the two modes of one run only.
+
+``--engine sglang`` measures a real SGLang server (``--sglang-python``: the interpreter of its
+venv, e.g. from scripts/sglang_cpu_env.sh; on ``--device cpu`` its CPU engine, torch_native
+attention) the same way, then the embedded engine on the same model, prompts, seeds and
+shapes, one server at a time, and adds ``cached_ratio_tree``, ``cached_ratio_independent``
+and ``sglang_vs_embedded_tokps_tree`` / ``_independent`` (SGLang's linearised tokens/s over
+the embedded engine's) to the RESULT line (whose trajps and compute ratios are SGLang's).
 
 The defaults are the regime a training step runs in and TreePO measured in (64 queries
 per batch on an inference server): 16 prompts x width 16 keep ~256 rows decoding, as
@@ -76,7 +82,8 @@ sys.path.insert(0, str(ROOT / "tests"))
 from arbor.config import RolloutConfig  # noqa: E402
 from arbor.data import stop_token_ids  # noqa: E402
 from arbor.engines.client import SGLangClient  # noqa: E402
-from arbor.engines.launch import EngineLaunchError, launch_engines  # noqa: E402
+from arbor.engines.launch import EngineLaunchError, launch_engines, sglang_cpu_flags  # noqa: E402
+from arbor.errors import ConfigError  # noqa: E402
 from arbor.rollout.sampler import sample_trees  # noqa: E402
 
 EOS_ID = 0  # tests/tiny_model.py's <|endoftext|>
@@ -102,6 +109,10 @@ class Totals:
     reasons: dict[str, int] = field(default_factory=dict)
 
     @property
+    def tokens_per_s(self) -> float:
+        return self.linear_tokens / self.seconds
+
+    @property
     def computed(self) -> int:
         return self.prompt_tokens - self.cached_tokens + self.generated
 
@@ -117,7 +128,7 @@ class Totals:
     def line(self, name: str) -> str:
         return (
             f"{name:12s} traj/s={self.trajectories / self.seconds:7.2f} "
-            f"tok/s={self.linear_tokens / self.seconds:8.1f} "
+            f"tok/s={self.tokens_per_s:8.1f} "
             f"computed={self.computed:7d} (prefill {self.prompt_tokens - self.cached_tokens}, "
             f"decode {self.generated}) cached_ratio={self.cached_tokens / self.prompt_tokens:.3f} "
             f"trajectories={self.trajectories} mean_len={self.linear_tokens / self.trajectories:.1f} "
@@ -208,8 +219,10 @@ def main() -> None:
     parser.add_argument(
         "--engine", choices=["embedded", "sglang"], default="embedded", help="server to measure"
     )
+    parser.add_argument("--sglang-python", help="with --engine sglang: the interpreter of SGLang's venv "
+                        "(default: this one)")
     parser.add_argument("--model", help="model directory to serve instead of the random toy")
-    parser.add_argument("--device", default="cpu", help="the embedded engine's device")
+    parser.add_argument("--device", default="cpu", help="the engines' device (cpu: SGLang's CPU engine)")
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
                         help="the engine's dtype (default: bfloat16 on cuda, else the server's float32)")
     parser.add_argument("--batching", choices=["across_trees", "per_tree"], default="across_trees",
@@ -251,51 +264,15 @@ def main() -> None:
             [rng.randrange(3, vocab) for _ in range(args.prompt_tokens)]
             for _ in range(args.prompts)
         ]
-        embedded = args.engine == "embedded"
-        try:
-            handle = launch_engines(
-                args.engine,
-                model_path=str(model),
-                device=args.device if embedded else None,
-                dtype=args.dtype or ("bfloat16" if args.device == "cuda" else None),
-                log_dir=Path(tmp) / "logs",
-                startup_timeout_s=600,
-            )
-        except EngineLaunchError as exc:
-            sys.exit(f"bench_rollout: {exc}")
-        with handle:
-            # The embedded server is one process; SGLang's work runs in its children.
-            url, pid = handle.urls[0], handle.processes[0].pid if embedded else None
-            print(
-                f"{args.engine} {url}: {described}, {args.threads} thread(s); {args.prompts} "
-                f"prompts of {args.prompt_tokens} tokens, width {args.width}, branch "
-                f"{args.branch}, {args.max_depth} x {args.segment_tokens} tokens, batching {args.batching}",
-                flush=True,
-            )
-            # Warm-up, not timed: one full batch of each mode. The first steps at each new
-            # batch shape are slow (allocator growth, oneDNN kernel selection), and tree
-            # sampling meets many more shapes (rows 4, 8, 16, ... per step) than one n = w
-            # request; a training run amortises these over thousands of steps.
-            across = args.batching == "across_trees"
-            for cfg in (tree_cfg, indep_cfg):
-                asyncio.run(one_batch(url, pid, cfg, prompts, eos_ids, 10_000, Totals(), across))
-            tree, indep = Totals(), Totals()
-            for repeat in range(args.repeats):
-                before = [(t.seconds, t.trajectories) for t in (tree, indep)]
-                order = [(tree_cfg, tree), (indep_cfg, indep)]
-                if repeat % 2:  # alternate which mode goes first
-                    order.reverse()
-                for cfg, totals in order:
-                    asyncio.run(one_batch(url, pid, cfg, prompts, eos_ids, repeat, totals, across))
-                (tree_s, tree_n), (indep_s, indep_n) = (
-                    (t.seconds - s0, t.trajectories - n0)
-                    for t, (s0, n0) in zip((tree, indep), before)
-                )
-                print(
-                    f"repeat {repeat}: tree {tree_s:.1f}s, independent {indep_s:.1f}s, "
-                    f"trajectories/s ratio {(tree_n / tree_s) / (indep_n / indep_s):.3f}",
-                    flush=True,
-                )
+        shape = (f"{described}, {args.threads} thread(s); {args.prompts} prompts of {args.prompt_tokens} tokens, "
+                 f"width {args.width}, branch {args.branch}, {args.max_depth} x {args.segment_tokens} tokens, "
+                 f"batching {args.batching}")
+        engines = ["sglang", "embedded"] if args.engine == "sglang" else ["embedded"]
+        # SGLang's KV pool is allocated up front: room for every path of a batch at full length.
+        kv_tokens = 2 * args.prompts * args.width * (args.prompt_tokens + args.max_depth * args.segment_tokens)
+        results = {kind: serve_and_measure(kind, str(model), args, Path(tmp), shape, prompts, eos_ids,
+                                           (tree_cfg, indep_cfg), kv_tokens) for kind in engines}
+    tree, indep = results[engines[0]]
     print(tree.line("tree"))
     print(indep.line("independent"))
     trajps = (tree.trajectories / tree.seconds) / (indep.trajectories / indep.seconds)
@@ -303,7 +280,66 @@ def main() -> None:
     if tree.server_cpu and indep.server_cpu:
         cpu = (tree.trajectories / tree.server_cpu) / (indep.trajectories / indep.server_cpu)
         result += f" cpu_trajps_ratio={cpu:.3f}"
+    if args.engine == "sglang":
+        result += (f" cached_ratio_tree={tree.cached_tokens / tree.prompt_tokens:.3f}"
+                   f" cached_ratio_independent={indep.cached_tokens / indep.prompt_tokens:.3f}")
+        for name, ours, theirs in zip(("tree", "independent"), results["embedded"], results["sglang"]):
+            print(ours.line(f"embedded {name}"))
+            result += f" sglang_vs_embedded_tokps_{name}={theirs.tokens_per_s / ours.tokens_per_s:.3f}"
     print(result)
+
+
+def serve_and_measure(
+    kind: str, model: str, args: argparse.Namespace, tmp: Path, shape: str, prompts: list[list[int]],
+    eos_ids: list[int], cfgs: tuple[RolloutConfig, RolloutConfig], kv_tokens: int,
+) -> tuple[Totals, Totals]:
+    """Start a ``kind`` server on ``model``, warm it up, measure tree and independent batches
+    ``args.repeats`` times (alternating which goes first), stop it; (tree, independent) totals."""
+    embedded = kind == "embedded"
+    cpu = args.device == "cpu"
+    try:
+        handle = launch_engines(
+            kind,
+            model_path=model,
+            device=args.device,
+            dtype=args.dtype or ("bfloat16" if not cpu else None if embedded else "float32"),
+            extra_args=[] if embedded or not cpu else sglang_cpu_flags(kv_tokens),
+            log_dir=tmp / f"logs-{kind}",
+            startup_timeout_s=600,
+            python=None if embedded else args.sglang_python,
+        )
+    except (EngineLaunchError, ConfigError) as exc:
+        sys.exit(f"bench_rollout: {exc}")
+    tree_cfg, indep_cfg = cfgs
+    with handle:
+        # The embedded server is one process; SGLang's work runs in its children.
+        url, pid = handle.urls[0], handle.processes[0].pid if embedded else None
+        print(f"{kind} {url}: {shape}", flush=True)
+        # Warm-up, not timed: one full batch of each mode. The first steps at each new
+        # batch shape are slow (allocator growth, oneDNN kernel selection), and tree
+        # sampling meets many more shapes (rows 4, 8, 16, ... per step) than one n = w
+        # request; a training run amortises these over thousands of steps.
+        across = args.batching == "across_trees"
+        for cfg in (tree_cfg, indep_cfg):
+            asyncio.run(one_batch(url, pid, cfg, prompts, eos_ids, 10_000, Totals(), across))
+        tree, indep = Totals(), Totals()
+        for repeat in range(args.repeats):
+            before = [(t.seconds, t.trajectories) for t in (tree, indep)]
+            order = [(tree_cfg, tree), (indep_cfg, indep)]
+            if repeat % 2:  # alternate which mode goes first
+                order.reverse()
+            for cfg, totals in order:
+                asyncio.run(one_batch(url, pid, cfg, prompts, eos_ids, repeat, totals, across))
+            (tree_s, tree_n), (indep_s, indep_n) = (
+                (t.seconds - s0, t.trajectories - n0)
+                for t, (s0, n0) in zip((tree, indep), before)
+            )
+            print(
+                f"{kind} repeat {repeat}: tree {tree_s:.1f}s, independent {indep_s:.1f}s, "
+                f"trajectories/s ratio {(tree_n / tree_s) / (indep_n / indep_s):.3f}",
+                flush=True,
+            )
+    return tree, indep
 
 
 def vocabulary_and_eos(model: str) -> tuple[int, list[int]]:

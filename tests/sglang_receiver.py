@@ -11,8 +11,8 @@ session rules (none, and no session routes, when ``--version`` is below 0.5.22) 
 ``http_server.py``). Only the model load is left out: received tensors are kept and can
 be dumped (``POST /dump {"path"}``, a test-only route) for a bit-exact comparison.
 
-    python tests/sglang_receiver.py --port P --tp-size 2 [--version 0.5.23]
-    (needs ``pip install --no-deps sglang`` plus orjson triton starlette pyzmq pybase64 msgspec)
+    $ARBOR_SGLANG_PYTHON tests/sglang_receiver.py --port P --tp-size 2 [--version 0.5.23]
+    (SGLang's venv: scripts/sglang_cpu_env.sh DIR builds one)
 """
 
 from __future__ import annotations

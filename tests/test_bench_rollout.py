@@ -5,6 +5,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from sglang_env import sglang_python
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -17,7 +19,7 @@ def test_bench_rollout_runs_both_modes_and_ends_with_its_result_line():
     )
     assert run.returncode == 0, run.stderr[-3000:]
     out = run.stdout
-    assert len(re.findall(r"^repeat \d: tree [\d.]+s, independent [\d.]+s, trajectories/s ratio [\d.]+$", out, re.M)) == 2
+    assert len(re.findall(r"^embedded repeat \d: tree [\d.]+s, independent [\d.]+s, trajectories/s ratio [\d.]+$", out, re.M)) == 2
     pattern = r".*trajectories=(\d+) .*paths=(\d+) calls=(\d+) calls/batch=([\d.]+) paths/call=[\d.]+ decode_steps=(\d+)"
     tree = re.search("^tree " + pattern, out, re.M)
     indep = re.search("^independent " + pattern, out, re.M)
@@ -54,16 +56,28 @@ def test_bench_rollout_serves_a_given_model_directory(tmp_path):
 
 
 def test_bench_rollout_on_sglang_without_it_says_so():
-    from arbor.engines.launch import sglang_available
-
-    if sglang_available():  # sglang installed and a GPU: the bench would really run SGLang
-        import pytest
-
-        pytest.skip("sglang can run here")
     run = subprocess.run(
         [sys.executable, str(REPO / "scripts/bench_rollout.py"), "--engine", "sglang", "--prompts", "1",
-         "--hidden", "32", "--layers", "1", "--heads", "2", "--intermediate", "64"],
+         "--sglang-python", "/no/such/python", "--hidden", "32", "--layers", "1", "--heads", "2", "--intermediate", "64"],
         capture_output=True, text=True, timeout=300,
     )
     assert run.returncode == 1
-    assert "bench_rollout: engine kind 'sglang' needs the sglang package" in run.stderr
+    assert "bench_rollout: engine.python: /no/such/python cannot import sglang" in run.stderr
+
+
+def test_bench_rollout_on_a_real_sglang_server_against_the_embedded_engine():
+    python = sglang_python()
+    run = subprocess.run(
+        [sys.executable, str(REPO / "scripts/bench_rollout.py"), "--engine", "sglang", "--sglang-python", python,
+         "--width", "4", "--max-depth", "2", "--segment-tokens", "8", "--prompts", "2", "--prompt-tokens", "8",
+         "--repeats", "1", "--hidden", "32", "--layers", "1", "--heads", "2", "--intermediate", "64"],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "sglang http" in run.stdout and "embedded http" in run.stdout
+    result = re.search(r"^RESULT trajps_ratio=[\d.]+ compute_ratio=([\d.]+) cached_ratio_tree=([\d.]+) "
+                       r"cached_ratio_independent=([\d.]+) sglang_vs_embedded_tokps_tree=[\d.]+ "
+                       r"sglang_vs_embedded_tokps_independent=[\d.]+$", run.stdout, re.M)
+    assert result, run.stdout
+    # Forks reuse their parents' KV on the real server: the tree computes less and hits its cache.
+    assert float(result[1]) > 1 and float(result[2]) > float(result[3])

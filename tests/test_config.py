@@ -81,7 +81,7 @@ def test_wrong_types_name_the_key(override, key):
         (["learner.backend=torch", "learner.num_ranks=2"], "learner.num_ranks"),
         (["learner.zero_stage=4"], "learner.zero_stage"),
         (["learner.pack_tokens=100"], "learner.pack_tokens"),
-        (["learner.device=cpu", "engine.kind=sglang"], "engine.kind"),
+        (["learner.device=cpu", "engine.kind=sglang", "engine.deterministic=true"], "engine.deterministic"),
         (["run.eval_every=5"], "run.eval_every"),
         (["learner.device=cpu", "learner.attention=flex"], "learner.attention"),
         (["reward.functions=[]"], "reward.functions"),

@@ -2,9 +2,9 @@
 
 The end-to-end tests run SGLang 0.5's receiving code (``init_custom_process_group``,
 ``FlattenedTensorBucket``) in ``tests/sglang_receiver.py`` processes, one per TP rank, and
-push to them with arbor's public ``WeightSync``. They skip when sglang is not importable:
-``pip install --no-deps sglang==0.5.23 && pip install orjson triton starlette pyzmq pybase64
-msgspec`` (CPU is enough; ``.ci/run`` does this).
+push to them with arbor's public ``WeightSync``. The receivers run in SGLang's own venv
+(``$ARBOR_SGLANG_PYTHON``, tests/sglang_env.py; its torch 2.14.1 receives from this
+process's torch over gloo); without it they skip, and under CI they fail.
 """
 
 from __future__ import annotations
@@ -12,11 +12,11 @@ from __future__ import annotations
 import asyncio
 import functools
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from sglang_env import sglang_python
 
 from arbor.engines.client import SGLangClient
 from arbor.engines.distributed import FlatBuffer, flat_chunks, flatten, unflatten
@@ -33,17 +33,20 @@ RECEIVER = Path(__file__).with_name("sglang_receiver.py")
 
 
 @functools.cache
-def sglang_missing() -> str | None:
-    """Why SGLang's group code cannot run here, or None (checked in a subprocess: importing
-    sglang patches transformers, which other tests in this process must not see)."""
+def _importable(python: str) -> str:
     probe = (
         "from sglang.srt.utils.common import init_custom_process_group\n"
         "from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket"
     )
-    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
-    if done.returncode == 0:
-        return None
-    return "sglang's group code is not importable here: " + done.stderr.strip().splitlines()[-1]
+    done = subprocess.run([python, "-c", probe], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, f"{python} cannot import SGLang's group code: {done.stderr[-2000:]}"
+    return python
+
+
+def sglang_group_python() -> str:
+    """The interpreter that runs SGLang's group code (in a subprocess: importing sglang
+    patches transformers, which other tests in this process must not see)."""
+    return _importable(sglang_python())
 
 
 def test_rank_layout_gives_every_tp_rank_its_own_rank():
@@ -105,8 +108,7 @@ def test_flat_buffer_is_reused_and_grows():
 
 def test_flat_layout_is_sglangs(tmp_path):
     """SGLang's FlattenedTensorBucket lays the same tensors out byte for byte as flatten()."""
-    if sglang_missing():
-        pytest.skip(sglang_missing())
+    python = sglang_group_python()
     chunk = list(flat_chunks(mixed_tensors()))[1]
     code = (
         "import sys, torch\n"
@@ -116,16 +118,17 @@ def test_flat_layout_is_sglangs(tmp_path):
     )
     path = tmp_path / "chunk.pt"
     torch.save(chunk, path)
-    done = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, timeout=120)
+    done = subprocess.run([python, "-c", code, str(path)], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     assert torch.equal(torch.load(path), flatten(chunk))
 
 
 def start_receivers(tp_sizes: list[int], version: str | None) -> tuple[list[subprocess.Popen], list[str]]:
+    python = sglang_group_python()
     processes, urls = [], []
     for tp_size in tp_sizes:
         port = free_port()
-        command = [sys.executable, str(RECEIVER), "--port", str(port), "--tp-size", str(tp_size)]
+        command = [python, str(RECEIVER), "--port", str(port), "--tp-size", str(tp_size)]
         if version is not None:
             command += ["--version", version]
         processes.append(subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
@@ -140,8 +143,6 @@ def test_weight_sync_into_sglangs_own_group_code(tmp_path, version, load_format)
     ``version`` None: the installed SGLang's (flat buckets, sessions); "0.5.2": an older
     server that receives per tensor and has no session routes (404: pushed without).
     """
-    if sglang_missing():
-        pytest.skip(sglang_missing())
     named = mixed_tensors() + [(f"layer{i}.weight", torch.randn(64, 32).to(torch.bfloat16)) for i in range(6)]
     processes, urls = start_receivers([2, 1], version)
 

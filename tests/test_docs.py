@@ -12,10 +12,6 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 PAGES = [REPO / "README.md", REPO / "CHANGELOG.md", *sorted((REPO / "docs").glob("*.md"))]
 
-# docs/ pages written on other branches and linked before they land; once they are all in
-# the repository this set is empty and can go.
-PENDING_PAGES = {"sglang.md"}
-
 # Developer notes that live outside the repository: a user cannot follow a reference to them.
 OUTSIDE_NOTES = re.compile(r"\b(ALGORITHMS|ARCHITECTURE|ENVIRONMENT|STYLE)\.md\b|\.\./shared\b")
 CHECKED_FOR_NOTES = ["README.md", "CHANGELOG.md", "docs", "arbor", "scripts", "configs", "agents", "rewards"]
@@ -49,9 +45,7 @@ def broken_links(page: Path) -> list[str]:
         path_part, _, fragment = target.partition("#")
         dest = (page.parent / path_part).resolve() if path_part else page
         if not dest.exists():
-            pending = dest.parent == REPO / "docs" and dest.name in PENDING_PAGES
-            if not pending:
-                problems.append(f"{page.relative_to(REPO)}: link to {target} (no such file)")
+            problems.append(f"{page.relative_to(REPO)}: link to {target} (no such file)")
             continue
         if fragment and dest.suffix == ".md" and fragment not in anchors(dest):
             problems.append(f"{page.relative_to(REPO)}: link to {target} (no heading '{fragment}' there)")
@@ -68,13 +62,6 @@ def test_link_and_anchor_parsing_by_hand():
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(REPO)))
 def test_relative_links_reach_files_and_headings(page):
     assert broken_links(page) == []
-
-
-def test_pending_pages_are_still_pending_and_linked_from_the_index():
-    landed = sorted(name for name in PENDING_PAGES if (REPO / "docs" / name).exists())
-    assert not landed, f"{landed} now exist: remove them from PENDING_PAGES in tests/test_docs.py"
-    index_links = set(links((REPO / "docs" / "index.md").read_text()))
-    assert PENDING_PAGES <= index_links, f"docs/index.md should link {sorted(PENDING_PAGES - index_links)}"
 
 
 def test_no_reference_to_notes_outside_the_repository():

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+from sglang_env import sglang_python
 from test_server import call
 from tiny_model import build_tiny_model_dir
 
@@ -75,16 +76,14 @@ print(json.dumps(out))
 
 def test_decisions_equal_sglangs_own_on_every_combination():
     """Every (method, path, header, keys, level) against SGLang 0.5.23's decide_request_auth."""
-    probe = subprocess.run([sys.executable, "-c", "import sglang.srt.utils.auth"], capture_output=True, text=True)
-    if probe.returncode != 0:
-        pytest.skip("sglang is not importable here: " + probe.stderr.strip().splitlines()[-1])
+    python = sglang_python()
     keys = [None, "", "a", "b"]
     cases = list(itertools.product(
         ["GET", "POST", "OPTIONS"], ["/generate", "/flush_cache", "/health_generate", "/metrics", "/readyz"],
         [None, "", "Bearer a", "Bearer b", "bearer a", "Bearer", "Token a", "Bearer  a"],
         keys, keys, [level.value for level in Level],
     ))
-    done = subprocess.run([sys.executable, "-c", SGLANG_DECISIONS], input=json.dumps(cases),
+    done = subprocess.run([python, "-c", SGLANG_DECISIONS], input=json.dumps(cases),
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     theirs = json.loads(done.stdout.strip().splitlines()[-1])

@@ -8,6 +8,7 @@ import sys
 import urllib.request
 
 import pytest
+from sglang_env import sglang_python
 from tiny_model import build_tiny_model_dir
 
 from arbor.config import load_config
@@ -70,8 +71,11 @@ def test_argument_errors():
         launch_engines("external")
     with pytest.raises(ValueError, match="model_path"):
         launch_engines("embedded")
-    if not sglang_available():
-        with pytest.raises(EngineLaunchError, match="sglang"):
+    # The interpreter meant to run SGLang cannot import it: a config error naming engine.python.
+    with pytest.raises(ConfigError, match=r"engine.python: /no/such/python cannot import sglang \(FileNotFoundError"):
+        launch_engines("sglang", model_path="m", python="/no/such/python")
+    if subprocess.run([sys.executable, "-c", "import sglang"], capture_output=True).returncode != 0:
+        with pytest.raises(ConfigError, match=r"engine.python: .* \(ModuleNotFoundError: No module named 'sglang'\)"):
             launch_engines("sglang", model_path="m")
 
 
@@ -90,10 +94,24 @@ def test_server_command_lines():
 
 
 def sglang_command(**overrides) -> list[str]:
-    """The full command arbor starts SGLang with, for the config ``overrides`` (dotted keys)."""
+    """The full command arbor starts SGLang with, for the config ``overrides`` (dotted keys;
+    learner.device: cuda unless given: a GPU machine's flags)."""
+    overrides = {"learner.device": "cuda", **overrides}
     cfg = load_config(None, ["engine.kind=sglang", *(f"{k}={v}" for k, v in overrides.items())])
     dtype = None if cfg.model.dtype == "auto" else cfg.model.dtype
-    return _command("sglang", "/models/m", "0.0.0.0", 31000, dtype, engine_args(cfg))
+    return _command("sglang", "/models/m", "0.0.0.0", 31000, dtype, engine_args(cfg), cfg.engine.python)
+
+
+def test_sglang_on_a_cpu_machine_gets_the_cpu_engine_flags():
+    command = sglang_command(**{"learner.device": "cpu", "engine.max_cached_tokens": "4096",
+                                "engine.python": "/venvs/sglang/bin/python"})
+    assert command[:3] == ["/venvs/sglang/bin/python", "-m", "sglang.launch_server"]
+    flags = " ".join(command)
+    assert "--dtype float32" in flags  # the learner's auto dtype on CPU
+    assert "--device cpu --attention-backend torch_native --disable-overlap-schedule --max-total-tokens 4096" in flags
+    assert "--enable-deterministic-inference" not in flags
+    with pytest.raises(ConfigError, match="engine.deterministic"):
+        load_config(None, ["engine.kind=sglang", "learner.device=cpu", "engine.deterministic=true"])
 
 
 def test_sglang_flags_follow_the_config():
@@ -123,16 +141,14 @@ print(json.dumps({k: getattr(args, k) for k in json.loads(sys.argv[2])}))
 
 
 def test_every_flag_arbor_passes_is_one_sglang_parses():
-    probe = subprocess.run([sys.executable, "-c", "import sglang.srt.server_args"], capture_output=True, text=True)
-    if probe.returncode != 0:
-        pytest.skip("sglang is not importable here: " + probe.stderr.strip().splitlines()[-1])
+    python = sglang_python()
     command = sglang_command(**{"model.trust_remote_code": "true", "ray.colocate": "true",
                                 "learner.weight_sync": "disk", "engine.deterministic": "true",
                                 "engine.tp_size": "1", "run.seed": "7", "engine.extra_args": "[--log-level, warning]"})
     assert command[1:3] == ["-m", "sglang.launch_server"]
     keys = ["model_path", "host", "port", "dtype", "tp_size", "mem_fraction_static", "random_seed",
             "trust_remote_code", "enable_memory_saver", "enable_deterministic_inference", "log_level"]
-    done = subprocess.run([sys.executable, "-c", PARSE, json.dumps(command[3:]), json.dumps(keys)],
+    done = subprocess.run([python, "-c", PARSE, json.dumps(command[3:]), json.dumps(keys)],
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     parsed = json.loads(done.stdout.strip().splitlines()[-1])
@@ -190,9 +206,7 @@ print(json.dumps({"api_key": args.api_key, "admin_api_key": args.admin_api_key, 
 
 
 def test_sglang_reads_the_engine_key_from_a_private_file_not_the_command_line():
-    probe = subprocess.run([sys.executable, "-c", "import sglang.srt.server_args"], capture_output=True, text=True)
-    if probe.returncode != 0:
-        pytest.skip("sglang is not importable here: " + probe.stderr.strip().splitlines()[-1])
+    python = sglang_python()
     key = "k3y-" + "x" * 40
     path = sglang_key_file(key)
     try:
@@ -200,7 +214,7 @@ def test_sglang_reads_the_engine_key_from_a_private_file_not_the_command_line():
         flags = engine_args(load_config(None, ["engine.kind=sglang"]))
         command = _command("sglang", "/models/m", "127.0.0.1", 31000, None, ["--config", str(path), *flags])
         assert key not in " ".join(command)
-        done = subprocess.run([sys.executable, "-c", PREPARE, json.dumps(command[3:])],
+        done = subprocess.run([python, "-c", PREPARE, json.dumps(command[3:])],
                               capture_output=True, text=True, timeout=300)
         assert done.returncode == 0, done.stderr[-2000:]
         parsed = json.loads(done.stdout.strip().splitlines()[-1])

@@ -258,6 +258,21 @@ def test_plain_torch_learner_linear_loss_and_disk_sync(run_inputs, tmp_path):
     assert (tmp_path / "c" / "weight-sync" / "model.safetensors").exists()
 
 
+def test_external_engines_serve_a_run(run_inputs, tmp_path):
+    """engine.kind: external: the run adopts a server it did not start (and leaves it running)."""
+    from arbor.engines.launch import launch_engines
+
+    root, model, data = run_inputs
+    with launch_engines("embedded", model_path=str(model), device="cpu", log_dir=tmp_path / "logs",
+                        startup_timeout_s=120) as server:
+        cfg = config(root, model, data, tmp_path / "x", "learner.backend=torch", "learner.zero_stage=0",
+                     "engine.kind=external", f"engine.urls=[{server.urls[0]}]")
+        history = train(cfg)
+        assert len(history) == 2 and all(m["rollout/trees"] == 2 for m in history)
+        assert all(m["sync/logprob_gap"] <= 1e-4 for m in history)
+        assert server.processes[0].poll() is None  # still serving: the run stops only what it started
+
+
 def test_quickstart_command_runs(tmp_path):
     """`arbor train configs/quickstart.yaml`, shortened: the README's main command stays runnable."""
     import subprocess

@@ -19,7 +19,13 @@
   restores its weights) and the call is sent again once; what ``fn`` raises ends the call.
 - :func:`engine_client` builds the client a run's config describes (timeouts, retries, key).
 - Control calls (weights, cache, memory, health) go to every server; weight pushes run in
-  SGLang's sessions (``/begin_weight_update`` ... ``/end_weight_update``).
+  SGLang's sessions (``/begin_weight_update`` ... ``/end_weight_update``), with generation
+  paused around them (``/pause_generation`` in ``retract`` mode): SGLang flushes its cache
+  only when no request runs, and its running requests resume with their KV recomputed.
+- ``/flush_cache``, which SGLang refuses (400) while requests are pending, is retried until
+  ``flush_timeout_s``.
+- ``send_seeds=False``: no ``sampling_seed`` (SGLang honours seeds only with
+  ``--enable-deterministic-inference``, and then samples with a Triton kernel, GPU only).
 - ``client.lora_path = name``: every ``/generate`` names that LoRA adapter (SGLang's
   ``lora_path``), the one the last push loaded (:func:`adapter_name`); None: the base weights.
 - Every request carries ``Authorization: Bearer <api_key>`` (default:
@@ -111,6 +117,8 @@ class SGLangClient:
         max_concurrency: int = 1024,
         api_key: str | None = None,
         recover: Recover | None = None,
+        send_seeds: bool = True,
+        flush_timeout_s: float = 120.0,
     ) -> None:
         urls = [urls] if isinstance(urls, str) else list(urls)
         if not urls:
@@ -120,6 +128,7 @@ class SGLangClient:
         self.max_retries = max_retries
         self.backoff_s = backoff_s
         self.max_concurrency = max_concurrency
+        self.send_seeds, self.flush_timeout_s = send_seeds, flush_timeout_s
         self._round_robin = itertools.cycle(range(len(self.urls)))
         # Awaited when a retryable call to a server kept failing (it died): restart it, or raise.
         self.recover = recover
@@ -151,7 +160,7 @@ class SGLangClient:
     async def generate(self, request: GenerateRequest) -> list[GenerateOutput]:
         """``request.sampling.n`` continuations (a list even for ``n = 1``)."""
         url = self.server_for(request.affinity_key)
-        body = await self._call(url, "POST", "/generate", self._adapter(generate_payload(request)))
+        body = await self._call(url, "POST", "/generate", self._adapter(generate_payload(request, self.send_seeds)))
         items = body if isinstance(body, list) else [body]
         if len(items) != request.sampling.n:
             raise EngineError(f"asked n={request.sampling.n}, got {len(items)} outputs", url=url)
@@ -183,7 +192,7 @@ class SGLangClient:
             items = [item for i in indices for item in fork_items(requests[i])]
             payload: dict[str, Any] = {
                 "input_ids": [list(item.input_ids) for item in items],
-                "sampling_params": [sampling_payload(item.sampling) for item in items],
+                "sampling_params": [sampling_payload(item.sampling, self.send_seeds) for item in items],
                 "return_logprob": True,
             }
             if any(item.sampling.return_entropy for item in items):
@@ -356,8 +365,43 @@ class SGLangClient:
             _check_success(reply, url)
 
     async def flush_cache(self) -> None:
+        """Flush every server's cache; SGLang answers 400 while requests are pending (also
+        for a moment after the last response): asked again until ``flush_timeout_s``."""
         self.prefixes.forget()
-        await self._all("POST", "/flush_cache", {})
+
+        async def flush(url: str) -> None:
+            deadline = time.monotonic() + self.flush_timeout_s
+            for tries in itertools.count():
+                try:
+                    await self._call(url, "POST", "/flush_cache", {})
+                    return
+                except EngineError as exc:
+                    if exc.status != 400 or time.monotonic() > deadline:
+                        raise
+                await asyncio.sleep(min(1.0, 0.05 * 2**tries))
+
+        await asyncio.gather(*map(flush, self.urls))
+
+    async def pause_generation(self) -> list[str]:
+        """Pause generation on every server that can (SGLang, ``retract`` mode: running requests
+        go back to its queue, to resume after :meth:`continue_generation` with their KV
+        recomputed), so that a weight update may flush the cache; the URLs paused (a server
+        without the route, e.g. ``arbor serve``, answers 404 and drains on its own)."""
+
+        async def pause(url: str) -> str | None:
+            try:
+                await self._call(url, "POST", "/pause_generation", {"mode": "retract"}, retries=0)
+            except EngineError as exc:
+                if exc.status != 404:
+                    raise
+                return None
+            return url
+
+        return [url for url in await asyncio.gather(*map(pause, self.urls)) if url is not None]
+
+    async def continue_generation(self, urls: list[str]) -> None:
+        """Resume what :meth:`pause_generation` paused on ``urls``."""
+        await asyncio.gather(*(self._call(url, "POST", "/continue_generation", {}) for url in urls))
 
     async def release_memory_occupation(self) -> None:
         self.prefixes.forget()  # SGLang flushes its cache when it releases the KV memory
@@ -510,9 +554,12 @@ def _check_success(result: Any, url: str) -> Any:
 
 def engine_client(engine_cfg: EngineConfig, urls: list[str], *, recover: Recover | None = None) -> SGLangClient:
     """The client for a run's engines: ``engine.request_timeout_s``, ``engine.max_retries``
-    and the run's key (``engine.api_key``, settled at start-up: :func:`arbor.run.startup.settled`)."""
+    and the run's key (``engine.api_key``, settled at start-up: :func:`arbor.run.startup.settled`).
+    Per-request seeds go only to servers that honour them: SGLang uses them only with
+    ``--enable-deterministic-inference`` (``engine.deterministic``)."""
+    send_seeds = engine_cfg.deterministic or engine_cfg.kind != "sglang"
     return SGLangClient(urls, timeout_s=engine_cfg.request_timeout_s, max_retries=engine_cfg.max_retries,
-                        api_key=engine_cfg.api_key, recover=recover)
+                        api_key=engine_cfg.api_key, recover=recover, send_seeds=send_seeds)
 
 
 async def closing(client: Any, coroutine: Coroutine[Any, Any, T]) -> T:

@@ -5,8 +5,11 @@
         client = SGLangClient(handle.urls)
 
 Kinds:
-- ``sglang``: ``python -m sglang.launch_server --model-path M --port P`` per engine (one GPU
-  each, via ``CUDA_VISIBLE_DEVICES``); needs the ``sglang`` package and CUDA;
+- ``sglang``: ``PYTHON -m sglang.launch_server --model-path M --port P`` per engine, PYTHON
+  being ``python`` (``engine.python``: SGLang pins its own torch, so it often lives in a venv
+  of its own) or this interpreter. With CUDA, one GPU group each (``CUDA_VISIBLE_DEVICES``);
+  with ``device="cpu"``, SGLang's CPU engine (``SGLANG_USE_CPU_ENGINE=1`` and
+  :func:`sglang_cpu_flags`; scripts/sglang_cpu_env.sh builds such a venv);
 - ``embedded``: ``python -m arbor.engines.embedded.server --model M --port P`` (``arbor serve``);
 - ``auto``: ``sglang`` where it can run, else ``embedded``;
 - ``external``: the given ``urls``, only health-checked; nothing is started or stopped.
@@ -46,6 +49,7 @@ import yaml
 
 from arbor.engines.auth import ADMIN_API_KEY_ENV, API_KEY_ENV
 from arbor.engines.ports import free_port
+from arbor.errors import ConfigError
 
 KINDS = ("auto", "sglang", "embedded", "external")
 
@@ -54,27 +58,52 @@ class EngineLaunchError(RuntimeError):
     """An engine could not be started or never became healthy."""
 
 
-def sglang_available() -> bool:
-    """sglang can run here: the package is installed and a CUDA GPU is visible."""
-    if importlib.util.find_spec("sglang") is None:
+def sglang_available(python: str | None = None) -> bool:
+    """SGLang's GPU engine can run here (what ``engine.kind: auto`` picks it by): ``python``
+    (default: this interpreter) has the sglang package and a CUDA GPU is visible."""
+    if python is None and importlib.util.find_spec("sglang") is None:
         return False
     import torch
 
-    return torch.cuda.is_available()
+    return torch.cuda.is_available() and (python is None or sglang_import_error(python) is None)
 
 
-def resolve_kind(kind: str) -> str:
-    """``engine.kind`` as it runs here: ``auto`` is SGLang where :func:`sglang_available`,
-    else the embedded engine; ``sglang`` where SGLang cannot run is an error."""
+def sglang_import_error(python: str | None) -> str | None:
+    """Why ``python`` (None: this interpreter) cannot ``import sglang``, or None when it can.
+    Run in a subprocess: importing sglang patches transformers, and its torch may differ."""
+    command = [python or sys.executable, "-c", "import sglang"]
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"{type(exc).__name__}: {exc}"
+    if done.returncode == 0:
+        return None
+    lines = done.stderr.strip().splitlines()
+    return lines[-1] if lines else f"exit code {done.returncode}"
+
+
+def check_sglang_python(python: str | None) -> None:
+    """:class:`ConfigError` naming ``engine.python`` unless that interpreter imports sglang."""
+    reason = sglang_import_error(python)
+    if reason is not None:
+        shown = python or f"{sys.executable} (this interpreter; engine.python unset)"
+        raise ConfigError(
+            f"engine.python: {shown} cannot import sglang ({reason}); point engine.python at the "
+            "interpreter of an environment with SGLang (on a CPU machine: scripts/sglang_cpu_env.sh DIR "
+            "builds one and prints its python)"
+        )
+
+
+def resolve_kind(kind: str, device: str | None = None, python: str | None = None) -> str:
+    """``engine.kind`` as it runs here: ``auto`` is SGLang where its GPU engine can run
+    (:func:`sglang_available` with ``python``), else the embedded engine; ``sglang`` whose
+    interpreter (``engine.python``) cannot import it is a :class:`ConfigError`."""
     if kind not in KINDS:
         raise ValueError(f"engine kind must be one of {KINDS}, got {kind!r}")
     if kind == "auto":
-        return "sglang" if sglang_available() else "embedded"
-    if kind == "sglang" and not sglang_available():
-        raise EngineLaunchError(
-            "engine kind 'sglang' needs the sglang package (pip install 'arbor[sglang]') "
-            "and a CUDA GPU; use kind 'embedded' (arbor serve) on CPU machines"
-        )
+        return "sglang" if device != "cpu" and sglang_available(python) else "embedded"
+    if kind == "sglang":
+        check_sglang_python(python)
     return kind
 
 
@@ -184,12 +213,15 @@ def launch_engines(
     wait: bool = True,
     gpus_per_engine: int = 1,
     api_key: str | None = None,
+    python: str | None = None,
 ) -> EngineHandle:
     """Start ``num_engines`` servers of ``kind`` (or adopt ``urls``) and wait until healthy.
 
-    ``dtype`` is passed as ``--dtype`` to either server; ``device`` (``cpu``/``cuda``)
-    only to the embedded one (SGLang always runs on its GPU); ``extra_args`` are appended
-    to each server's command line as given (e.g. ``["--mem-fraction-static", "0.4"]``).
+    ``dtype`` is passed as ``--dtype`` to either server; ``device`` (``cpu``/``cuda``) picks
+    the embedded server's device, and with ``cpu`` runs SGLang's CPU engine
+    (:func:`sglang_cpu_flags` are the caller's to give, with its KV pool size); ``extra_args``
+    are appended to each server's command line as given (e.g. ``["--mem-fraction-static", "0.4"]``).
+    ``python``: the interpreter that runs SGLang (``engine.python``; default this one).
     ``api_key`` (default ``$ARBOR_ENGINE_API_KEY``, none when unset): the key the servers
     require, for normal and admin endpoints alike.
     """
@@ -204,7 +236,7 @@ def launch_engines(
             raise ValueError(f"engine kind {kind!r} needs model_path")
         if num_engines < 1:
             raise ValueError(f"num_engines must be >= 1, got {num_engines}")
-        kind = resolve_kind(kind)
+        kind = resolve_kind(kind, device=device, python=python)
         log_root = Path(log_dir) if log_dir else Path(tempfile.mkdtemp(prefix="arbor-engines-"))
         log_root.mkdir(parents=True, exist_ok=True)
         api_key = api_key or os.environ.get(API_KEY_ENV) or None
@@ -216,8 +248,11 @@ def launch_engines(
             if device and kind == "embedded":
                 extra = ["--device", device, *extra]
             env = dict(os.environ)
-            if kind == "sglang":
+            if kind == "sglang" and device == "cpu":
+                env["SGLANG_USE_CPU_ENGINE"] = "1"
+            elif kind == "sglang":
                 env["CUDA_VISIBLE_DEVICES"] = _gpu_for(index, env, gpus_per_engine)
+            if kind == "sglang":
                 if api_key and "--config" in extra:
                     raise EngineLaunchError(
                         "engine.extra_args gives SGLang a --config file, but arbor passes the engine key "
@@ -228,7 +263,7 @@ def launch_engines(
                     extra = ["--config", str(handle.key_files[-1]), *extra]
             elif api_key:
                 env[API_KEY_ENV] = env[ADMIN_API_KEY_ENV] = api_key
-            command = _command(kind, model_path, host, port, dtype, extra)
+            command = _command(kind, model_path, host, port, dtype, extra, python)
             log_file = log_root / f"engine-{index}.log"
             handle.processes.append(_start(command, env, log_file, handle.redact))
             handle.log_files.append(log_file)
@@ -277,10 +312,11 @@ def sglang_key_file(api_key: str) -> Path:
 
 
 def _command(
-    kind: str, model_path: str, host: str, port: int, dtype: str | None, extra: list[str]
+    kind: str, model_path: str, host: str, port: int, dtype: str | None, extra: list[str],
+    python: str | None = None,
 ) -> list[str]:
     if kind == "sglang":
-        command = [sys.executable, "-m", "sglang.launch_server", "--model-path", model_path]
+        command = [python or sys.executable, "-m", "sglang.launch_server", "--model-path", model_path]
     else:
         command = [sys.executable, "-m", "arbor.engines.embedded.server", "--model", model_path]
     command += ["--host", host, "--port", str(port)]
@@ -318,6 +354,19 @@ def sglang_flags(
     if deterministic:
         flags.append("--enable-deterministic-inference")
     return flags
+
+
+def sglang_cpu_flags(max_total_tokens: int) -> list[str]:
+    """``sglang.launch_server`` flags for its CPU engine (with ``SGLANG_USE_CPU_ENGINE=1``).
+
+    ``torch_native`` is the attention backend that runs without GPU kernels; the overlap
+    scheduler needs CUDA streams; ``--max-total-tokens`` bounds the KV pool, which SGLang
+    otherwise sizes from the free host memory (most of the machine).
+    """
+    return [
+        "--device", "cpu", "--attention-backend", "torch_native", "--disable-overlap-schedule",
+        "--max-total-tokens", str(max_total_tokens),
+    ]  # fmt: skip
 
 
 def _gpu_for(index: int, env: dict[str, str], per_engine: int = 1) -> str:

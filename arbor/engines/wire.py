@@ -20,11 +20,11 @@ from typing import Any
 from arbor.engines.types import GenerateOutput, GenerateRequest, SamplingParams
 
 
-def generate_payload(request: GenerateRequest) -> dict[str, Any]:
+def generate_payload(request: GenerateRequest, send_seeds: bool = True) -> dict[str, Any]:
     """The ``/generate`` body SGLang expects for one request."""
     payload: dict[str, Any] = {
         "input_ids": list(request.input_ids),
-        "sampling_params": sampling_payload(request.sampling),
+        "sampling_params": sampling_payload(request.sampling, send_seeds),
         "return_logprob": True,
     }
     if request.sampling.return_entropy:
@@ -56,8 +56,8 @@ def entropy_from_top_logprobs(logprobs: list[float]) -> float:
     return -sum(p * math.log(p) for p in probs if p > 0) - (rest * math.log(rest) if rest > 0 else 0.0)
 
 
-def sampling_payload(sp: SamplingParams) -> dict[str, Any]:
-    """SGLang's ``sampling_params`` object for ``sp``."""
+def sampling_payload(sp: SamplingParams, send_seeds: bool = True) -> dict[str, Any]:
+    """SGLang's ``sampling_params`` object for ``sp`` (its seed only with ``send_seeds``)."""
     params: dict[str, Any] = {
         "max_new_tokens": sp.max_new_tokens,
         "temperature": sp.temperature,
@@ -67,7 +67,7 @@ def sampling_payload(sp: SamplingParams) -> dict[str, Any]:
     }
     if sp.stop_token_ids:
         params["stop_token_ids"] = list(sp.stop_token_ids)
-    if sp.seed is not None:
+    if sp.seed is not None and send_seeds:
         params["sampling_seed"] = sp.seed
     return params
 
@@ -99,13 +99,17 @@ def parse_output(item: dict[str, Any]) -> GenerateOutput:
     logprobs = [float(entry[0]) for entry in token_logprobs]
     if len(logprobs) != len(output_ids):
         raise ValueError(f"{len(output_ids)} output ids but {len(logprobs)} logprobs")
+    # SGLang's weight_version is the server's at the reply; a request that ran across an
+    # update lists its spans ({"version", "start", "end"}, oldest first): the output is as old
+    # as its first token's weights (what partial rollouts must tell apart).
+    spans = meta.get("weight_versions") or [{"version": meta.get("weight_version", "default")}]
     return GenerateOutput(
         output_ids=list(output_ids),
         logprobs=logprobs,
         finish_reason=reason,
         prompt_tokens=int(meta.get("prompt_tokens", 0)),
         cached_tokens=int(meta.get("cached_tokens", 0)),
-        weight_version=str(meta.get("weight_version", "default")),
+        weight_version=str(spans[0]["version"] if isinstance(spans[0], dict) else spans[0][0]),
         entropies=_entropies(meta, len(output_ids)),
     )
 

@@ -15,7 +15,9 @@ import os
 from typing import Any
 
 from arbor.config import Config
-from arbor.run.orchestration import Placement, cpu_threads, gather, node_address, uses_gpu
+from arbor.errors import ConfigError
+from arbor.run.orchestration import Placement, cpu_threads, gather, node_address
+from arbor.run.startup import engine_device, uses_gpu
 
 
 class EngineWorker:
@@ -53,11 +55,15 @@ class EngineWorker:
 def _not_started(index: int, e: Exception) -> Exception:
     from arbor.engines.launch import EngineLaunchError
 
-    # Ray's message holds the actor's whole traceback; the launcher's own error (exit code, log tail) says it all.
+    # Ray's message holds the actor's whole traceback; the launcher's own error (exit code, log
+    # tail) or the config error it found (engine.python) says it all.
     message = str(e)
-    launch_error = message.rfind(f"{EngineLaunchError.__name__}: ")
-    reason = message[launch_error + len(EngineLaunchError.__name__) + 2:] if launch_error >= 0 else message
-    return EngineLaunchError(f"engine {index} did not start: {reason}")
+    for error in (ConfigError, EngineLaunchError):
+        at = message.rfind(f"{error.__name__}: ")
+        if at >= 0:
+            reason = message[at + len(error.__name__) + 2:]
+            return error(reason) if error is ConfigError else error(f"engine {index} did not start: {reason}")
+    return EngineLaunchError(f"engine {index} did not start: {message}")
 
 
 def launch_options(cfg: Config) -> dict[str, Any]:
@@ -67,27 +73,33 @@ def launch_options(cfg: Config) -> dict[str, Any]:
     return dict(
         kind=cfg.engine.kind, model_path=cfg.model.path, urls=cfg.engine.urls or None,
         dtype=None if cfg.model.dtype == "auto" else cfg.model.dtype,
-        device=None if cfg.learner.device == "auto" else cfg.learner.device, extra_args=engine_args(cfg),
+        device=engine_device(cfg), extra_args=engine_args(cfg),
         startup_timeout_s=cfg.engine.startup_timeout_s, gpus_per_engine=cfg.engine.tp_size,
-        api_key=cfg.engine.api_key,
+        api_key=cfg.engine.api_key, python=cfg.engine.python,
     )
 
 
 def engine_args(cfg: Config) -> list[str]:
     """Server flags from a settled config (the embedded server's cache bound, SGLang's memory)."""
-    from arbor.engines.launch import sglang_flags
+    from arbor.engines.launch import sglang_cpu_flags, sglang_flags
 
     if cfg.engine.kind == "auto":
         raise ValueError("engine.kind is still auto: settle the config first (arbor.run.startup.settled)")
     if cfg.engine.kind == "sglang":
-        # With model.dtype auto, the learner's (on GPUs its auto is bfloat16); an explicit
-        # model.dtype reaches the server as launch_engines(dtype=...).
-        dtype = None if cfg.model.dtype != "auto" else cfg.learner.dtype.replace("auto", "bfloat16")
+        cpu = engine_device(cfg) == "cpu"
+        if cpu and cfg.engine.deterministic:
+            raise ConfigError("engine.deterministic: SGLang's seeded sampling runs a Triton kernel, which needs "
+                              "a GPU; on a CPU machine set engine.deterministic: false")
+        # With model.dtype auto, the learner's (its auto: bfloat16 on GPUs, float32 on CPUs); an
+        # explicit model.dtype reaches the server as launch_engines(dtype=...).
+        dtype = None if cfg.model.dtype != "auto" else cfg.learner.dtype.replace("auto", "float32" if cpu else "bfloat16")
         args = sglang_flags(
             mem_fraction=cfg.engine.mem_fraction, tp_size=cfg.engine.tp_size, dtype=dtype,
             seed=cfg.run.seed, trust_remote_code=cfg.model.trust_remote_code,
             memory_saver=cfg.ray.colocate, deterministic=cfg.engine.deterministic,
         )
+        if cpu:
+            args += sglang_cpu_flags(cfg.engine.max_cached_tokens)
         if cfg.model.lora_rank:  # the adapters each sync loads (arbor.train.lora)
             from arbor.train.lora import sglang_lora_flags
 
@@ -134,6 +146,8 @@ class EngineGroup:
         :class:`EngineLaunchError` names the first engine that failed, with its log's tail."""
         import ray
 
+        if not self.workers:
+            return  # external engines: their URLs were taken at __init__
         self.urls = [u for urls in gather(self.starting, ray.exceptions.RayError, _not_started) for u in urls]
 
     def worker(self, url: str) -> Any:

@@ -41,6 +41,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import os
 import re
 import sys
 import time
@@ -269,7 +270,8 @@ def main(cfg: Config) -> int:
     from arbor.rollout.agents import episode_inputs, fitting_problems, rollout_agent
     from arbor.rollout.rewards import reward_pool
     from arbor.run.engine_group import launch_options
-    from arbor.run.startup import load_tokenizer, settled
+    from arbor.run.orchestration import cpu_threads
+    from arbor.run.startup import engine_device, load_tokenizer, settled
 
     e = cfg.eval
     path = e.path or cfg.data.eval_path
@@ -294,6 +296,8 @@ def main(cfg: Config) -> int:
     def decode(ids: list[int]) -> str:
         return tokenizer.decode(ids, skip_special_tokens=True)
 
+    if engine_device(cfg) == "cpu":  # the servers inherit it: one process has the cores (run.cpu_threads)
+        os.environ["OMP_NUM_THREADS"] = str(cpu_threads(cfg, sharers=cfg.engine.num_engines))
     t0 = time.perf_counter()
     with reward_pool(cfg.reward, search) as rewards, launch_engines(
         **launch_options(cfg), num_engines=cfg.engine.num_engines, host=cfg.engine.host, log_dir=out_dir / "logs" / "eval",

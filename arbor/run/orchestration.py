@@ -37,21 +37,13 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from arbor.config import Config, RayConfig
-from arbor.run.startup import StartupClock
+from arbor.run.startup import StartupClock, uses_gpu
 
 # Nothing here imports torch, transformers or DeepSpeed at module level: an engine actor
 # imports this module before it starts its server, which would wait for them for nothing.
 
 # Environment every actor needs: no Ray auth token files, CPU DeepSpeed where no CUDA.
 _ACTOR_ENV = ("RAY_AUTH_MODE", "DS_ACCELERATOR", "HF_HUB_OFFLINE", "PYTHONPATH", "TRANSFORMERS_OFFLINE", "PYTHONWARNINGS")
-
-
-def uses_gpu(cfg: Config) -> bool:
-    if cfg.learner.device == "auto":
-        import torch
-
-        return torch.cuda.is_available()
-    return cfg.learner.device == "cuda"
 
 
 _started_here = False  # whether the running Ray instance is a local one start_ray made

@@ -28,9 +28,27 @@ from typing import Any
 from arbor.config import Config, ModelConfig
 
 
+def uses_gpu(cfg: Config) -> bool:
+    """Whether the learners run on CUDA (``learner.device``; auto: when a GPU is visible)."""
+    if cfg.learner.device == "auto":
+        import torch
+
+        return torch.cuda.is_available()
+    return cfg.learner.device == "cuda"
+
+
+def engine_device(cfg: Config) -> str | None:
+    """The engines' device: ``cpu`` on a machine whose learner runs without CUDA (SGLang then
+    runs its CPU engine), else ``learner.device`` (None: auto)."""
+    if not uses_gpu(cfg):
+        return "cpu"
+    return None if cfg.learner.device == "auto" else cfg.learner.device
+
+
 def settled(cfg: Config) -> Config:
     """``cfg`` as this run starts it: ``engine.kind: auto`` resolved to the kind this machine
-    runs (:func:`~arbor.engines.launch.resolve_kind`) and ``engine.api_key`` settled
+    runs (:func:`~arbor.engines.launch.resolve_kind`: SGLang needs ``engine.python`` to import it)
+    and ``engine.api_key`` settled
     (:func:`~arbor.engines.auth.run_api_key`: the configured key, else
     ``$ARBOR_ENGINE_API_KEY``, else a fresh one for engines arbor starts).
 
@@ -40,7 +58,7 @@ def settled(cfg: Config) -> Config:
     from arbor.engines.auth import run_api_key
     from arbor.engines.launch import resolve_kind
 
-    kind = resolve_kind(cfg.engine.kind)
+    kind = resolve_kind(cfg.engine.kind, device=engine_device(cfg), python=cfg.engine.python)
     key = run_api_key(cfg.engine.api_key, launch=kind != "external")
     return replace(cfg, engine=replace(cfg.engine, kind=kind, api_key=key))  # type: ignore[arg-type]  # kind: one of KINDS
 

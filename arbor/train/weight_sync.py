@@ -13,6 +13,8 @@ a weight-update session (``/begin_weight_update`` ... ``/end_weight_update``, wh
 flat broadcast (``load_format: "flattened_bucket"``) where every server supports it
 (SGLang >= 0.5.6, ``arbor serve``), else one broadcast per tensor. The radix cache is
 flushed with the last bucket: KV computed by old weights must never serve new rollouts.
+SGLang pauses generation around a push (its flush needs no request running; asynchronous
+rollouts keep some in flight), which resumes with KV recomputed under the new weights.
 
 A LoRA run (``model.lora_rank`` > 0) pushes only the adapter (:meth:`WeightSync.push_adapter`):
 the learner writes it in peft's format under a new name per version (``arbor-lora-<version>``),
@@ -161,6 +163,7 @@ class WeightSync:
         sent = 0
         if self._group is None:
             await self._connect(on_gpu=pending[0][1].is_cuda)
+        paused = await self.client.pause_generation()
         sessions = await self.client.begin_weight_update()
         try:
             while pending is not None:
@@ -177,6 +180,7 @@ class WeightSync:
                 pending, following = following, after
         finally:
             await self.client.end_weight_update(sessions)
+            await self.client.continue_generation(paused)
         await self.check_version(version)
         return sent
 
@@ -188,7 +192,7 @@ class WeightSync:
         # A name of its own: torch allows one live group per name in a process, and a
         # learner may open a new sync (new engines) before the old group is gone.
         self._group_name = f"arbor_weight_sync_{port}"
-        # NCCL where the learner's tensors live on a GPU (SGLang's engines always do).
+        # NCCL where the learner's tensors live on a GPU, gloo on CPUs (SGLang's CPU engine too).
         self._group = await connect_learner(
             self.client, self.master_address, port,
             tp_sizes=[engine_ranks(info, url) for info, url in zip(infos, self.client.urls)],
@@ -216,9 +220,14 @@ class WeightSync:
 
     async def push_directory(self, model_dir: str | Path, version: str) -> int:
         """Engines load an HF directory the learner wrote (the fallback transport); returns
-        the bytes of its weight files."""
-        await self.client.update_weights_from_disk(str(model_dir), weight_version=version)
-        await self.client.flush_cache()
+        the bytes of its weight files. Generation is paused around it (SGLang updates and
+        flushes only when idle)."""
+        paused = await self.client.pause_generation()
+        try:
+            await self.client.update_weights_from_disk(str(model_dir), weight_version=version)
+            await self.client.flush_cache()
+        finally:
+            await self.client.continue_generation(paused)
         await self.check_version(version)
         return tensor_bytes(model_dir)
 

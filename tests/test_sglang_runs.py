@@ -1,0 +1,102 @@
+"""Whole runs on a real SGLang 0.5.23 CPU server that arbor starts itself (``engine.kind: sglang``,
+``engine.python: $ARBOR_SGLANG_PYTHON``; tests/sglang_env.py): the quickstart, asynchronous
+with partial rollouts and weights by broadcast, then ``arbor eval`` on its export; and a
+synchronous run with weights by disk whose SGLang scheduler is killed mid-rollout.
+
+Small on purpose (a few prompts, two or three steps): each run starts a server (~20 s quiet).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+from sglang_env import sglang_python
+
+from arbor.config import load_config
+from arbor.run.metrics import read_metrics
+from arbor.run.trainer import train
+
+REPO = Path(__file__).resolve().parents[1]
+# float32 on both sides, SGLang's torch_native kernels against the learner's forward.
+GAP_BOUND = 1e-4
+SMALL = ["data.prompts_per_step=4", "engine.max_cached_tokens=16384", "run.cpu_threads=1"]
+
+
+def test_quickstart_async_on_sglang_then_arbor_eval(tmp_path):
+    python = sglang_python()
+    out = tmp_path / "qs"
+    sglang = ["engine.kind=sglang", f"engine.python={python}", *SMALL]
+    command = [sys.executable, "-m", "arbor", "train", "configs/quickstart.yaml", *sglang, "run.steps=3",
+               "run.eval_every=3", "algorithm.max_staleness=1", "engine.partial_rollouts=true",
+               f"run.output_dir={out}"]
+    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    steps = [m for m in read_metrics(out) if m["step"] >= 1]
+    assert [m["step"] for m in steps] == [1, 2, 3]
+    # Right after each push the engine's log-probs are the learner's (float32 both sides).
+    assert all(m["sync/logprob_gap"] < GAP_BOUND for m in steps)
+    # Step 1 trains on trees of the weights it starts from; later steps on trees one update old
+    # (max_staleness 1), so their gap is the policy's own move in one step, not an engine error.
+    assert steps[0]["train/logprob_gap"] < GAP_BOUND
+    assert all(m["async/staleness_mean"] <= 1 for m in steps)
+    # Prefix reuse read from the server's own cached_tokens: forks share their parents' KV.
+    assert all(m["rollout/cached_ratio"] > 0.5 for m in steps)
+    assert "eval/accuracy" in read_metrics(out)[-1]
+
+    report = tmp_path / "eval.json"
+    evaluate = [sys.executable, "-m", "arbor", "eval", "configs/quickstart.yaml", *sglang, f"model.path={out / 'hf'}",
+                "eval.max_problems=20", f"eval.output={report}"]
+    done = subprocess.run(evaluate, cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert report.exists() and "accuracy" in report.read_text()
+
+
+def scheduler_of(launcher_pid: int) -> int:
+    """The pid of SGLang's scheduler process, a child of the launcher (``sglang::scheduler``)."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            name = (entry / "cmdline").read_bytes().decode(errors="replace")
+        except (OSError, IndexError, ValueError):
+            continue  # gone meanwhile
+        if ppid == launcher_pid and "scheduler" in name:
+            return int(entry.name)
+    raise AssertionError(f"no SGLang scheduler under launcher {launcher_pid}")
+
+
+def test_weights_by_disk_and_a_killed_scheduler_restarts_the_server(tmp_path):
+    import ray
+
+    python = sglang_python()
+    cfg = load_config(REPO / "configs" / "quickstart.yaml", [
+        "engine.kind=sglang", f"engine.python={python}", *SMALL, "run.steps=3", "run.eval_every=0",
+        "run.save_every=0", "learner.weight_sync=disk", f"run.output_dir={tmp_path / 'run'}",
+        f"model.path={REPO / 'models' / 'tiny-arith'}", f"data.train_path={REPO / 'data' / 'arith' / 'train.jsonl'}",
+        f"data.eval_path={REPO / 'data' / 'arith' / 'test.jsonl'}",
+    ])
+    kills: list[int] = []
+
+    def arm(ctx, step, metrics):
+        if step != 1:
+            return
+        show, worker = ctx.log.status, ctx.engines.workers[0]
+
+        def status(text):  # at step 2's first finished tree: the rest are in flight
+            if text.startswith("rollout: 1/") and not kills:
+                kills.append(scheduler_of(ray.get(worker.pid.remote())))
+                os.kill(kills[0], signal.SIGKILL)
+            show(text)
+
+        ctx.log.status = status
+
+    history = train(cfg, after_step=arm)
+    assert len(kills) == 1
+    assert [m["engine/restarts"] for m in history] == [0, 1, 0]
+    # The restarted server got the run's weights back: the next pushes and probes agree.
+    assert all(m["sync/logprob_gap"] < GAP_BOUND and m["train/logprob_gap"] < GAP_BOUND for m in history)
