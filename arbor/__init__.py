@@ -77,7 +77,7 @@ _EXPORTS: dict[str, str] = {
     "GenerateOutput": "arbor.engines.types",
     "RolloutEngine": "arbor.engines.types",
     "SGLangClient": "arbor.engines.client",
-    "EngineError": "arbor.engines.client",
+    "EngineError": "arbor.engines.errors",
 }
 
 __all__ = ["__version__", *_EXPORTS]
@@ -117,7 +117,8 @@ if TYPE_CHECKING:  # type checkers and IDEs see the names without the lazy table
         load_config,
     )
     from arbor.data import load_problems, prompt_messages
-    from arbor.engines.client import EngineError, SGLangClient
+    from arbor.engines.client import SGLangClient
+    from arbor.engines.errors import EngineError
     from arbor.engines.types import GenerateOutput, GenerateRequest, RolloutEngine, SamplingParams
     from arbor.errors import ConfigError
     from arbor.rollout.agents import Agent, Message
