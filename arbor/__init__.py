@@ -51,7 +51,7 @@ _EXPORTS: dict[str, str] = {
     # rollout: sampling, agents, tools, rewards
     "sample_trees": "arbor.rollout.sampler",
     "sample_trees_sync": "arbor.rollout.sampler",
-    "SampleStats": "arbor.rollout.sampler",
+    "SampleStats": "arbor.rollout.sample_stats",
     "Agent": "arbor.rollout.agents",
     "Message": "arbor.rollout.agents",
     "ToolPool": "arbor.rollout.tools",
@@ -132,7 +132,8 @@ if TYPE_CHECKING:  # type checkers and IDEs see the names without the lazy table
         in_reward_worker,
         score_batch,
     )
-    from arbor.rollout.sampler import SampleStats, sample_trees, sample_trees_sync
+    from arbor.rollout.sample_stats import SampleStats
+    from arbor.rollout.sampler import sample_trees, sample_trees_sync
     from arbor.rollout.tools import ToolPool, ToolResult
     from arbor.train.advantage import compute_advantages
     from arbor.train.packed_loss import policy_loss

@@ -30,7 +30,8 @@ from arbor.engines.connect import closing
 from arbor.rollout.agents import Agent, Render, episode_inputs, tool_turns
 from arbor.rollout.answers import has_final_answer
 from arbor.rollout.rewards import RewardPool, check_failure_fraction, failed_checks
-from arbor.rollout.sampler import SampleStats, sample_trees
+from arbor.rollout.sample_stats import SampleStats
+from arbor.rollout.sampler import sample_trees
 from arbor.rollout.tools import unsandboxed_calls
 from arbor.run.engine_group import EngineGroup
 from arbor.run.learner_group import LearnerGroup
