@@ -56,7 +56,8 @@ from arbor.engines.auth import (
     unprotected_warning,
 )
 from arbor.engines.distributed import DEFAULT_GROUP, WeightUpdateGroup
-from arbor.engines.embedded.engine import EngineReleased, LocalEngine
+from arbor.engines.embedded.engine import LocalEngine
+from arbor.engines.embedded.jobs import EngineReleased
 from arbor.engines.embedded.lora import add_lora_routes
 from arbor.engines.embedded.request_body import (
     BadRequest,
