@@ -43,7 +43,7 @@ _EXPORTS: dict[str, str] = {
     "SftConfig": "arbor.config",
     "EvalConfig": "arbor.config",
     "RunConfig": "arbor.config",
-    "load_config": "arbor.config",
+    "load_config": "arbor.config_load",
     "ConfigError": "arbor.errors",
     # problems and prompts
     "load_problems": "arbor.data",
@@ -114,8 +114,8 @@ if TYPE_CHECKING:  # type checkers and IDEs see the names without the lazy table
         RolloutConfig,
         RunConfig,
         SftConfig,
-        load_config,
     )
+    from arbor.config_load import load_config
     from arbor.data import load_problems, prompt_messages
     from arbor.engines.client import SGLangClient
     from arbor.engines.errors import EngineError

@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator
 import pytest
 from aiohttp import web
 
-from arbor.config import load_config
+from arbor.config_load import load_config
 from arbor.engines.client import SGLangClient
 from arbor.engines.connect import engine_client
 from arbor.engines.errors import EngineError

@@ -21,7 +21,7 @@ import torch
 from test_lora_sync import MovingAdapter
 from transformers import AutoModelForCausalLM
 
-from arbor.config import load_config
+from arbor.config_load import load_config
 from arbor.engines.client import SGLangClient, adapter_name
 from arbor.engines.embedded.server import free_port
 from arbor.engines.errors import EngineError
