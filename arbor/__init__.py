@@ -43,7 +43,7 @@ _EXPORTS: dict[str, str] = {
     "SftConfig": "arbor.config",
     "EvalConfig": "arbor.config",
     "RunConfig": "arbor.config",
-    "load_config": "arbor.config",
+    "load_config": "arbor.config_load",
     "ConfigError": "arbor.errors",
     # problems and prompts
     "load_problems": "arbor.data",
@@ -51,7 +51,7 @@ _EXPORTS: dict[str, str] = {
     # rollout: sampling, agents, tools, rewards
     "sample_trees": "arbor.rollout.sampler",
     "sample_trees_sync": "arbor.rollout.sampler",
-    "SampleStats": "arbor.rollout.sampler",
+    "SampleStats": "arbor.rollout.sample_stats",
     "Agent": "arbor.rollout.agents",
     "Message": "arbor.rollout.agents",
     "ToolPool": "arbor.rollout.tools",
@@ -77,7 +77,7 @@ _EXPORTS: dict[str, str] = {
     "GenerateOutput": "arbor.engines.types",
     "RolloutEngine": "arbor.engines.types",
     "SGLangClient": "arbor.engines.client",
-    "EngineError": "arbor.engines.client",
+    "EngineError": "arbor.engines.errors",
 }
 
 __all__ = ["__version__", *_EXPORTS]
@@ -114,10 +114,11 @@ if TYPE_CHECKING:  # type checkers and IDEs see the names without the lazy table
         RolloutConfig,
         RunConfig,
         SftConfig,
-        load_config,
     )
+    from arbor.config_load import load_config
     from arbor.data import load_problems, prompt_messages
-    from arbor.engines.client import EngineError, SGLangClient
+    from arbor.engines.client import SGLangClient
+    from arbor.engines.errors import EngineError
     from arbor.engines.types import GenerateOutput, GenerateRequest, RolloutEngine, SamplingParams
     from arbor.errors import ConfigError
     from arbor.rollout.agents import Agent, Message
@@ -131,7 +132,8 @@ if TYPE_CHECKING:  # type checkers and IDEs see the names without the lazy table
         in_reward_worker,
         score_batch,
     )
-    from arbor.rollout.sampler import SampleStats, sample_trees, sample_trees_sync
+    from arbor.rollout.sample_stats import SampleStats
+    from arbor.rollout.sampler import sample_trees, sample_trees_sync
     from arbor.rollout.tools import ToolPool, ToolResult
     from arbor.train.advantage import compute_advantages
     from arbor.train.packed_loss import policy_loss

@@ -16,7 +16,8 @@ import importlib
 import sys
 from collections.abc import Callable
 
-from arbor.config import Config, check_context_length, dump_config, load_config
+from arbor.config import Config, dump_config
+from arbor.config_load import check_context_length, load_config
 from arbor.errors import ConfigError
 from arbor.plugins import default_search_dirs
 
@@ -50,7 +51,7 @@ def check_extensions(cfg: Config) -> None:
 
 def check_model_context(cfg: Config, command: str) -> None:
     """``data.max_prompt_tokens`` + the response budget must fit the model's context
-    (:func:`~arbor.config.check_context_length`), read once before any work starts: SGLang's
+    (:func:`~arbor.config_load.check_context_length`), read once before any work starts: SGLang's
     ``--context-length`` when ``engine.extra_args`` sets it, else ``max_position_embeddings``
     of ``model.path``'s config (what SGLang and the embedded engine default to)."""
     extra = list(cfg.engine.extra_args)

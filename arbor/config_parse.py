@@ -3,7 +3,7 @@ overrides, and a type check of every value against its field's annotation.
 
     raw, where = read_yaml("configs/math.yaml")      # where("loss.clip_high") -> "configs/math.yaml:41"
     where.overrides[apply_override(raw, "run.steps=10")] = "run.steps=10"
-    cfg = build(Config, raw, "", where)               # arbor.config.load_config does these, then validates
+    cfg = build(Config, raw, "", where)               # arbor.config_load.load_config does these, then validates
 
 Errors are :class:`~arbor.errors.ConfigError` naming the key and ``file:line`` (or the
 override); an unknown key suggests the closest known one. Only dataclasses, ``Literal``,

@@ -40,7 +40,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from arbor.config import load_config  # noqa: E402
+from arbor.config_load import load_config  # noqa: E402
 
 ARMS = {"sync": ["algorithm.max_staleness=0"], "async": ["algorithm.max_staleness=1"]}
 # --smoke: a couple of small steps with an eval at the end (seconds, not minutes).

@@ -70,7 +70,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from arbor.config import load_config  # noqa: E402
+from arbor.config_load import load_config  # noqa: E402
 from arbor.run import phases  # noqa: E402
 from arbor.run.metrics import read_metrics  # noqa: E402
 

@@ -49,7 +49,7 @@ def run_variant(path: str, variant: str, rank: int) -> int:
 
     import torch
 
-    from arbor.config import load_config
+    from arbor.config_load import load_config
     from arbor.train.learner import Learner, load_policy
     from arbor.train.packing import loss_denominator, pack_trees
     from arbor.tree import RolloutTree

@@ -49,7 +49,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from arbor.config import Config, load_config  # noqa: E402
+from arbor.config import Config  # noqa: E402
+from arbor.config_load import load_config  # noqa: E402
 
 
 @dataclass

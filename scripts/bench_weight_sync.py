@@ -101,7 +101,7 @@ def build_model(config_kwargs: dict, path: Path, dtype: torch.dtype = torch.bflo
 async def time_lora(url: str, model: torch.nn.Module, sync_dir: Path, rank: int, bucket_mb: float,
                     repeats: int) -> dict[str, float]:
     """Bytes and best seconds of a full bucketed push and of a LoRA adapter push."""
-    from arbor.config import load_config
+    from arbor.config_load import load_config
     from arbor.engines.client import adapter_name
     from arbor.train.lora import adapter_state, add_adapter, save_adapter
 

@@ -76,7 +76,7 @@ def rank_main(mode: str, model_dir: str, url: str, bucket_mb: float, repeats: in
     import deepspeed
     import torch
 
-    from arbor.config import load_config
+    from arbor.config_load import load_config
     from arbor.train.learner import Learner, deepspeed_config, init_distributed, load_policy
     from arbor.train.zero3 import build_partitioned
 

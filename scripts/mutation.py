@@ -57,6 +57,8 @@ TESTS: dict[str, list[str]] = {
                 "tests/test_async_rollouts.py::test_partial_rollouts_sample_overtaken_segments_again_under_the_new_weights",
                 "tests/test_async_rollouts.py::test_partial_rollouts_count_every_time_a_segment_is_overtaken"],
     "rollout.budget": ["tests/test_sampler.py"],
+    # arbor/rollout/agent_thread.py: where agent steps run (their time limit, a raising step).
+    "rollout.agent_thread": ["tests/test_sampler_agents.py"],
     "rollout.rewards": ["tests/test_rewards.py"],
 }
 
@@ -190,7 +192,7 @@ EQUIVALENT: dict[str, str] = {
     "arbor.train.logprobs.x_padded_token_logprobs__mutmut_88": _ON_CPU,
     "arbor.train.logprobs.x_padded_token_logprobs__mutmut_95": _ON_CPU,
     "arbor.train.logprobs.x_padded_token_logprobs__mutmut_98": _ON_CPU,
-    "arbor.rollout.sampler.x__in_daemon_thread__mutmut_21": _THREAD_NAME,
+    "arbor.rollout.agent_thread.x_in_daemon_thread__mutmut_21": _THREAD_NAME,
     "arbor.rollout.sampler.xǁ_TreeSamplerǁrun__mutmut_10": _ROOT_OFFSET,
     "arbor.rollout.sampler.xǁ_TreeSamplerǁrun__mutmut_42": _ROOT_OFFSET,
     "arbor.rollout.sampler.xǁ_TreeSamplerǁ_fallback__mutmut_24": _ROOT_OFFSET,

@@ -58,7 +58,7 @@ def profile_once(config: str, overrides: list[str]) -> dict[str, float]:
     clock.spans["python"] = (0.0, SCRIPT_START - clock.origin)
     with clock.phase("imports"):
         from arbor.cli import check_extensions, check_model_context
-        from arbor.config import load_config
+        from arbor.config_load import load_config
         from arbor.run.context import start_run
         from arbor.run.orchestration import start_ray_early
     with clock.phase("config"):

@@ -35,7 +35,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from arbor.config import load_config  # noqa: E402
+from arbor.config_load import load_config  # noqa: E402
 from arbor.run.metrics import read_metrics  # noqa: E402
 from arbor.run.trainer import train  # noqa: E402
 

@@ -14,7 +14,7 @@ from types import ModuleType
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from transformers import AutoTokenizer
 
-from arbor.config import load_config
+from arbor.config_load import load_config
 from arbor.data import read_rows
 from arbor.rollout.agents import episode_inputs, load_agent
 from arbor.run.sft import encode_example

@@ -21,7 +21,8 @@ import torch
 from agent_fixtures import HANG_S, PROBLEMS, TOOL_TURNS, HangingAgent, ScriptedAgent, ScriptedEngine
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from arbor.config import RolloutConfig, load_config
+from arbor.config import RolloutConfig
+from arbor.config_load import load_config
 from arbor.errors import ConfigError
 from arbor.rollout.agents import continuation_ids
 from arbor.rollout.sampler import sample_trees

@@ -71,7 +71,7 @@ def test_python_tool_runs_the_last_code_block_and_reports_errors():
 
 
 def test_agent_args_from_the_config_build_the_class(tmp_path):
-    from arbor.config import load_config
+    from arbor.config_load import load_config
 
     config = tmp_path / "agent.yaml"
     config.write_text(

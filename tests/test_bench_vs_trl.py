@@ -41,7 +41,7 @@ def test_the_greedy_eval_scores_the_starting_model_in_its_known_range():
     sys.path.insert(0, str(REPO / "scripts"))
     from bench_vs_trl import greedy_accuracy
 
-    from arbor.config import load_config
+    from arbor.config_load import load_config
     from arbor.data import load_problems
 
     cfg = load_config(REPO / "configs" / "quickstart.yaml", [])

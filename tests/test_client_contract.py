@@ -17,7 +17,8 @@ import pytest
 import torch
 from tiny_model import build_tiny_model_dir
 
-from arbor.engines.client import EngineError, SGLangClient
+from arbor.engines.client import SGLangClient
+from arbor.engines.errors import EngineError
 from arbor.engines.launch import launch_engines
 from arbor.engines.types import GenerateRequest, SamplingParams
 

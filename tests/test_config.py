@@ -4,7 +4,9 @@ from pathlib import Path
 
 import pytest
 
-from arbor.config import Config, ConfigError, dump_config, load_config
+from arbor.config import Config, dump_config
+from arbor.config_load import load_config
+from arbor.errors import ConfigError
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -145,7 +147,7 @@ def test_empty_file_is_the_defaults(tmp_path):
 
 
 def test_validate_a_config_built_in_code_names_the_key():
-    from arbor.config import validate
+    from arbor.config_load import validate
 
     cfg = Config()
     validate(cfg)  # the defaults pass with the default `where`

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from arbor.cli import check_model_context
-from arbor.config import DataConfig, check_context_length, load_config
+from arbor.config import DataConfig
+from arbor.config_load import check_context_length, load_config
 from arbor.data import DataError
 from arbor.errors import ConfigError
 from arbor.rollout.agents import fitting_problems

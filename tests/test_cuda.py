@@ -139,7 +139,8 @@ import asyncio, json, sys, torch
 sys.path[:0] = [{tests!r}, {root!r}]
 from tiny_model import build_tiny_model_dir
 from arbor.train.advantage import compute_advantages
-from arbor.config import RolloutConfig, load_config
+from arbor.config import RolloutConfig
+from arbor.config_load import load_config
 from arbor.engines.embedded.engine import LocalEngine
 from arbor.train.learner import Learner
 from arbor.train.packing import loss_denominator, pack_trees

@@ -16,11 +16,14 @@ from sglang_env import sglang_python
 from test_server import call
 from tiny_model import build_tiny_model_dir
 
-from arbor.config import dump_config, load_config
+from arbor.config import dump_config
+from arbor.config_load import load_config
 from arbor.engines.auth import API_KEY_ENV, Level, decide, run_api_key, unprotected_warning
-from arbor.engines.client import EngineError, SGLangClient, run_sync
+from arbor.engines.client import SGLangClient
+from arbor.engines.connect import run_sync
 from arbor.engines.embedded.engine import LocalEngine
 from arbor.engines.embedded.server import ServerThread
+from arbor.engines.errors import EngineError
 from arbor.engines.launch import _start, launch_engines
 from arbor.engines.types import GenerateRequest, SamplingParams
 

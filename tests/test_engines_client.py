@@ -13,12 +13,10 @@ from collections.abc import AsyncIterator
 import pytest
 from aiohttp import web
 
-from arbor.config import load_config
-from arbor.engines.client import (
-    EngineError,
-    SGLangClient,
-    engine_client,
-)
+from arbor.config_load import load_config
+from arbor.engines.client import SGLangClient
+from arbor.engines.connect import engine_client
+from arbor.engines.errors import EngineError
 from arbor.engines.ports import free_port
 from arbor.engines.types import GenerateRequest, SamplingParams
 from arbor.engines.wire import generate_payload, parse_output

@@ -12,9 +12,11 @@ import math
 
 import pytest
 
-from arbor.config import Config, ConfigError, RolloutConfig, validate
+from arbor.config import Config, RolloutConfig
+from arbor.config_load import validate
 from arbor.engines.types import GenerateOutput, GenerateRequest
 from arbor.engines.wire import entropy_from_top_logprobs, parse_output
+from arbor.errors import ConfigError
 from arbor.rollout.entropy_fork import fork_candidates, top_fork_points
 from arbor.rollout.sampler import sample_trees
 from arbor.tree import RolloutTree

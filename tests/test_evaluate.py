@@ -14,7 +14,7 @@ from agent_fixtures import TOOL_TURNS, HangingAgent
 from agent_fixtures import ScriptedEngine as EpisodeEngine
 from transformers import AutoTokenizer
 
-from arbor.config import load_config
+from arbor.config_load import load_config
 from arbor.engines.types import GenerateOutput, GenerateRequest
 from arbor.errors import ConfigError
 from arbor.rollout.agents import episode_inputs

@@ -11,7 +11,7 @@ import pytest
 from sglang_env import sglang_python
 from tiny_model import build_tiny_model_dir
 
-from arbor.config import load_config
+from arbor.config_load import load_config
 from arbor.engines.launch import (
     EngineLaunchError,
     _command,

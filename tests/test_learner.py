@@ -12,7 +12,7 @@ import pytest
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from arbor.config import load_config
+from arbor.config_load import load_config
 from arbor.engines.ports import free_port
 from arbor.train.learner import Learner, lr_lambda
 from arbor.train.loss import LossStats

@@ -11,7 +11,7 @@ from test_learner import batch, config, run_two_ranks, tiny_model_dir
 from transformers import AutoModelForCausalLM
 
 from arbor.cli import main as cli_main
-from arbor.config import load_config
+from arbor.config_load import load_config
 from arbor.errors import ConfigError
 from arbor.train.learner import Learner
 from arbor.train.lora import lora_targets

@@ -10,9 +10,10 @@ from test_trainer import config, run_inputs  # noqa: F401  (run_inputs is a fixt
 from tiny_model import build_tiny_model_dir
 from transformers import AutoModelForCausalLM
 
-from arbor.config import load_config
-from arbor.engines.client import EngineError, SGLangClient, adapter_name
+from arbor.config_load import load_config
+from arbor.engines.client import SGLangClient, adapter_name
 from arbor.engines.embedded.lora import MergedAdapters, delta, read_factors
+from arbor.engines.errors import EngineError
 from arbor.engines.launch import launch_engines
 from arbor.run.trainer import train
 from arbor.train.lora import adapter_state, add_adapter, save_adapter

@@ -2,7 +2,7 @@
 
 import pytest
 
-from arbor.rollout.sampler import SampleStats
+from arbor.rollout.sample_stats import SampleStats
 from arbor.run.phases import Batch, rollout_metrics, throughput_metrics, working_seconds
 from arbor.tree import RolloutTree
 

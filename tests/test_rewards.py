@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from arbor.config import load_config
+from arbor.config_load import load_config
 from arbor.errors import ConfigError
 from arbor.rollout.rewards import (
     RewardError,

@@ -9,7 +9,8 @@ import torch
 from test_tree_vs_linear import assert_close, random_advantages, random_tree, tiny
 from tiny_model import uniform_qwen2
 
-from arbor.config import ConfigError, load_config
+from arbor.config_load import load_config
+from arbor.errors import ConfigError
 from arbor.train.loss import token_sums
 from arbor.train.packed_loss import pack_loss
 from arbor.train.packing import linearise_trees, loss_denominator, pack_trees

@@ -15,14 +15,8 @@ from tiny_model import build_tiny_model_dir
 from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
 from transformers.utils import logging as hf_logging
 
-from arbor.config import (
-    DataConfig,
-    LearnerConfig,
-    LossConfig,
-    ModelConfig,
-    OptimConfig,
-    load_config,
-)
+from arbor.config import DataConfig, LearnerConfig, LossConfig, ModelConfig, OptimConfig
+from arbor.config_load import load_config
 from arbor.data import DataError
 from arbor.engines.ports import free_port
 from arbor.run.metrics import read_metrics

@@ -21,9 +21,10 @@ import torch
 from test_lora_sync import MovingAdapter
 from transformers import AutoModelForCausalLM
 
-from arbor.config import load_config
-from arbor.engines.client import EngineError, SGLangClient, adapter_name
+from arbor.config_load import load_config
+from arbor.engines.client import SGLangClient, adapter_name
 from arbor.engines.embedded.server import free_port
+from arbor.engines.errors import EngineError
 from arbor.engines.types import GenerateRequest, SamplingParams
 from arbor.train.lora import sglang_lora_flags
 from arbor.train.weight_sync import WeightSync, probe_logprob_gap

@@ -22,7 +22,8 @@ import pytest
 import torch
 from sglang_env import TINY_ARITH, sglang_python
 
-from arbor.engines.client import EngineError, SGLangClient, parse_output
+from arbor.engines.client import SGLangClient, parse_output
+from arbor.engines.errors import EngineError
 from arbor.engines.launch import launch_engines, sglang_cpu_flags
 from arbor.engines.types import GenerateRequest, SamplingParams
 from arbor.train.weight_sync import WeightSync, gathered_buckets, probe_logprob_gap

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from sglang_env import sglang_python
 
-from arbor.config import load_config
+from arbor.config_load import load_config
 from arbor.run.metrics import read_metrics
 from arbor.run.trainer import train
 

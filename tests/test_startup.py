@@ -10,7 +10,7 @@ import psutil
 import pytest
 from tiny_model import build_tiny_model_dir
 
-from arbor.config import load_config
+from arbor.config_load import load_config
 from arbor.engines.auth import API_KEY_ENV
 from arbor.engines.launch import EngineLaunchError, resolve_kind, sglang_available
 from arbor.run.context import start_run

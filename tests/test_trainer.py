@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file
 from tiny_model import build_tiny_model_dir
 
-from arbor.config import load_config
+from arbor.config_load import load_config
 from arbor.run import checkpoint
 from arbor.run.metrics import read_metrics
 from arbor.run.trainer import train

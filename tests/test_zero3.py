@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 from test_learner import run_two_ranks, tiny_model_dir
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from arbor.config import load_config
+from arbor.config_load import load_config
 from arbor.train.zero3 import (
     TESTED_DEEPSPEED,
     SafetensorsReader,

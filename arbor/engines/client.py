@@ -10,14 +10,14 @@
   go to the same server (rendezvous hashing: adding a server moves only the keys it wins),
   so that server's radix cache holds the tree; requests without a key go round-robin.
 - Connection errors, timeouts and 5xx are retried with exponential backoff; a 4xx raises
-  :class:`EngineError` at once with the server's message (retrying cannot fix it).
+  :class:`arbor.engines.errors.EngineError` at once with the server's message (retrying cannot fix it).
 - ``generate_many`` sends a round as one batch per server, forks as seeded items; a
   multi-fork prompt the server has not cached yet is first committed with
-  ``max_new_tokens: 0``, so its forks share one prefill (:class:`CachedPrefixes`).
+  ``max_new_tokens: 0``, so its forks share one prefill (:class:`arbor.engines.prefix_cache.CachedPrefixes`).
 - ``SGLangClient(urls, recover=fn)``: when a retryable call still fails, ``await fn(url, error)``
   (a run's engine recovery, which builds its client with it, restarts that server and
   restores its weights) and the call is sent again once; what ``fn`` raises ends the call.
-- :func:`engine_client` builds the client a run's config describes (timeouts, retries, key).
+- :func:`arbor.engines.connect.engine_client` builds the client a run's config describes (timeouts, retries, key).
 - Control calls (weights, cache, memory, health) go to every server; weight pushes run in
   SGLang's sessions (``/begin_weight_update`` ... ``/end_weight_update``), with generation
   paused around them (``/pause_generation`` in ``retract`` mode): SGLang flushes its cache
@@ -39,12 +39,14 @@ import hashlib
 import itertools
 import os
 import time
-from collections.abc import Awaitable, Callable, Coroutine
-from typing import TYPE_CHECKING, Any, TypeVar
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 import aiohttp
 
 from arbor.engines.auth import API_KEY_ENV
+from arbor.engines.errors import EngineError, Retryable, check_reply, with_retries
+from arbor.engines.prefix_cache import CachedPrefixes
 from arbor.engines.types import GenerateOutput, GenerateRequest
 from arbor.engines.wire import (
     entropy_top_k,
@@ -56,52 +58,8 @@ from arbor.engines.wire import (
     sampling_payload,
 )
 
-if TYPE_CHECKING:
-    from arbor.config import EngineConfig
-
-T = TypeVar("T")
 # What a client awaits when a server stopped answering: bring it back (or raise).
-Recover = Callable[[str, "EngineError"], Awaitable[None]]
-
-
-class EngineError(RuntimeError):
-    """A request an engine refused (4xx) or that kept failing after retries."""
-
-    def __init__(self, message: str, *, url: str, status: int | None = None) -> None:
-        super().__init__(f"{url}: {message}" + (f" (HTTP {status})" if status else ""))
-        self.url, self.status, self.message = url, status, message
-
-
-class _Retryable(Exception):
-    """A 5xx: worth another try."""
-
-
-class CachedPrefixes:
-    """Token sequences each server's radix cache holds, as far as this client can tell: the
-    prompts it committed and every prompt + output it got back since the server last
-    flushed (a new ``weight_version`` in a reply, or a flush sent through this client).
-    Wrong after an LRU eviction, and then forks merely prefill their prefix again."""
-
-    LIMIT = 1 << 20  # sequences remembered per server before starting afresh
-
-    def __init__(self) -> None:
-        self._held: dict[str, set[int]] = {}
-        self._version: dict[str, str] = {}
-
-    def holds(self, url: str, ids: list[int]) -> bool:
-        return hash(tuple(ids)) in self._held.get(url, ())
-
-    def add(self, url: str, ids: list[int], weight_version: str | None = None) -> None:
-        if weight_version is not None and self._version.get(url) != weight_version:
-            self._held.pop(url, None)  # new weights: the server flushed its cache
-            self._version[url] = weight_version
-        held = self._held.setdefault(url, set())
-        if len(held) >= self.LIMIT:
-            held.clear()
-        held.add(hash(tuple(ids)))
-
-    def forget(self) -> None:
-        self._held.clear()
+Recover = Callable[[str, EngineError], Awaitable[None]]
 
 
 class SGLangClient:
@@ -303,7 +261,7 @@ class SGLangClient:
             )
             for url, offset in zip(self.urls, offsets)
         ]
-        return [_check_success(r, url) for r, url in zip(await asyncio.gather(*calls), self.urls)]
+        return [check_reply(r, url) for r, url in zip(await asyncio.gather(*calls), self.urls)]
 
     async def update_weights_from_distributed(
         self,
@@ -347,7 +305,7 @@ class SGLangClient:
 
         async def begin(url: str) -> str | None:
             try:
-                _check_success(await self._call(url, "POST", "/begin_weight_update", {}, retries=0), url)
+                check_reply(await self._call(url, "POST", "/begin_weight_update", {}, retries=0), url)
             except EngineError as exc:
                 if exc.status != 404:
                     raise
@@ -362,7 +320,7 @@ class SGLangClient:
             *(self._call(url, "POST", "/end_weight_update", {}, retries=0) for url in urls)
         )
         for reply, url in zip(replies, urls):
-            _check_success(reply, url)
+            check_reply(reply, url)
 
     async def flush_cache(self) -> None:
         """Flush every server's cache; SGLang answers 400 while requests are pending (also
@@ -467,7 +425,7 @@ class SGLangClient:
         calls = [self._call(url, method, path, payload, retries=retries) for url in self.urls]
         results = await asyncio.gather(*calls)
         if check_success:
-            results = [_check_success(r, url) for r, url in zip(results, self.urls)]
+            results = [check_reply(r, url) for r, url in zip(results, self.urls)]
         return list(results)
 
     async def _call(
@@ -487,14 +445,14 @@ class SGLangClient:
 
         async with self._semaphore:
             try:
-                return await _with_retries(attempt, retries, self.backoff_s, url + path)
+                return await with_retries(attempt, retries, self.backoff_s, url + path)
             except EngineError as exc:
                 # A 4xx is the request's fault; a call that must not be replayed (retries=0:
                 # health checks, weight broadcasts) is not recovered either.
                 if self.recover is None or exc.status is not None or retries == 0:
                     raise
                 await self.recover(url, exc)  # the server is back (restarted) or this raises
-            return await _with_retries(attempt, retries, self.backoff_s, url + path)
+            return await with_retries(attempt, retries, self.backoff_s, url + path)
 
     async def _once(self, url: str, method: str, path: str, payload: Any) -> Any:
         if self._session is None or self._session.closed:
@@ -510,7 +468,7 @@ class SGLangClient:
         async with self._session.request(method, url + path, json=payload) as response:
             text = await response.text()
             if response.status >= 500:
-                raise _Retryable(f"HTTP {response.status}: {text[:500]}")
+                raise Retryable(f"HTTP {response.status}: {text[:500]}")
             if response.status in (401, 403):
                 raise EngineError(
                     f"{error_message(text)}: the engine requires a bearer key; give the client the "
@@ -523,61 +481,7 @@ class SGLangClient:
             return text
 
 
-async def _with_retries(
-    attempt: Callable[[], Awaitable[T]], retries: int, backoff_s: float, where: str
-) -> T:
-    for tries in itertools.count():
-        try:
-            return await attempt()
-        except (_Retryable, aiohttp.ClientConnectionError, asyncio.TimeoutError) as exc:
-            if tries >= retries:
-                reason = str(exc) or type(exc).__name__
-                raise EngineError(
-                    f"failed after {tries + 1} attempts: {reason}", url=where
-                ) from exc
-            await asyncio.sleep(backoff_s * 2**tries)
-    raise AssertionError("unreachable")
-
-
 def adapter_name(version: str) -> str:
     """The LoRA adapter name of weight version ``version``: a new name per push, so an engine
     never confuses two versions of the adapter."""
     return f"arbor-lora-{version}"
-
-
-def _check_success(result: Any, url: str) -> Any:
-    if isinstance(result, dict) and result.get("success") is False:
-        # SGLang's LoRA endpoints say why in error_message, the others in message.
-        raise EngineError(str(result.get("message") or result.get("error_message") or "request failed"), url=url)
-    return result
-
-
-def engine_client(engine_cfg: EngineConfig, urls: list[str], *, recover: Recover | None = None) -> SGLangClient:
-    """The client for a run's engines: ``engine.request_timeout_s``, ``engine.max_retries``
-    and the run's key (``engine.api_key``, settled at start-up: :func:`arbor.run.startup.settled`).
-    Per-request seeds go only to servers that honour them: SGLang uses them only with
-    ``--enable-deterministic-inference`` (``engine.deterministic``)."""
-    send_seeds = engine_cfg.deterministic or engine_cfg.kind != "sglang"
-    return SGLangClient(urls, timeout_s=engine_cfg.request_timeout_s, max_retries=engine_cfg.max_retries,
-                        api_key=engine_cfg.api_key, recover=recover, send_seeds=send_seeds)
-
-
-async def closing(client: Any, coroutine: Coroutine[Any, Any, T]) -> T:
-    """Await ``coroutine``, then close ``client``'s HTTP session (it belongs to this event
-    loop): ``asyncio.run(closing(client, client.flush_cache()))`` from synchronous code."""
-    try:
-        return await coroutine
-    finally:
-        await client.close()
-
-
-def run_sync(
-    make_call: Callable[[SGLangClient], Awaitable[T]], urls: list[str] | str, **kw: Any
-) -> T:
-    """Scripts: ``run_sync(lambda c: c.generate(req), urls)`` with a fresh client and loop."""
-
-    async def main() -> T:
-        async with SGLangClient(urls, **kw) as client:
-            return await make_call(client)
-
-    return asyncio.run(main())

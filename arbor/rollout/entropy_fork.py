@@ -102,7 +102,7 @@ class EntropyForker:
         index: int,
         seed: int,
         stop_ids: list[int],
-        stats,  # arbor.rollout.sampler.SampleStats (not imported: the sampler imports this module)
+        stats,  # arbor.rollout.sample_stats.SampleStats
         forks_sent: dict[int, int],
         add: AddNode,
         generate: Generate,

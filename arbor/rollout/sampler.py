@@ -61,13 +61,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
-import threading
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
 from arbor.config import RolloutConfig
 from arbor.engines.types import GenerateOutput, GenerateRequest, RolloutEngine, SamplingParams
+from arbor.rollout.agent_thread import in_daemon_thread
 from arbor.rollout.agents import Agent, Message
 from arbor.rollout.batching import RoundBatcher
 from arbor.rollout.budget import (
@@ -80,6 +79,7 @@ from arbor.rollout.budget import (
     segment_score,
 )
 from arbor.rollout.entropy_fork import EntropyForker
+from arbor.rollout.sample_stats import SampleStats
 from arbor.tree import Node, RolloutTree
 
 FINISHED = "stop"  # the only well-formed ending; everything else is an early stop
@@ -94,32 +94,6 @@ class ResampleLimitError(RuntimeError):
     """Segments of a tree were overtaken by weight updates ``MAX_RESAMPLE_ROUNDS`` times in a row."""
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class SampleStats:
-    """What sampling one tree cost, and why it has fewer than ``width`` leaves if so."""
-
-    leaves: int = 0
-    requests: int = 0  # paths sent (one request each; the rounds go out batched)
-    rounds: int = 0
-    tokens_generated: int = 0  # Σ output tokens
-    prompt_tokens: int = 0  # Σ over outputs of their input length
-    cached_tokens: int = 0  # Σ over outputs of input tokens served from the radix cache
-    fallbacks: int = 0  # finished paths cut and restarted from (fallback sources)
-    root_restarts: int = 0  # fallbacks from the root: no finished path was well-formed
-    tool_turns: int = 0  # agent turns appended (multi-turn episodes)
-    tool_errors: int = 0  # agent messages marked error=True (a tool timed out, raised, ...)
-    agent_timeouts: int = 0  # agent.step calls past rollout.agent_timeout_s (episode ended)
-    resampled: int = 0  # segments overtaken by a weight update in flight and sampled again (partial rollouts)
-    forks: int = 0  # fork points branched at (rollout.fork_at: entropy)
-    finish_reasons: dict[str, int] = field(default_factory=dict)  # leaf reason → count
-    shortfall_reason: str | None = None
-
-    @property
-    def tokens_computed(self) -> int:
-        """Prefill + decode tokens the engine actually ran through the model."""
-        return self.prompt_tokens - self.cached_tokens + self.tokens_generated
 
 
 @dataclass
@@ -365,11 +339,11 @@ class _TreeSampler:
         """``agent.step`` after the model turn ending at ``node``, given ``agent_timeout_s``.
 
         Past the limit the episode ends at ``node`` ("agent_timeout", counted and warned
-        about) and the step's thread is abandoned (see :func:`_in_daemon_thread`).
+        about) and the step's thread is abandoned (see :func:`arbor.rollout.agent_thread.in_daemon_thread`).
         """
         history = self._history(tree, node)
         assert self.agent is not None  # only episodes with an agent come here
-        step = _in_daemon_thread(self.agent.step, tree.problem, history)
+        step = in_daemon_thread(self.agent.step, tree.problem, history)
         try:
             return await asyncio.wait_for(step, self.cfg.agent_timeout_s)
         except asyncio.TimeoutError:
@@ -505,43 +479,6 @@ class _TreeSampler:
         if len(leaves) < self.cfg.width and self.stats.shortfall_reason is None:
             self.stats.shortfall_reason = f"the engine ended every path early ({_reasons(tree)})"
         return self.stats
-
-
-def _in_daemon_thread(fn: Callable[..., Any], *args: object) -> asyncio.Future[Any]:
-    """``fn(*args)`` in a new daemon thread, as a future of the running loop.
-
-    Not ``asyncio.to_thread``: a thread cannot be killed, and a hung agent step would hold
-    a worker of the loop's default executor, which ``asyncio.run`` joins before it returns
-    (blocking the next step) and the interpreter joins at exit. A daemon thread is simply
-    abandoned when its caller stops waiting: it runs on, holding whatever it holds (a tool
-    subprocess, memory), until it returns or the process exits. One thread per call, so
-    a timed-out step costs a thread, never a slot that later steps would queue behind (the
-    time limit counts the step alone); agents bound their own tools (``arbor.rollout.tools``).
-    """
-    loop = asyncio.get_running_loop()
-    future: asyncio.Future[Any] = loop.create_future()
-
-    def settle(result: Any, error: BaseException | None) -> None:
-        if future.done():  # cancelled by the timeout: nobody waits for it any more
-            return
-        if error is None:
-            future.set_result(result)
-        else:
-            future.set_exception(error)
-
-    def run() -> None:
-        result, error = None, None
-        try:
-            result = fn(*args)
-        except BaseException as e:  # re-raised in the loop, where the caller awaits it
-            error = e
-        try:
-            loop.call_soon_threadsafe(settle, result, error)
-        except RuntimeError:  # the loop has closed: the sampling that asked has returned
-            pass
-
-    threading.Thread(target=run, name=f"agent-step-{id(future):x}", daemon=True).start()
-    return future
 
 
 def _response_upto(tree: RolloutTree, node: Node) -> list[int]:

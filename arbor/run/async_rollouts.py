@@ -43,7 +43,7 @@ from typing import Any
 
 from arbor.config import Config
 from arbor.data import ProblemStream
-from arbor.engines.client import engine_client
+from arbor.engines.connect import engine_client
 from arbor.rollout.rewards import RewardPool
 from arbor.run import phases
 from arbor.run.phases import Batch, Sampling

@@ -264,7 +264,7 @@ def main(cfg: Config) -> int:
     tokenizer and stop ids; the agent, reward pool and engine launch options as ``arbor
     train`` builds them), but the engines run in this process, without Ray."""
     from arbor.data import load_problems
-    from arbor.engines.client import closing, engine_client
+    from arbor.engines.connect import closing, engine_client
     from arbor.engines.launch import launch_engines
     from arbor.plugins import default_search_dirs
     from arbor.rollout.agents import episode_inputs, fitting_problems, rollout_agent

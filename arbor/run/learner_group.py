@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from arbor.config import Config
-from arbor.engines.client import closing
+from arbor.engines.connect import closing
 from arbor.engines.ports import free_port
 from arbor.run.orchestration import Placement, cpu_threads, gather, node_address, uses_gpu
 
@@ -123,7 +123,7 @@ class LearnerWorker:
         """An engine of the weight-update group was restarted (outside it now): the engines
         still in it (``alive_urls``) leave it, and the next push opens a new group with all."""
         if self.sync is not None:  # only rank 0 holds one, after its first push
-            from arbor.engines.client import engine_client
+            from arbor.engines.connect import engine_client
 
             group = self.sync.group_name
             if group is not None and alive_urls:
@@ -134,7 +134,7 @@ class LearnerWorker:
 
     def _weight_sync(self, urls: list[str]) -> Any:
         if self.sync is None or self.sync.client.urls != [u.rstrip("/") for u in urls]:
-            from arbor.engines.client import engine_client
+            from arbor.engines.connect import engine_client
             from arbor.train.weight_sync import WeightSync
 
             self.sync = WeightSync(engine_client(self.cfg.engine, urls), self.cfg.learner.weight_sync, master_address=node_address(),

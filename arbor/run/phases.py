@@ -25,11 +25,13 @@ from typing import Any, Protocol, TypeVar
 
 from arbor.config import AlgorithmConfig, Config, DataConfig, EvalConfig, LossConfig, RolloutConfig
 from arbor.data import ProblemStream
-from arbor.engines.client import SGLangClient, closing
+from arbor.engines.client import SGLangClient
+from arbor.engines.connect import closing
 from arbor.rollout.agents import Agent, Render, episode_inputs, tool_turns
 from arbor.rollout.answers import has_final_answer
 from arbor.rollout.rewards import RewardPool, check_failure_fraction, failed_checks
-from arbor.rollout.sampler import SampleStats, sample_trees
+from arbor.rollout.sample_stats import SampleStats
+from arbor.rollout.sampler import sample_trees
 from arbor.rollout.tools import unsandboxed_calls
 from arbor.run.engine_group import EngineGroup
 from arbor.run.learner_group import LearnerGroup

@@ -34,7 +34,9 @@ from pathlib import Path
 from typing import TypeVar
 
 from arbor.config import EngineConfig
-from arbor.engines.client import EngineError, SGLangClient, engine_client, run_sync
+from arbor.engines.client import SGLangClient
+from arbor.engines.connect import engine_client, run_sync
+from arbor.engines.errors import EngineError
 from arbor.engines.launch import EngineLaunchError
 from arbor.run import checkpoint
 from arbor.run.engine_group import EngineGroup

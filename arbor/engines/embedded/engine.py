@@ -45,7 +45,6 @@ from collections import deque
 from collections.abc import Iterator
 from concurrent.futures import Future
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
 
@@ -59,49 +58,10 @@ from arbor.engines.embedded.decode_batch import (
     sample_token,
     token_entropies,
 )
+from arbor.engines.embedded.jobs import EngineReleased, EngineStats, Job, Row, fail_jobs
 from arbor.engines.embedded.lora import MergedAdapters
 from arbor.engines.embedded.radix_cache import TOKENS, PrefixHit, RadixKVCache, stack_kv
 from arbor.engines.types import GenerateOutput, GenerateRequest
-
-
-class EngineReleased(RuntimeError):
-    """The engine's memory was released; resume it before generating."""
-
-
-@dataclass
-class EngineStats:
-    prefill_tokens: int = 0  # prompt tokens computed (not served from the cache)
-    cached_tokens: int = 0  # prompt tokens served from the cache
-    decode_tokens: int = 0  # tokens fed through the model during decoding
-    requests: int = 0
-    decode_steps: int = 0  # batched decode forwards
-    row_steps: int = 0  # rows summed over decode steps
-
-
-@dataclass
-class _Job:
-    request: GenerateRequest
-    future: Future  # resolves to list[GenerateOutput], one per fork
-    outputs: list[GenerateOutput | None] = field(default_factory=list)
-    remaining: int = 0  # forks still decoding
-
-
-@dataclass
-class _Row:
-    """One continuation being decoded."""
-
-    job: _Job
-    fork: int
-    generator: torch.Generator
-    cached_tokens: int
-    output: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    entropies: list[float] = field(default_factory=list)  # only with sampling.return_entropy
-    finish_reason: str | None = None
-
-    @property
-    def prompt(self) -> list[int]:
-        return self.job.request.input_ids
 
 
 class LocalEngine:
@@ -144,7 +104,7 @@ class LocalEngine:
         self._updates = 0
         self._rng = random.Random(seed)
         self._lock = threading.Lock()  # one decode batch or one weight change at a time
-        self._queue: queue.Queue[_Job | None] = queue.Queue()
+        self._queue: queue.Queue[Job | None] = queue.Queue()
         self._hold_admission = threading.Event()  # set while a weight change waits
         self._stopping = False
         self._waiters, self._waiters_lock = 0, threading.Lock()
@@ -169,7 +129,7 @@ class LocalEngine:
         if self._stopping:
             raise RuntimeError("engine is shut down")
         future: Future = Future()
-        self._queue.put(_Job(request, future))
+        self._queue.put(Job(request, future))
         return future
 
     def generate_sync(self, requests: list[GenerateRequest]) -> list[list[GenerateOutput]]:
@@ -300,9 +260,9 @@ class LocalEngine:
             self._queue.put(None)
             self._thread.join(timeout=30)
         # A request that raced past submit's check while the thread stopped.
-        late: deque[_Job] = deque()
+        late: deque[Job] = deque()
         self._drain_queue(late)
-        _fail(list(late), RuntimeError("engine shut down before running this request"))
+        fail_jobs(list(late), RuntimeError("engine shut down before running this request"))
 
     def _new_version(self, weight_version: str | None) -> None:
         # Stale KV computed by the old weights would silently corrupt rollouts.
@@ -314,7 +274,7 @@ class LocalEngine:
 
     def _serve(self) -> None:
         """Scheduler thread: prefill arrivals, decode every active row one token per step."""
-        pending: deque[_Job] = deque()
+        pending: deque[Job] = deque()
         while not self._stopping:
             if not pending:
                 job = self._queue.get()
@@ -322,7 +282,7 @@ class LocalEngine:
                     break
                 pending.append(job)
             with self._lock:
-                batch, rows = self._batch, list[_Row]()
+                batch, rows = self._batch, list[Row]()
                 try:
                     self._drain_queue(pending)
                     self._admit(pending, batch, rows)
@@ -334,13 +294,13 @@ class LocalEngine:
                             self._drain_queue(pending)
                             self._admit(pending, batch, rows)
                 except Exception as exc:  # every caller in the batch gets the error
-                    _fail([r.job for r in rows], exc)
+                    fail_jobs([r.job for r in rows], exc)
                     batch.remove(list(range(batch.size)))
         self._stopping = True
         self._drain_queue(pending)
-        _fail(list(pending), RuntimeError("engine shut down before running this request"))
+        fail_jobs(list(pending), RuntimeError("engine shut down before running this request"))
 
-    def _drain_queue(self, pending: deque[_Job]) -> None:
+    def _drain_queue(self, pending: deque[Job]) -> None:
         while True:
             try:
                 job = self._queue.get_nowait()
@@ -352,7 +312,7 @@ class LocalEngine:
                 pending.append(job)
 
     @torch.no_grad()
-    def _admit(self, pending: deque[_Job], batch: DecodeBatch, rows: list[_Row]) -> None:
+    def _admit(self, pending: deque[Job], batch: DecodeBatch, rows: list[Row]) -> None:
         """Prefill waiting jobs (up to ``max_batch_rows`` rows) and add their forks."""
         new_kv = []
         # The last cached prefix handed out: one round's forks of a path arrive as
@@ -377,7 +337,7 @@ class LocalEngine:
                     self._finish(row, kv)
         batch.add(new_kv)
 
-    def _start(self, job: _Job, memo: list[tuple[list[int], torch.Tensor]]):
+    def _start(self, job: Job, memo: list[tuple[list[int], torch.Tensor]]):
         """Prefill ``job``'s prompt; returns its forks as (row, KV ``[2, L, H, T, D]``).
 
         A prompt cached up to its last token (a fork after a prefix commit, a child
@@ -395,7 +355,7 @@ class LocalEngine:
             cached = hit.length if hit.length == len(prompt) else self._prefill(prompt, hit)[2]
             job.outputs, job.remaining = [None] * sp.n, sp.n
             for fork in range(sp.n):  # n empty outputs, so callers get the n they asked for
-                self._complete(_Row(job, fork, torch.Generator(), cached))
+                self._complete(Row(job, fork, torch.Generator(), cached))
             return []
         job.outputs, job.remaining = [None] * sp.n, sp.n
         # torch seeds are 64-bit: fold any integer into range (fork j adds j).
@@ -414,12 +374,12 @@ class LocalEngine:
             else:
                 kv = hit.upto(cached).kv
                 memo[:] = [(prompt, kv)]
-            return [(_Row(job, fork, g, cached), kv) for fork, g in enumerate(generators)]
+            return [(Row(job, fork, g, cached), kv) for fork, g in enumerate(generators)]
         kv, logits, cached = self._prefill(prompt, hit)
         forks = []
         for fork, generator in enumerate(generators):
             # Forks after the first reuse the whole prefill: all their prompt is cached.
-            row = _Row(job, fork, generator, cached if fork == 0 else len(prompt))
+            row = Row(job, fork, generator, cached if fork == 0 else len(prompt))
             self._append_sample(row, logits)
             forks.append((row, kv))
         return forks
@@ -446,7 +406,7 @@ class LocalEngine:
         return kv, out.logits[0, -1].float(), cached
 
     @torch.no_grad()
-    def _step(self, batch: DecodeBatch, rows: list[_Row]) -> None:
+    def _step(self, batch: DecodeBatch, rows: list[Row]) -> None:
         """Feed every row's last token, sample the next; finished rows leave the batch."""
         # A row without output yet feeds its last prompt token (see _start).
         tokens = torch.tensor(
@@ -478,7 +438,7 @@ class LocalEngine:
         if done:
             rows[:] = [rows[b] for b in batch.remove(done)]
 
-    def _finish(self, row: _Row, kv: torch.Tensor) -> None:
+    def _finish(self, row: Row, kv: torch.Tensor) -> None:
         """Cache the row's sequence (prompt + output minus the last token, whose KV was
         never computed) so children hit it, and hand its output to the caller."""
         tokens = row.prompt + row.output[:-1]
@@ -486,7 +446,7 @@ class LocalEngine:
             self.cache.insert(tokens, kv)
         self._complete(row)
 
-    def _complete(self, row: _Row) -> None:
+    def _complete(self, row: Row) -> None:
         job = row.job
         job.outputs[row.fork] = GenerateOutput(
             output_ids=row.output,
@@ -501,13 +461,13 @@ class LocalEngine:
         if job.remaining == 0:
             job.future.set_result(list(job.outputs))
 
-    def _append_sample(self, row: _Row, logits: torch.Tensor) -> None:
+    def _append_sample(self, row: Row, logits: torch.Tensor) -> None:
         """Sample one token for ``row`` from ``logits`` ``[V]``."""
         sp = row.job.request.sampling
         entropy = token_entropies(logits[None], [sp.temperature])[0] if sp.return_entropy else None
         self._record(row, *sample_token(logits, sp.temperature, sp.top_p, sp.top_k, row.generator), entropy)
 
-    def _record(self, row: _Row, token: int, logprob: float, entropy: float | None = None) -> None:
+    def _record(self, row: Row, token: int, logprob: float, entropy: float | None = None) -> None:
         """Append a sampled token (and its entropy, when asked for) and update the row's finish state."""
         sp = row.job.request.sampling
         row.output.append(token)
@@ -518,12 +478,6 @@ class LocalEngine:
             row.finish_reason = "stop"
         elif len(row.output) >= sp.max_new_tokens:
             row.finish_reason = "length"
-
-
-def _fail(jobs: list[_Job], exc: BaseException) -> None:
-    for job in jobs:
-        if not job.future.done():
-            job.future.set_exception(exc)
 
 
 def _stop_at_exit(ref: weakref.ref) -> None:

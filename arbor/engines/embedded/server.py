@@ -37,8 +37,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
-import json
 import logging
 import os
 import sys
@@ -58,14 +56,21 @@ from arbor.engines.auth import (
     unprotected_warning,
 )
 from arbor.engines.distributed import DEFAULT_GROUP, WeightUpdateGroup
-from arbor.engines.embedded.engine import EngineReleased, LocalEngine
+from arbor.engines.embedded.engine import LocalEngine
+from arbor.engines.embedded.jobs import EngineReleased
 from arbor.engines.embedded.lora import add_lora_routes
+from arbor.engines.embedded.request_body import (
+    BadRequest,
+    checking_request,
+    json_body,
+    parse_sampling_params,
+    prompt_ids,
+)
 from arbor.engines.ports import free_port
 from arbor.engines.types import GenerateOutput, GenerateRequest, SamplingParams
 
 log = logging.getLogger(__name__)
 
-DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's default
 # The endpoints SGLang 0.5.23 marks ADMIN_OPTIONAL (they change weights, cache or memory);
 # the rest are NORMAL, /health* open.
 ADMIN_PATHS = (
@@ -76,97 +81,9 @@ ADMIN_PATHS = (
 )
 
 
-class BadRequest(ValueError):
-    """A request the server refuses with a 4xx and a message."""
-
-
-@contextlib.contextmanager
-def _checking_request() -> Any:
-    """Around the engine's and the weight group's checks of a request's content: their
-    ``ValueError`` is the client's mistake (400); anything raised outside is the server's (500)."""
-    try:
-        yield
-    except ValueError as exc:
-        raise BadRequest(str(exc)) from exc
-
-
 def _error(status: int, message: str) -> web.Response:
     body = {"error": {"message": message, "code": status}}
     return web.json_response(body, status=status)
-
-
-async def _json_body(request: web.Request) -> dict[str, Any]:
-    raw = await request.read()
-    if not raw:
-        raise BadRequest("empty request body: expected a JSON object")
-    try:
-        body = json.loads(raw)
-    except json.JSONDecodeError as exc:
-        raise BadRequest(f"body is not valid JSON: {exc}") from None
-    if not isinstance(body, dict):
-        raise BadRequest(f"body must be a JSON object, got {type(body).__name__}")
-    return body
-
-
-def _int(value: Any, name: str, *, minimum: int | None = None) -> int:
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise BadRequest(f"{name} must be an integer, got {value!r}")
-    if minimum is not None and value < minimum:
-        raise BadRequest(f"{name} must be >= {minimum}, got {value}")
-    return value
-
-
-def _float(value: Any, name: str) -> float:
-    if not isinstance(value, (int, float)) or isinstance(value, bool):
-        raise BadRequest(f"{name} must be a number, got {value!r}")
-    return float(value)
-
-
-def parse_sampling_params(raw: Any) -> SamplingParams:
-    """SGLang's ``sampling_params`` object -> :class:`SamplingParams` (unknown keys are ignored)."""
-    raw = {} if raw is None else raw
-    if not isinstance(raw, dict):
-        raise BadRequest(f"sampling_params must be an object, got {type(raw).__name__}")
-    max_new = raw.get("max_new_tokens", DEFAULT_MAX_NEW_TOKENS)
-    stop_ids = raw.get("stop_token_ids") or []
-    if not isinstance(stop_ids, list):
-        raise BadRequest("sampling_params.stop_token_ids must be a list of integers")
-    seed = raw.get("sampling_seed")
-    return SamplingParams(
-        max_new_tokens=_int(max_new, "sampling_params.max_new_tokens", minimum=0),
-        temperature=_float(raw.get("temperature", 1.0), "sampling_params.temperature"),
-        top_p=_float(raw.get("top_p", 1.0), "sampling_params.top_p"),
-        top_k=_int(raw.get("top_k", -1), "sampling_params.top_k"),
-        n=_int(raw.get("n", 1), "sampling_params.n", minimum=1),
-        stop_token_ids=[_int(t, "sampling_params.stop_token_ids[]") for t in stop_ids],
-        seed=None if seed is None else _int(seed, "sampling_params.sampling_seed"),
-    )
-
-
-def _prompts(body: dict[str, Any], tokenizer: Any) -> tuple[list[list[int]], bool]:
-    """The prompts as token ids, and whether the request was a batch."""
-    if "input_ids" in body and body["input_ids"] is not None:
-        ids = body["input_ids"]
-        if not isinstance(ids, list) or not ids:
-            raise BadRequest("input_ids must be a non-empty list of token ids (or of lists)")
-        batch = isinstance(ids[0], list)
-        prompts = ids if batch else [ids]
-        for prompt in prompts:
-            if not isinstance(prompt, list) or not prompt:
-                raise BadRequest("every prompt in input_ids must be a non-empty list")
-            for token in prompt:
-                _int(token, "input_ids[]")
-        return prompts, batch
-    if "text" in body and body["text"] is not None:
-        text = body["text"]
-        batch = isinstance(text, list)
-        texts = text if batch else [text]
-        if not texts or not all(isinstance(t, str) for t in texts):
-            raise BadRequest("text must be a string or a non-empty list of strings")
-        if tokenizer is None:
-            raise BadRequest("this server has no tokenizer: send input_ids")
-        return [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts], batch
-    raise BadRequest("give input_ids or text")
 
 
 class ServerState:
@@ -236,10 +153,10 @@ def build_app(
     @routes.post("/generate")
     @handler
     async def generate(request: web.Request) -> web.Response:
-        body = await _json_body(request)
+        body = await json_body(request)
         if body.get("stream"):
             raise BadRequest("stream is not supported by arbor serve")
-        prompts, batch = _prompts(body, state.tokenizer)
+        prompts, batch = prompt_ids(body, state.tokenizer)
         raw_params = body.get("sampling_params")
         params = (
             [parse_sampling_params(p) for p in raw_params] if isinstance(raw_params, list) else None
@@ -257,7 +174,7 @@ def build_app(
         params = [replace(sp, return_entropy=True) if k > 0 else sp for sp, k in zip(params, tops)]
         requests = [GenerateRequest(p, sp) for p, sp in zip(prompts, params)]
         adapters = body.get("lora_path")  # SGLang's: one name for all prompts, or one each
-        with _checking_request():
+        with checking_request():
             engine.adapters.check_requested(adapters if isinstance(adapters, list) else [adapters] * len(prompts))
             for r in requests:
                 engine.validate(r)
@@ -277,7 +194,7 @@ def build_app(
     @routes.post("/update_weights_from_disk")
     @handler
     async def update_from_disk(request: web.Request) -> web.Response:
-        body = await _json_body(request)
+        body = await json_body(request)
         path = body.get("model_path")
         if not isinstance(path, str):
             raise BadRequest("model_path must be a string")
@@ -296,7 +213,7 @@ def build_app(
     @routes.post("/update_weight_version")
     @handler
     async def update_weight_version(request: web.Request) -> web.Response:
-        version = (await _json_body(request)).get("new_version")
+        version = (await json_body(request)).get("new_version")
         if not isinstance(version, str) or not version:
             raise BadRequest("new_version must be a non-empty string")
         engine.weight_version = version
@@ -305,16 +222,16 @@ def build_app(
     @routes.post("/init_weights_update_group")
     @handler
     async def init_group(request: web.Request) -> web.Response:
-        body = await _json_body(request)
+        body = await json_body(request)
         loop = asyncio.get_running_loop()
-        with _checking_request():
+        with checking_request():
             message = await loop.run_in_executor(None, state.group.init_from_request, body)
         return web.json_response({"success": True, "message": message})
 
     @routes.post("/destroy_weights_update_group")
     @handler
     async def destroy_group(request: web.Request) -> web.Response:
-        name = (await _json_body(request)).get("group_name", DEFAULT_GROUP)
+        name = (await json_body(request)).get("group_name", DEFAULT_GROUP)
         if name != state.group.group_name:
             return refused(f"no weight update group {name!r} to destroy")
         state.group.destroy()
@@ -341,12 +258,12 @@ def build_app(
     @routes.post("/update_weights_from_distributed")
     @handler
     async def update_distributed(request: web.Request) -> web.Response:
-        body = await _json_body(request)
+        body = await json_body(request)
         if not state.updating:  # refused before joining any broadcast, as SGLang does
             return refused("update_weights_from_distributed must run between "
                            "begin_weight_update() and end_weight_update()")
         loop = asyncio.get_running_loop()
-        with _checking_request():  # names, shapes and dtypes the model does not have
+        with checking_request():  # names, shapes and dtypes the model does not have
             tensors = await loop.run_in_executor(None, state.group.receive, body)
             flush = bool(body.get("flush_cache", True))
             version = body.get("weight_version")

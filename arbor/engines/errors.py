@@ -1,0 +1,49 @@
+"""How engine calls fail: :class:`EngineError` (a request an engine refused or that kept
+failing), the retry loop with exponential backoff that :class:`arbor.engines.client.SGLangClient`
+wraps its HTTP calls in, and the check of a control call's ``success`` field."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+import aiohttp
+
+T = TypeVar("T")
+
+
+class EngineError(RuntimeError):
+    """A request an engine refused (4xx) or that kept failing after retries."""
+
+    def __init__(self, message: str, *, url: str, status: int | None = None) -> None:
+        super().__init__(f"{url}: {message}" + (f" (HTTP {status})" if status else ""))
+        self.url, self.status, self.message = url, status, message
+
+
+class Retryable(Exception):
+    """A 5xx: worth another try."""
+
+
+async def with_retries(
+    attempt: Callable[[], Awaitable[T]], retries: int, backoff_s: float, where: str
+) -> T:
+    for tries in itertools.count():
+        try:
+            return await attempt()
+        except (Retryable, aiohttp.ClientConnectionError, asyncio.TimeoutError) as exc:
+            if tries >= retries:
+                reason = str(exc) or type(exc).__name__
+                raise EngineError(
+                    f"failed after {tries + 1} attempts: {reason}", url=where
+                ) from exc
+            await asyncio.sleep(backoff_s * 2**tries)
+    raise AssertionError("unreachable")
+
+
+def check_reply(result: Any, url: str) -> Any:
+    if isinstance(result, dict) and result.get("success") is False:
+        # SGLang's LoRA endpoints say why in error_message, the others in message.
+        raise EngineError(str(result.get("message") or result.get("error_message") or "request failed"), url=url)
+    return result

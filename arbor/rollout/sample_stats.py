@@ -1,0 +1,32 @@
+"""What sampling one tree cost: :class:`SampleStats` (requests, rounds, tokens, cache hits,
+fallbacks, agent turns) and why the tree has fewer than ``width`` leaves if so."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SampleStats:
+    """What sampling one tree cost, and why it has fewer than ``width`` leaves if so."""
+
+    leaves: int = 0
+    requests: int = 0  # paths sent (one request each; the rounds go out batched)
+    rounds: int = 0
+    tokens_generated: int = 0  # Σ output tokens
+    prompt_tokens: int = 0  # Σ over outputs of their input length
+    cached_tokens: int = 0  # Σ over outputs of input tokens served from the radix cache
+    fallbacks: int = 0  # finished paths cut and restarted from (fallback sources)
+    root_restarts: int = 0  # fallbacks from the root: no finished path was well-formed
+    tool_turns: int = 0  # agent turns appended (multi-turn episodes)
+    tool_errors: int = 0  # agent messages marked error=True (a tool timed out, raised, ...)
+    agent_timeouts: int = 0  # agent.step calls past rollout.agent_timeout_s (episode ended)
+    resampled: int = 0  # segments overtaken by a weight update in flight and sampled again (partial rollouts)
+    forks: int = 0  # fork points branched at (rollout.fork_at: entropy)
+    finish_reasons: dict[str, int] = field(default_factory=dict)  # leaf reason → count
+    shortfall_reason: str | None = None
+
+    @property
+    def tokens_computed(self) -> int:
+        """Prefill + decode tokens the engine actually ran through the model."""
+        return self.prompt_tokens - self.cached_tokens + self.tokens_generated
