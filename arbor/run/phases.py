@@ -64,6 +64,7 @@ class Batch:
     reward_failures: list[str] = field(default_factory=list)  # one line per timed-out / crashed check
     rounds: int = 0
     requests: int = 0  # /generate calls the rollouts sent (batched: one per round of all trees)
+    unsandboxed_tool_calls: int = 0  # tool calls run without bubblewrap while sampling this step
 
 
 @dataclass
@@ -122,7 +123,7 @@ def collect_rollouts(
     batch = Batch(trees=[])
     for round_ in range(rounds):
         problems = stream.next_batch(target - len(batch.trees))
-        calls = sampling.client.generate_calls
+        calls, unsandboxed = sampling.client.generate_calls, unsandboxed_calls()
         with log.phase("rollout"):
             trees, stats = sample(sampling, problems, cfg.rollout, step_seed(cfg.run.seed, step, round_), log.status)
         with log.phase("reward"):
@@ -130,6 +131,7 @@ def collect_rollouts(
         batch.sampled += trees
         batch.stats += stats
         batch.requests += sampling.client.generate_calls - calls
+        batch.unsandboxed_tool_calls += unsandboxed_calls() - unsandboxed
         batch.correct += correct
         batch.rounds = round_ + 1
         batch.trees += dynamic_sampling_filter(trees) if cfg.algorithm.dynamic_sampling else trees
@@ -357,6 +359,6 @@ def rollout_metrics(batch: Batch) -> dict[str, float]:
         "agent/tool_calls_per_episode": sum(tool_turns(tree, leaf) for tree in batch.sampled for leaf in tree.leaves()) / n,
         "agent/tool_errors": float(sum(s.tool_errors for s in batch.stats)),
         "agent/timeouts": float(sum(s.agent_timeouts for s in batch.stats)),  # steps past rollout.agent_timeout_s
-        # Tool calls run without bubblewrap (agent_args.allow_unsandboxed), so far in this run.
-        "agent/unsandboxed_tool_calls": float(unsandboxed_calls()),
+        # Tool calls run without bubblewrap (agent_args.allow_unsandboxed) in this step's rollouts.
+        "agent/unsandboxed_tool_calls": float(batch.unsandboxed_tool_calls),
     }
