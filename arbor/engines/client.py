@@ -303,16 +303,7 @@ class SGLangClient:
         """Open a weight-update session on every server (SGLang >= 0.5.22 refuses updates
         outside one); the URLs where one opened (an older server answers 404: skipped)."""
 
-        async def begin(url: str) -> str | None:
-            try:
-                check_reply(await self._call(url, "POST", "/begin_weight_update", {}, retries=0), url)
-            except EngineError as exc:
-                if exc.status != 404:
-                    raise
-                return None
-            return url
-
-        return [url for url in await asyncio.gather(*map(begin, self.urls)) if url is not None]
+        return await self._where_routed("/begin_weight_update", {}, check=True)
 
     async def end_weight_update(self, urls: list[str]) -> None:
         """Close the sessions :meth:`begin_weight_update` opened on ``urls``."""
@@ -346,16 +337,24 @@ class SGLangClient:
         recomputed), so that a weight update may flush the cache; the URLs paused (a server
         without the route, e.g. ``arbor serve``, answers 404 and drains on its own)."""
 
-        async def pause(url: str) -> str | None:
+        return await self._where_routed("/pause_generation", {"mode": "retract"}, check=False)
+
+    async def _where_routed(self, path: str, body: dict[str, Any], check: bool) -> list[str]:
+        """POST ``body`` to ``path`` on every server once; the URLs that have the route (a 404
+        is a server without it, skipped; any other error raises)."""
+
+        async def post(url: str) -> str | None:
             try:
-                await self._call(url, "POST", "/pause_generation", {"mode": "retract"}, retries=0)
+                reply = await self._call(url, "POST", path, body, retries=0)
             except EngineError as exc:
                 if exc.status != 404:
                     raise
                 return None
+            if check:
+                check_reply(reply, url)
             return url
 
-        return [url for url in await asyncio.gather(*map(pause, self.urls)) if url is not None]
+        return [url for url in await asyncio.gather(*map(post, self.urls)) if url is not None]
 
     async def continue_generation(self, urls: list[str]) -> None:
         """Resume what :meth:`pause_generation` paused on ``urls``."""
