@@ -130,19 +130,19 @@ def test_lookup_task_reads_two_entries_and_misreads_from_the_neighbour():
     sys.path.insert(0, str(REPO / "scripts"))
     import lookup_task
 
-    table = dict(zip(lookup_task.KEYS, range(10, 26)))  # a=10, b=11, ..., p=25
-    assert lookup_task.solve(table, ["c", "k"]) == "c=12, k=20, 12+20=32 \\boxed{32}"
-    # Misreading the second entry takes l's value for k (21): the sum is one more, carried on.
-    assert lookup_task.solve(table, ["c", "k"], misread=1) == "c=12, k=21, 12+21=33 \\boxed{33}"
-    assert lookup_task.solve(table, ["p", "a"], misread=0) == "p=10, a=10, 10+10=20 \\boxed{20}"  # wraps to a
+    table = dict(zip(lookup_task.KEYS, [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3]))  # a=3, ..., p=3
+    assert lookup_task.solve(table, ["c", "k"]) == "read c=4, k=5, 4+5=9 \\boxed{9}"
+    # Misreading the second entry takes l's value for k (8): the sum changes, carried on.
+    assert lookup_task.solve(table, ["c", "k"], misread=1) == "read c=4, k=8, 4+8=12 \\boxed{12}"
+    assert lookup_task.solve(table, ["p", "a"], misread=0) == "read p=3, a=3, 3+3=6 \\boxed{6}"  # wraps to a
     problems = lookup_task.make_problems(seed=3, count=300, corrupt=0.5)
     assert problems == lookup_task.make_problems(seed=3, count=300, corrupt=0.5)  # seeded
     for p in problems:
-        listing, x, y = re.fullmatch(r"Table: ((?:[a-p]=\d\d ?){16})\. What is ([a-p])\+([a-p])\?", p["prompt"]).groups()
+        listing, x, y = re.fullmatch(r"Table: ((?:[a-p]=\d ?){16})\. What is ([a-p]) \+ ([a-p])\?", p["prompt"]).groups()
         values = dict(entry.split("=") for entry in listing.split())
         assert x != y and p["answer"] == str(int(values[x]) + int(values[y]))
     wrong = sum(re.search(r"\\boxed\{(\d+)\}$", p["solution"])[1] != p["answer"] for p in problems)
-    assert 100 < wrong < 200  # about half slip; a misread (neighbour's value) almost always changes the sum
+    assert 100 < wrong < 200  # about half slip; a misread changes the sum unless the neighbour holds the same digit
 
 
 def test_builder_lookup_task_has_long_shared_prompts_and_short_answers(tmp_path):

@@ -142,6 +142,7 @@ learner.load({out!r} + "ckpt")  # ...and back
 torch.save({{"kl": kl, "adapter": adapter, "reloaded": learner.adapter_weights(), "steps": learner.steps,
              "base_shard": sum(p.ds_tensor.numel() for n, p in learner.model.named_parameters() if not p.requires_grad)}},
            {out!r} + str(rank))
+learner.close()
 """
 
 

@@ -75,6 +75,8 @@ model = sharded.model
 out["buckets"] = [[(name, t.clone()) for name, t in b] for b in gathered_buckets(model, 3, bucket_mb=0.004)]
 out["per_param"] = list(gathered_parameters(model, 3))
 torch.save(out, {out!r} + str(rank))
+del model
+sharded.close()
 """
 
 

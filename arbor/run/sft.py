@@ -365,6 +365,7 @@ def run_sft(cfg: Config) -> list[dict[str, float]]:
         if step == len(batches) or (cfg.run.save_every and step % cfg.run.save_every == 0):
             _save_checkpoint(learner, out, step, rank, cfg.run.keep_checkpoints)
     learner.export_hf(out / "hf", tokenizer)
+    learner.close()
     if log is not None:
         log.stream.close()
         log.close()

@@ -32,6 +32,7 @@ debugging with the same loss and schedule.
 from __future__ import annotations
 
 import functools
+import gc
 import importlib
 import logging
 import math
@@ -388,6 +389,21 @@ class Learner:
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.steps = int(state["steps"])
+
+    def close(self) -> None:
+        """End this rank: release the models and engines, then the distributed group if any.
+
+        A rank process (``arbor sft`` on several ranks, a script) should call it before it
+        exits. Without it, torch's gloo worker threads can still be releasing a finished ZeRO-3
+        all-gather when the interpreter tears down; those tensors need the GIL that teardown no
+        longer hands out, and the process aborts ("terminate called without an active
+        exception", exit -6) after its work is done. The learner is unusable afterwards.
+        """
+        for name in ("engine", "_ref_engine", "ref_model", "model", "optimizer", "scheduler"):
+            self.__dict__.pop(name, None)
+        gc.collect()
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
 
     def export_hf(self, directory: str | Path, tokenizer: Any = None) -> None:
         """An HF directory (safetensors + config + tokenizer) of the current weights; with
