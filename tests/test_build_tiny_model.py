@@ -130,19 +130,28 @@ def test_lookup_task_reads_two_entries_and_misreads_from_the_neighbour():
     sys.path.insert(0, str(REPO / "scripts"))
     import lookup_task
 
-    table = dict(zip(lookup_task.KEYS, [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3]))  # a=3, ..., p=3
-    assert lookup_task.solve(table, ["c", "k"]) == "read c=4, k=5, 4+5=9 \\boxed{9}"
+    digits = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 2, 3, 8, 4, 6, 2, 6, 4, 3, 8]
+    table = dict(zip(lookup_task.KEYS, digits))  # a=3, b=1, ..., z=8
+    assert lookup_task.solve(table, ["c", "k"]) == "read c4, k5, 4+5=9 \\boxed{9}"
     # Misreading the second entry takes l's value for k (8): the sum changes, carried on.
-    assert lookup_task.solve(table, ["c", "k"], misread=1) == "read c=4, k=8, 4+8=12 \\boxed{12}"
-    assert lookup_task.solve(table, ["p", "a"], misread=0) == "read p=3, a=3, 3+3=6 \\boxed{6}"  # wraps to a
-    problems = lookup_task.make_problems(seed=3, count=300, corrupt=0.5)
-    assert problems == lookup_task.make_problems(seed=3, count=300, corrupt=0.5)  # seeded
+    assert lookup_task.solve(table, ["c", "k"], misread=[1]) == "read c4, k8, 4+8=12 \\boxed{12}"
+    assert lookup_task.solve(table, ["c", "k"], misread=[0, 1]) == "read c1, k8, 1+8=9 \\boxed{9}"
+    assert lookup_task.solve(table, ["z", "a"], misread=[0]) == "read z3, a3, 3+3=6 \\boxed{6}"  # wraps to a
+    problems = lookup_task.make_problems(seed=3, count=400, corrupt=0.5)
+    assert problems == lookup_task.make_problems(seed=3, count=400, corrupt=0.5)  # seeded
+    slips = 0
     for p in problems:
-        listing, x, y = re.fullmatch(r"Table: ((?:[a-p]=\d ?){16})\. What is ([a-p]) \+ ([a-p])\?", p["prompt"]).groups()
-        values = dict(entry.split("=") for entry in listing.split())
-        assert x != y and p["answer"] == str(int(values[x]) + int(values[y]))
-    wrong = sum(re.search(r"\\boxed\{(\d+)\}$", p["solution"])[1] != p["answer"] for p in problems)
-    assert 100 < wrong < 200  # about half slip; a misread changes the sum unless the neighbour holds the same digit
+        listing, x, y = re.fullmatch(r"Table: ((?:[a-z]\d ?){26})\. What is ([a-z]) \+ ([a-z])\?", p["prompt"]).groups()
+        values = {entry[0]: int(entry[1]) for entry in listing.split()}
+        assert x != y and p["answer"] == str(values[x] + values[y])
+        reads = re.match(r"read ([a-z])(\d), ([a-z])(\d),", p["solution"]).groups()
+        assert (reads[0], reads[2]) == (x, y)
+        nxt = {k: lookup_task.KEYS[(lookup_task.KEYS.index(k) + 1) % 26] for k in (x, y)}
+        for key, read in ((x, reads[1]), (y, reads[3])):
+            assert int(read) in (values[key], values[nxt[key]])  # the entry, or its neighbour's
+            slips += int(read) != values[key]
+    # Each read slips with probability 0.5 (unseen when the neighbour holds the same digit: 0.1).
+    assert 0.4 * 800 < slips < 0.5 * 800, slips
 
 
 def test_builder_lookup_task_has_long_shared_prompts_and_short_answers(tmp_path):
@@ -161,3 +170,7 @@ def test_builder_lookup_task_has_long_shared_prompts_and_short_answers(tmp_path)
     # The shared context is over 3x the decision (what tree packing saves per answer), within
     # configs/lookup.yaml's data.max_prompt_tokens (96) and response budget (32).
     assert min(prompts) > 3 * max(answers) and max(prompts) <= 96 and max(answers) <= 32, (prompts, answers)
+    # Each value is one token right after its key's token, in the table and in the answer alike.
+    table = tokenizer.tokenize(problems[0]["prompt"])
+    answer = tokenizer.tokenize(problems[0]["solution"])
+    assert answer[1] in table and table[table.index(answer[1]) + 1].isdigit() and answer[2].isdigit(), (table, answer)
