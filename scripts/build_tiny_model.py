@@ -13,8 +13,8 @@ through (``--corrupt``), and stopped as soon as its *greedy* validation accuracy
 ``--task lookup`` (``scripts/lookup_task.py``) is built alike: a long shared context (a
 26-entry table in the prompt) and a short decision (two entries read and added, ~20 tokens).
 Its warm-up runs all its ``--steps`` (3,000): it must learn to read the table, and it learns to
-prefer the neighbour's entry (``--corrupt`` 0.55 per read), so greedy answers start almost all
-wrong and RL has the whole way up.
+prefer the neighbour's entry (``--corrupt`` 0.55 per read), so greedy answers start mostly
+wrong (19.5% right on the test problems) and RL has room.
 
 No download: the byte-level BPE tokenizer (digits always one per token) is trained here on
 the synthetic corpus, the model (Qwen2 architecture, ~0.9M parameters, 3.4 MB) starts
@@ -239,7 +239,7 @@ def main() -> None:
     # then a preference RL can reverse); stopped at 30% it was still learning the reading itself.
     default_target = {"cot": 0.3, "lookup": 1.01}.get(args.task, 0.35)
     args.target_acc = args.target_acc if args.target_acc is not None else default_target
-    args.eval_every = args.eval_every or (5 if cot else 100)
+    args.eval_every = args.eval_every or (5 if args.task == "cot" else 100)  # lookup trains to the end
     args.eval_from = args.eval_from if args.eval_from is not None else (250 if cot else 0)
     max_new_tokens = 128 if cot else 32  # cot answers are ~65 tokens, arith's ~14
 
