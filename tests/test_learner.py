@@ -142,19 +142,21 @@ learner.close()  # a rank that exits with ZeRO-3's gloo work alive can abort
 """
 
 
-def run_two_ranks(script: Path, timeout_s: float = 300) -> None:
-    """Run ``script`` as ranks 0 and 1 of a gloo group (CPU DeepSpeed, one thread each); both must succeed."""
+def run_two_ranks(*args: str | Path, timeout_s: float = 300) -> list[str]:
+    """Run ``python *args`` (a script, or ``-m arbor ...``) as ranks 0 and 1 of a gloo group (CPU
+    DeepSpeed, one thread each); both must succeed. Returns each rank's output."""
     port = str(free_port())
     procs = []
     for rank in range(2):
         env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
                    MASTER_PORT=port, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu",
                    PYTHONWARNINGS="ignore::FutureWarning")  # torch's deprecation notes would hide a failure
-        procs.append(subprocess.Popen([sys.executable, str(script)], env=env, stdout=subprocess.PIPE,
+        procs.append(subprocess.Popen([sys.executable, *map(str, args)], env=env, stdout=subprocess.PIPE,
                                       stderr=subprocess.STDOUT, text=True))
     logs = [p.communicate(timeout=timeout_s)[0] for p in procs]
     codes = [p.returncode for p in procs]
     assert codes == [0, 0], f"exit codes {codes}\n" + "\n".join(log[-3000:] for log in logs)
+    return logs
 
 
 @pytest.mark.parametrize("limit, chunk, tied", [(None, 0, False), (None, 3, False), (1, 3, True)])

@@ -4,13 +4,12 @@ import copy
 import json
 import os
 import random
-import subprocess
-import sys
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_learner import run_two_ranks
 from tiny_model import build_tiny_model_dir
 from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
 from transformers.utils import logging as hf_logging
@@ -18,7 +17,6 @@ from transformers.utils import logging as hf_logging
 from arbor.config import DataConfig, LearnerConfig, LossConfig, ModelConfig, OptimConfig
 from arbor.config_load import load_config
 from arbor.data import DataError
-from arbor.engines.ports import free_port
 from arbor.run.metrics import read_metrics
 from arbor.run.sft import (
     SftExample,
@@ -253,15 +251,7 @@ def write_config(tmp_path, model, *lines):
 
 def test_two_zero3_ranks_lower_the_loss_and_export(tmp_path, tiny):
     config = write_config(tmp_path, tiny, "")
-    port = str(free_port())
-    procs = []
-    for rank in range(2):
-        env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
-                   MASTER_PORT=port, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu")
-        procs.append(subprocess.Popen([sys.executable, "-m", "arbor", "sft", str(config)], env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    logs = [p.communicate(timeout=300)[0] for p in procs]
-    assert all(p.returncode == 0 for p in procs), "\n".join(log[-3000:] for log in logs)
+    logs = run_two_ranks("-m", "arbor", "sft", config)
     assert "step 5/5  loss" in logs[0] and "step 1/5" not in logs[1]  # rank 0 reports
 
     metrics = read_metrics(tmp_path / "run")
