@@ -123,7 +123,7 @@ def test_a_hung_agent_step_ends_its_episode_and_the_batch_goes_on(tokenizer, cap
     try:
         for _ in range(2):  # a second call (the next step) while the first call's threads still hang
             t0 = time.perf_counter()
-            with caplog.at_level(logging.WARNING, logger="arbor.rollout.sampler"):
+            with caplog.at_level(logging.WARNING, logger="arbor.rollout.episodes"):
                 trees, stats, _, _ = sample(tokenizer, mode=mode, agent=agent, agent_timeout_s=0.3)
             assert time.perf_counter() - t0 < 5 < HANG_S
             p0, p1 = trees
@@ -140,7 +140,7 @@ def test_a_hung_agent_step_ends_its_episode_and_the_batch_goes_on(tokenizer, cap
             # until it has width leaves (TreePO reference, vllm_rollout_spmd.py:1033-1041).
             assert len(timed_out) == 4 and stats[1].shortfall_reason is None
             assert stats[1].root_restarts == (1 if mode == "tree" else 0)
-        warnings = [r.getMessage() for r in caplog.records if r.name == "arbor.rollout.sampler"]
+        warnings = [r.getMessage() for r in caplog.records if r.name == "arbor.rollout.episodes"]
         assert warnings and all("problem 'p1'" in w and "rollout.agent_timeout_s" in w for w in warnings)
     finally:
         agent.release.set()

@@ -17,7 +17,12 @@ from arbor.config_load import validate
 from arbor.engines.types import GenerateOutput, GenerateRequest
 from arbor.engines.wire import entropy_from_top_logprobs, parse_output
 from arbor.errors import ConfigError
-from arbor.rollout.entropy_fork import fork_candidates, top_fork_points
+from arbor.rollout.entropy_fork import (
+    entropy_forks,
+    fork_candidates,
+    split_for_fork,
+    top_fork_points,
+)
 from arbor.rollout.sampler import sample_trees
 from arbor.tree import RolloutTree
 
@@ -182,3 +187,24 @@ def test_entropy_from_top_logprobs_is_a_lower_bound_counting_the_tail_as_one_out
     meta["output_token_entropy"] = [0.25]
     assert parse_output({"output_ids": [5], "meta_info": meta}).entropies == [0.25]
     assert parse_output({"output_ids": [5], "meta_info": {"output_token_logprobs": [[-0.1, 5, None]]}}).entropies is None
+
+
+def test_the_policy_is_a_function_of_the_tree_and_scores_that_sends_nothing():
+    # Two initial paths (root children) and a fork below the first; N = 1 per initial path,
+    # 3 leaves left at branch 2: the first point gets 2 copies, the second the last one. The
+    # tree is not touched: splitting and requests are the sampler's.
+    tree = RolloutTree(PROMPT)
+    a = tree.add_segment(tree.root, [10, 11, 12])
+    b = tree.add_segment(tree.root, [60, 61])
+    upper = tree.split(a, 1)  # [10] | [11 12]
+    c = tree.add_segment(upper, [20, 21])  # in a's subtree
+    scores = {upper.id: [0.1], a.id: [0.2, 0.3], b.id: [0.05, 0.4], c.id: [9.0, 5.0]}
+    before = [(n.id, list(n.token_ids)) for n in tree.nodes()]
+    forks = entropy_forks(tree, scores, per_group=1, remaining=3, branch=2)
+    assert [(p.node.id, p.offset, p.score, copies) for p, copies in forks] == [(c.id, 2, 5.0, 2), (b.id, 1, 0.4, 1)]
+    assert [(n.id, list(n.token_ids)) for n in tree.nodes()] == before
+    (only,) = entropy_forks(tree, scores, per_group=1, remaining=1, branch=2)  # the budget cuts the copies
+    assert (only[0], only[1]) == (forks[0][0], 1)
+    # The sampler then splits where the policy said: c at offset 2 → [20] | [21].
+    parent = split_for_fork(tree, forks[0][0], scores)
+    assert parent.token_ids == [20] and scores[parent.id] == [9.0] and scores[c.id] == [5.0]

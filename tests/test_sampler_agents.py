@@ -216,11 +216,12 @@ def test_an_agent_step_that_raises_stops_sampling() -> None:
 def test_path_scores_of_a_fallback_cut_skip_tool_turns() -> None:
     from arbor.rollout.sampler import _TreeSampler
 
-    sampler = _TreeSampler(ScriptedEngine(4), cfg_of(), 0, [EOS], 0, None, None)
+    sampler = _TreeSampler(ScriptedEngine(4), cfg_of(), 0, [EOS], 0, None, str, TokenAgent(turns=1, tool_len=1),
+                           lambda messages: [TOOL])
     tree = RolloutTree(PROMPT)
     a = tree.add_segment(tree.root, [11, 12], [-1.0, -3.0])
     tool = tree.add_segment(a, [TOOL], [0.0], [0])
-    sampler.tool_messages[tool.id] = [{"role": "tool", "content": "x"}]
+    sampler.turns.messages[tool.id] = [{"role": "tool", "content": "x"}]
     b = tree.add_segment(tool, [13], [-0.5])
     root_path, a_path, tool_path, b_path = (sampler._path_at(tree, n) for n in (tree.root, a, tool, b))
     assert (root_path.logprob, root_path.last_logprob) == (0.0, 0.0)

@@ -1,8 +1,12 @@
-"""Entropy forking (``rollout.fork_at: entropy``): TreeRL's EPTree over any rollout engine.
+"""Entropy forking (``rollout.fork_at: entropy``): TreeRL's EPTree as a fork policy.
 
-    forker = EntropyForker(cfg, index=0, seed=step, stop_ids=[eos], stats=SampleStats(),
-                           forks_sent={}, add=add_node, generate=generate)
-    await forker.run(tree)      # tree.leaves(): cfg.width whole answers whenever the budget allows
+    forks = entropy_forks(tree, scores, per_group=2, remaining=4, branch=2)
+    for point, copies in forks:                  # the sampler splits and sends the requests
+        parent = split_for_fork(tree, point, scores)
+
+A fork policy is a plain function of the tree and the engine's per-token scores that says
+where to fork and how many copies; :mod:`arbor.rollout.sampler` owns every request (it
+samples the initial paths, splits nodes, sends the copies and records their scores).
 
 TreeRL (Hou et al., ACL 2025, arXiv 2506.11902, §3.1 "EPTree"; reference code github.com/THUDM/TreeRL
 at f0edbea, ``openrlhf/trainer/ppo_utils/entropy_chain_local_manager.py``, cited "eptree:LINE",
@@ -42,17 +46,14 @@ and ``tree_node.py``, "node:LINE"). What it does, and where it departs:
 from __future__ import annotations
 
 import heapq
-from collections.abc import Awaitable, Callable
+from collections.abc import Sequence
 from dataclasses import dataclass
 
-from arbor.config import RolloutConfig
-from arbor.engines.types import GenerateOutput, GenerateRequest, SamplingParams
-from arbor.rollout.budget import fallback_copies, request_seed
+from arbor.engines.types import GenerateOutput
+from arbor.rollout.budget import fallback_copies
 from arbor.tree import Node, RolloutTree
 
-# A round's outputs for a tree's requests (the tree names the problem in errors).
-Generate = Callable[[RolloutTree, list[GenerateRequest]], Awaitable[list[list[GenerateOutput]]]]
-AddNode = Callable[[RolloutTree, Node, GenerateOutput], Node]
+Scores = dict[int, list[float]]  # node id → one fork score per token of the node
 
 
 @dataclass(frozen=True)
@@ -62,6 +63,29 @@ class ForkPoint:
     score: float
     node: Node  # the node that held the token when it was scored (it may be split since)
     offset: int
+
+
+def entropy_forks(
+    tree: RolloutTree, scores: Scores, *, per_group: int, remaining: int, branch: int
+) -> list[tuple[ForkPoint, int]]:
+    """Where to fork next: ``(point, copies)`` for the ``per_group`` highest-scored tokens of
+    each initial path's subtree, best first, ``branch`` copies each until ``remaining`` leaves
+    are spent (the last point may get fewer). Empty: no token is left to fork at.
+
+    An initial path's subtree is everything under one child of the root (an initial path, a
+    root restart, or copies forked at a root child's first token).
+    """
+    group_of = {node.id: _initial_path(node).id for node in tree.nodes()}
+    points = top_fork_points(fork_candidates(tree, scores), per_group, group_of)
+    copies = fallback_copies(sources=len(points), remaining=remaining, branch=branch)
+    return list(zip(points, copies))
+
+
+def _initial_path(node: Node) -> Node:
+    """The root's child ``node`` descends from."""
+    while node.parent is not None and node.parent.parent is not None:
+        node = node.parent
+    return node
 
 
 def top_fork_points(
@@ -82,7 +106,7 @@ def top_fork_points(
     return [ForkPoint(-neg, node, node.start + i) for neg, _, i, node in chosen]
 
 
-def fork_candidates(tree: RolloutTree, scores: dict[int, list[float]]) -> list[tuple[float, Node, int]]:
+def fork_candidates(tree: RolloutTree, scores: Scores) -> list[tuple[float, Node, int]]:
     """Every token that may start a new branch: all tokens of all nodes, except the first token
     of a node below the root's children (it already starts a branch, or a split's lower part)."""
     out = []
@@ -92,108 +116,33 @@ def fork_candidates(tree: RolloutTree, scores: dict[int, list[float]]) -> list[t
     return out
 
 
-class EntropyForker:
-    """The rounds of one tree: M whole paths, then forks at their top-N tokens until width."""
+def split_for_fork(tree: RolloutTree, point: ForkPoint, scores: Scores) -> Node:
+    """The node new branches at ``point`` hang from: the holder of the token is split before
+    it (or, at a node's first token, the node's parent), its scores split alike. Splits made
+    for earlier points of the same round may have moved the token into an upper part, which
+    is found walking up from the scored node."""
+    node = point.node
+    while node.start > point.offset:
+        assert node.parent is not None  # the root starts at 0, before every offset
+        node = node.parent
+    k = point.offset - node.start
+    if k == 0:
+        assert node.parent is not None  # a scored node is never the root
+        return node.parent
+    upper = tree.split(node, k)
+    scores[upper.id], scores[node.id] = scores[node.id][:k], scores[node.id][k:]
+    return upper
 
-    def __init__(
-        self,
-        cfg: RolloutConfig,
-        *,
-        index: int,
-        seed: int,
-        stop_ids: list[int],
-        stats,  # arbor.rollout.sample_stats.SampleStats
-        forks_sent: dict[int, int],
-        add: AddNode,
-        generate: Generate,
-    ) -> None:
-        self.cfg, self.index, self.seed, self.stop_ids = cfg, index, seed, stop_ids
-        self.stats, self.forks_sent, self.add, self.generate = stats, forks_sent, add, generate
-        self.scores: dict[int, list[float]] = {}  # node id → one fork score per token
-        self.group_of: dict[int, int] = {}  # node id → the initial path (or root restart) it grew from
-        self.groups = 0
 
-    async def run(self, tree: RolloutTree) -> None:
-        cfg, width = self.cfg, self.cfg.width
-        await self._sample(tree, [(tree.root, min(cfg.entropy_init, width))])
-        while (leaves := len(tree.leaves())) < width:
-            candidates = fork_candidates(tree, self.scores)
-            points = top_fork_points(candidates, cfg.entropy_forks, self.group_of)
-            copies = fallback_copies(sources=len(points), remaining=width - leaves, branch=cfg.branch)
-            if copies:
-                parents = [self._fork_parent(tree, p) for p in points[: len(copies)]]
-                self.stats.forks += len(copies)
-            elif cfg.fallback:
-                # No token left to fork at: fresh paths from the prompt, as TreePO restarts the root.
-                self.stats.root_restarts += 1
-                parents, copies = [tree.root], [min(cfg.branch, width - leaves)]
-            else:
-                self.stats.shortfall_reason = "no token left to fork at and rollout.fallback is disabled"
-                return
-            await self._sample(tree, list(zip(parents, copies)))
-
-    def _fork_parent(self, tree: RolloutTree, point: ForkPoint) -> Node:
-        """The node new branches at ``point`` hang from: the holder of the token is split before
-        it (or, at a node's first token, the node's parent); splits of this round may have moved
-        the token into an upper part, which is found walking up from the scored node."""
-        node = point.node
-        while node.start > point.offset:
-            assert node.parent is not None  # the root starts at 0, before every offset
-            node = node.parent
-        k = point.offset - node.start
-        if k == 0:
-            assert node.parent is not None  # a scored node is never the root
-            return node.parent
-        upper = tree.split(node, k)
-        self.scores[upper.id], self.scores[node.id] = self.scores[node.id][:k], self.scores[node.id][k:]
-        self.group_of[upper.id] = self.group_of[node.id]
-        return upper
-
-    async def _sample(self, tree: RolloutTree, forks: list[tuple[Node, int]]) -> None:
-        """One request per ``(parent, copies)``, each copy a whole continuation to the end of the
-        answer; children are added in request order (node ids and seeds reproduce)."""
-        cfg = self.cfg
-        want_entropy = cfg.fork_entropy == "distribution"
-        requests = []
-        for parent, n in forks:
-            fork = self.forks_sent.get(parent.id, 0)
-            self.forks_sent[parent.id] = fork + 1
-            sampling = SamplingParams(
-                max_new_tokens=cfg.max_response_tokens - parent.end,
-                temperature=cfg.temperature,
-                top_p=cfg.top_p,
-                top_k=cfg.top_k,
-                n=n,
-                stop_token_ids=list(self.stop_ids),
-                seed=request_seed(self.seed, self.index, parent.id, fork),
-                return_entropy=want_entropy,
-            )
-            prefix = tree.response_ids(parent) if parent.parent is not None else []
-            requests.append(GenerateRequest(tree.prompt_ids + prefix, sampling, f"tree-{self.index}"))
-        results = await self.generate(tree, requests)
-        self.stats.rounds += 1
-        self.stats.requests += len(requests)
-        for (parent, n), outputs in zip(forks, results):
-            if len(outputs) != n:
-                raise RuntimeError(f"engine returned {len(outputs)} outputs for a request of n={n}")
-            for out in outputs:
-                node = self.add(tree, parent, out)
-                if node.finish_reason in (None, "length"):
-                    # Cut short of the budget without a stop token (the engine's context limit).
-                    node.finish_reason = "max_length"
-                self.scores[node.id] = self._scores(out)
-                if parent.parent is None:
-                    self.group_of[node.id] = self.groups
-                    self.groups += 1
-                else:
-                    self.group_of[node.id] = self.group_of[parent.id]
-
-    def _scores(self, out: GenerateOutput) -> list[float]:
-        if self.cfg.fork_entropy == "sampled":
-            return [-lp for lp in out.logprobs]
-        if out.entropies is None or len(out.entropies) != len(out.output_ids):
-            raise RuntimeError(
-                "rollout.fork_entropy is 'distribution' but the engine returned no per-token entropy "
-                "for an output; use rollout.fork_entropy: sampled, or an engine that returns them"
-            )
-        return list(out.entropies)
+def token_scores(out: GenerateOutput, fork_entropy: str) -> list[float]:
+    """One fork score per output token: ``-log p`` of the token drawn (``sampled``) or the
+    engine's entropy of the distribution it was drawn from (``distribution``)."""
+    if fork_entropy == "sampled":
+        return [-lp for lp in out.logprobs]
+    entropies: Sequence[float] | None = out.entropies
+    if entropies is None or len(entropies) != len(out.output_ids):
+        raise RuntimeError(
+            "rollout.fork_entropy is 'distribution' but the engine returned no per-token entropy "
+            "for an output; use rollout.fork_entropy: sampled, or an engine that returns them"
+        )
+    return list(entropies)

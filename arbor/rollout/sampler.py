@@ -59,14 +59,12 @@ multimodal-art-projection/TreePO at b86ce51, ``vllm_rollout_spmd.py``, cited "sp
 from __future__ import annotations
 
 import asyncio
-import logging
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from arbor.config import RolloutConfig
 from arbor.engines.types import GenerateOutput, GenerateRequest, RolloutEngine, SamplingParams
-from arbor.rollout.agent_thread import in_daemon_thread
 from arbor.rollout.agents import Agent, Message
 from arbor.rollout.batching import RoundBatcher
 from arbor.rollout.budget import (
@@ -78,12 +76,12 @@ from arbor.rollout.budget import (
     root_copies,
     segment_score,
 )
-from arbor.rollout.entropy_fork import EntropyForker
+from arbor.rollout.entropy_fork import Scores, entropy_forks, split_for_fork, token_scores
+from arbor.rollout.episodes import AgentTurns
 from arbor.rollout.sample_stats import SampleStats
 from arbor.tree import Node, RolloutTree
 
 FINISHED = "stop"  # the only well-formed ending; everything else is an early stop
-AGENT_TIMEOUT = "agent_timeout"  # agent.step ran past rollout.agent_timeout_s
 # Partial rollouts: rounds of sending overtaken requests again before giving up. Each round
 # waits for a whole generation, and only a weight update landing during every one of them
 # overtakes it again: more rounds than this means updates outpace generation for good.
@@ -92,8 +90,6 @@ MAX_RESAMPLE_ROUNDS = 8
 
 class ResampleLimitError(RuntimeError):
     """Segments of a tree were overtaken by weight updates ``MAX_RESAMPLE_ROUNDS`` times in a row."""
-
-log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -192,11 +188,11 @@ class _TreeSampler:
     ) -> None:
         self.batcher, self.cfg, self.index = batcher, cfg, index
         self.is_stale = is_stale
-        self.agent, self.render = agent, render
-        self.tool_messages: dict[int, list[Message]] = {}  # tool node id → the agent's messages
         self.stop_ids, self.seed = stop_ids, seed
         self.is_final_answer, self.decode = is_final_answer, decode
         self.stats = SampleStats()
+        # Multi-turn episodes: the agent's turns (render and decode are checked by sample_trees).
+        self.turns = None if agent is None else AgentTurns(agent, render, decode, stop_ids, cfg, self.stats)  # type: ignore[arg-type]
         self.forks_sent: dict[int, int] = {}  # node id → requests already sent from it
         # Fallback choices: one stream per tree so trees stay independent of each other.
         self.rng = random.Random(f"{seed}/{index}/fallback")
@@ -212,9 +208,7 @@ class _TreeSampler:
                 counts = [1] * len(active)
             return self._done(tree)
         if cfg.fork_at == "entropy":  # TreeRL's EPTree: whole paths, forked at high-entropy tokens
-            forker = EntropyForker(cfg, index=self.index, seed=self.seed, stop_ids=self.stop_ids, stats=self.stats,
-                                   forks_sent=self.forks_sent, add=self._add, generate=self._generate)
-            await forker.run(tree)
+            await self._entropy_rounds(tree)
             return self._done(tree)
         rng = random.Random(f"{self.seed}/{self.index}/init")
         # Capped at width: a RolloutConfig built in code skips validate's check.
@@ -256,22 +250,7 @@ class _TreeSampler:
 
         Returns the paths that continue and how many ended this round.
         """
-        cfg = self.cfg
-        requests = []
-        for path, n in zip(active, counts):
-            fork = self.forks_sent.get(path.node.id, 0)
-            self.forks_sent[path.node.id] = fork + 1
-            sampling = SamplingParams(
-                max_new_tokens=min(max_new, cfg.max_response_tokens - path.node.end),
-                temperature=cfg.temperature,
-                top_p=cfg.top_p,
-                top_k=cfg.top_k,
-                n=n,
-                stop_token_ids=list(self.stop_ids),
-                seed=request_seed(self.seed, self.index, path.node.id, fork),
-            )
-            input_ids = tree.prompt_ids + _response_upto(tree, path.node)
-            requests.append(GenerateRequest(input_ids, sampling, f"tree-{self.index}"))
+        requests = [self._request(tree, path.node, n, max_new) for path, n in zip(active, counts)]
         results = await self._generate(tree, requests)
         self.stats.rounds += 1
         self.stats.requests += len(requests)
@@ -289,20 +268,78 @@ class _TreeSampler:
                 grown = _Path(node, path.logprob + sum(out.logprobs), segment_score(out.logprobs))
                 if node.finish_reason in (None, "length"):
                     survivors.append(grown)
-                elif self.agent is not None and node.finish_reason == FINISHED:
+                elif self.turns is not None and node.finish_reason == FINISHED:
                     turns.append(grown)
                 else:
                     ended += 1
         if turns:
-            replies = await asyncio.gather(*(self._agent_step(tree, t.node) for t in turns))
+            assert self.turns is not None  # only episodes with an agent have turns
+            replies = await asyncio.gather(*(self.turns.step(tree, t.node) for t in turns))
             for turn, messages in zip(turns, replies):
-                tool = self._add_tool_turn(tree, turn.node, messages) if messages else None
+                tool = self.turns.add(tree, turn.node, messages) if messages else None
                 if tool is not None and tool.finish_reason is None:
                     # A tool turn is not sampled: the path keeps its model turn's scores.
                     survivors.append(_Path(tool, turn.logprob, turn.last_logprob))
                 else:
                     ended += 1
         return survivors, ended
+
+    def _request(self, tree: RolloutTree, parent: Node, n: int, max_new: int, entropy: bool = False) -> GenerateRequest:
+        """``n`` continuations of the path ending at ``parent``, at most ``max_new`` tokens each
+        (and never past the response budget), seeded by the parent and how often it was forked."""
+        cfg = self.cfg
+        fork = self.forks_sent.get(parent.id, 0)
+        self.forks_sent[parent.id] = fork + 1
+        sampling = SamplingParams(
+            max_new_tokens=min(max_new, cfg.max_response_tokens - parent.end),
+            temperature=cfg.temperature,
+            top_p=cfg.top_p,
+            top_k=cfg.top_k,
+            n=n,
+            stop_token_ids=list(self.stop_ids),
+            seed=request_seed(self.seed, self.index, parent.id, fork),
+            return_entropy=entropy,
+        )
+        return GenerateRequest(tree.prompt_ids + _response_upto(tree, parent), sampling, f"tree-{self.index}")
+
+    async def _entropy_rounds(self, tree: RolloutTree) -> None:
+        """EPTree: ``entropy_init`` whole paths, then copies forked where
+        :func:`~arbor.rollout.entropy_fork.entropy_forks` says, until ``width`` leaves."""
+        cfg, width = self.cfg, self.cfg.width
+        scores: Scores = {}
+        await self._whole_paths(tree, [(tree.root, min(cfg.entropy_init, width))], scores)
+        while (leaves := len(tree.leaves())) < width:
+            forks = entropy_forks(tree, scores, per_group=cfg.entropy_forks, remaining=width - leaves,
+                                  branch=cfg.branch)
+            if forks:
+                starts = [(split_for_fork(tree, point, scores), copies) for point, copies in forks]
+                self.stats.forks += len(forks)
+            elif cfg.fallback:
+                # No token left to fork at: fresh paths from the prompt, as TreePO restarts the root.
+                self.stats.root_restarts += 1
+                starts = [(tree.root, min(cfg.branch, width - leaves))]
+            else:
+                self.stats.shortfall_reason = "no token left to fork at and rollout.fallback is disabled"
+                return
+            await self._whole_paths(tree, starts, scores)
+
+    async def _whole_paths(self, tree: RolloutTree, starts: list[tuple[Node, int]], scores: Scores) -> None:
+        """``copies`` continuations of each ``(parent, copies)`` to the end of the answer, each
+        token scored for forking (``rollout.fork_entropy``); children in request order."""
+        want = self.cfg.fork_entropy == "distribution"
+        requests = [self._request(tree, parent, n, self.cfg.max_response_tokens, want) for parent, n in starts]
+        results = await self._generate(tree, requests)
+        self.stats.rounds += 1
+        self.stats.requests += len(requests)
+        for (parent, n), outputs in zip(starts, results):
+            if len(outputs) != n:
+                raise RuntimeError(f"engine returned {len(outputs)} outputs for a request of n={n}")
+            for out in outputs:
+                node = self._add(tree, parent, out)
+                if node.finish_reason in (None, "length"):
+                    # Cut short of the budget without a stop token (the engine's context limit).
+                    node.finish_reason = "max_length"
+                scores[node.id] = token_scores(out, self.cfg.fork_entropy)
 
     async def _generate(self, tree: RolloutTree, requests: list[GenerateRequest]) -> list[list[GenerateOutput]]:
         """A round's outputs; with partial rollouts, none sampled by weights overtaken in flight."""
@@ -334,74 +371,6 @@ class _TreeSampler:
             f"{MAX_RESAMPLE_ROUNDS} resample rounds (last sampled by weight version(s) {versions}): the weights "
             "change faster than a segment is generated (engine.partial_rollouts)"
         )
-
-    async def _agent_step(self, tree: RolloutTree, node: Node) -> list[Message] | None:
-        """``agent.step`` after the model turn ending at ``node``, given ``agent_timeout_s``.
-
-        Past the limit the episode ends at ``node`` ("agent_timeout", counted and warned
-        about) and the step's thread is abandoned (see :func:`arbor.rollout.agent_thread.in_daemon_thread`).
-        """
-        history = self._history(tree, node)
-        assert self.agent is not None  # only episodes with an agent come here
-        step = in_daemon_thread(self.agent.step, tree.problem, history)
-        try:
-            return await asyncio.wait_for(step, self.cfg.agent_timeout_s)
-        except asyncio.TimeoutError:
-            node.finish_reason = AGENT_TIMEOUT
-            self.stats.agent_timeouts += 1
-            log.warning(
-                "problem %s: agent.step ran past rollout.agent_timeout_s=%gs; its episode ends "
-                "there (%s) and the call is left running in its thread",
-                tree.problem_id,
-                self.cfg.agent_timeout_s,
-                AGENT_TIMEOUT,
-            )
-            return None
-
-    def _add_tool_turn(self, tree: RolloutTree, node: Node, messages: list[Message]) -> Node | None:
-        """Append the agent's messages after a model turn, as untrained template ids
-        (None: the model turn used up the response budget, the episode ends there)."""
-        room = self.cfg.max_response_tokens - node.end
-        if room <= 0:
-            return None
-        # A tool may print far more than the episode has room for (a long traceback): the
-        # turn is cut at the response budget, so no path outgrows max_response_tokens (and
-        # the model's context); the episode then ends there ("max_length").
-        for m in messages:
-            if not isinstance(m.get("error", False), bool):
-                raise TypeError(f"problem {tree.problem_id}: an agent message's 'error' must be true or false "
-                                f"(a failed tool call), got {m['error']!r}")
-        assert self.render is not None  # an agent comes with its render
-        ids = self.render(messages)[:room]
-        # Never trained (mask 0); logprob 0 stands in for "not sampled" so paths stay uniform.
-        tool = tree.add_segment(node, ids, [0.0] * len(ids), [0] * len(ids))
-        self.tool_messages[tool.id] = list(messages)
-        self.stats.tool_turns += 1
-        self.stats.tool_errors += sum(1 for m in messages if m.get("error") is True)
-        tool.finish_reason = "max_length" if tool.end >= self.cfg.max_response_tokens else None
-        return tool
-
-    def _history(self, tree: RolloutTree, node: Node) -> list[Message]:
-        """The episode so far as messages: the agent's start, model turns decoded, tool turns."""
-        assert self.agent is not None and tree.problem is not None  # an agent's episodes have problems
-        history = list(self.agent.start(tree.problem))
-        turn: list[int] = []
-        for n in tree.path(node):
-            if n.id in self.tool_messages:
-                history.append(self._assistant(turn))
-                history += self.tool_messages[n.id]
-                turn = []
-            else:
-                turn += n.token_ids
-        history.append(self._assistant(turn))
-        return history
-
-    def _assistant(self, turn: list[int]) -> Message:
-        """A model turn as a message; its stop token belongs to the template, not the content."""
-        if turn and turn[-1] in self.stop_ids:
-            turn = turn[:-1]
-        assert self.decode is not None  # agents' episodes decode
-        return {"role": "assistant", "content": self.decode(turn)}
 
     def _add(self, tree: RolloutTree, parent: Node, out: GenerateOutput) -> Node:
         """Record one segment and decide whether its path ended (sets ``finish_reason``)."""
@@ -465,7 +434,7 @@ class _TreeSampler:
         """A path ending at ``node`` with its scores: the logprob sum, and the mean of its
         last sampled segment (tool turns are not sampled: the model turn before counts)."""
         path = tree.path(node) if node.parent is not None else []
-        sampled = [n for n in path if n.id not in self.tool_messages]
+        sampled = [n for n in path if self.turns is None or not self.turns.is_tool(n)]
         last = segment_score(sampled[-1].logprobs or []) if sampled else 0.0
         return _Path(node, sum(sum(n.logprobs or []) for n in path), last)
 
