@@ -289,7 +289,9 @@ class RayConfig:
     # GPUs a local Ray instance offers; None: Ray detects them.
     num_gpus: int | None = None
     # Engines and learners share GPUs; the engines release their memory (KV cache, and on
-    # GPUs the weights) while the learners train. On CPU only the release applies.
+    # GPUs the weights) while the learners train. On CPU only the release applies. With
+    # algorithm.max_staleness ≥ 1 the engines sample while the learners train, so they keep
+    # their memory: engine and learner must fit on one GPU together.
     colocate: bool = False
     # Ray placement-group strategy for learner ranks and engines (STRICT_SPREAD: one bundle per node).
     placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"

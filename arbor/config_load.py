@@ -121,10 +121,6 @@ def validate(cfg: Config, where: Callable[[str], str] | None = None) -> None:
     bounds = lo.rollout_mask_bounds
     need(len(bounds) == 2 and 0 <= bounds[0] <= 1 <= bounds[1], "loss.rollout_mask_bounds",
          f"must be [lo, hi] with 0 ≤ lo ≤ 1 ≤ hi (a weight of 1, no mismatch, is never masked), got {bounds}")
-    # The engines keep sampling while the learners train: they cannot give their memory up.
-    need(not (a.max_staleness and cfg.ray.colocate), "algorithm.max_staleness",
-         "must be 0 with ray.colocate (colocated engines release their memory while the learners train, "
-         "so they cannot sample meanwhile)")
     # The decoupled objective's proximal policy is the one before each tree's single update.
     need(not (a.max_staleness and a.ppo_epochs > 1), "algorithm.max_staleness",
          f"must be 0 with algorithm.ppo_epochs > 1 (got {a.ppo_epochs}): the off-policy objective takes "
