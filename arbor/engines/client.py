@@ -16,7 +16,8 @@
   ``max_new_tokens: 0``, so its forks share one prefill (:class:`arbor.engines.prefix_cache.CachedPrefixes`).
 - ``SGLangClient(urls, recover=fn)``: when a retryable call still fails, ``await fn(url, error)``
   (a run's engine recovery, which builds its client with it, restarts that server and
-  restores its weights) and the call is sent again once; what ``fn`` raises ends the call.
+  restores its weights) and the call is sent again once, to the URL ``fn`` returns (a server
+  started again on another node has a new one); what ``fn`` raises ends the call.
 - :func:`arbor.engines.connect.engine_client` builds the client a run's config describes (timeouts, retries, key).
 - Control calls (weights, cache, memory, health) go to every server; weight pushes run in
   SGLang's sessions (``/begin_weight_update`` ... ``/end_weight_update``), with generation
@@ -58,8 +59,9 @@ from arbor.engines.wire import (
     sampling_payload,
 )
 
-# What a client awaits when a server stopped answering: bring it back (or raise).
-Recover = Callable[[str, EngineError], Awaitable[None]]
+# What a client awaits when a server stopped answering: bring it back (or raise); the URL it
+# now answers at (a server restarted on another node has a new one; None: the same).
+Recover = Callable[[str, EngineError], Awaitable[str | None]]
 
 
 class SGLangClient:
@@ -440,7 +442,7 @@ class SGLangClient:
         assert self._semaphore is not None
 
         def attempt() -> Awaitable[Any]:
-            return self._once(url, method, path, payload)
+            return self._once(url, method, path, payload)  # url: the recovered server's, after recovery
 
         async with self._semaphore:
             try:
@@ -450,7 +452,7 @@ class SGLangClient:
                 # health checks, weight broadcasts) is not recovered either.
                 if self.recover is None or exc.status is not None or retries == 0:
                     raise
-                await self.recover(url, exc)  # the server is back (restarted) or this raises
+                url = await self.recover(url, exc) or url  # the server is back (restarted) or this raises
             return await with_retries(attempt, retries, self.backoff_s, url + path)
 
     async def _once(self, url: str, method: str, path: str, payload: Any) -> Any:

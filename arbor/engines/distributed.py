@@ -38,6 +38,7 @@ from torch.distributed.distributed_c10d import (
 )
 
 from arbor.engines.client import SGLangClient
+from arbor.engines.interfaces import bind_collectives_towards
 from arbor.engines.wire import rank_layout
 
 DEFAULT_GROUP = "weight_update_group"
@@ -58,6 +59,9 @@ def open_group(
     Any other construction (a plain ``ProcessGroupGloo``, another store prefix) waits on
     store keys SGLang never writes, and both ends time out.
     """
+    # The others dial this process at its interface towards the master (unless a node
+    # address was bound already, or the user set GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME).
+    bind_collectives_towards(master_address)
     timeout = datetime.timedelta(seconds=timeout_s)
     url = f"tcp://{master_address}:{master_port}"
     store, _, _ = next(rendezvous(url, rank, world_size, timeout=timeout))

@@ -18,13 +18,18 @@ from __future__ import annotations
 import asyncio
 import functools
 import os
+import sys
+import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from arbor.config import Config
 from arbor.engines.connect import closing
+from arbor.engines.interfaces import bind_collectives
 from arbor.engines.ports import free_port
-from arbor.run.orchestration import Placement, cpu_threads, gather, node_address, uses_gpu
+from arbor.errors import ConfigError
+from arbor.run.nodes import check_node_paths, node_address, node_alive, node_id
+from arbor.run.orchestration import Placement, cpu_threads, uses_gpu
 
 if TYPE_CHECKING:
     from arbor.train.learner import StepResult
@@ -47,11 +52,17 @@ class LearnerWorker:
         """This rank's process id (fault tests kill it)."""
         return os.getpid()
 
-    def setup(self, master: tuple[str, int], total_steps: int) -> None:
-        """Join the learner group and build the model, DeepSpeed engine and optimizer."""
+    def setup(self, master: tuple[str, int], total_steps: int, output_token: str | None = None) -> tuple[str, str]:
+        """Join the learner group and build the model, DeepSpeed engine and optimizer; this
+        node's Ray id and address. ``output_token``: :func:`arbor.run.nodes.mark_output_dir`'s,
+        checked first with the model's path (:func:`~arbor.run.nodes.check_node_paths`)."""
         import torch
 
         cfg = self.cfg
+        check_node_paths(cfg, output_token, f"learner rank {self.rank}")
+        # Gloo/NCCL listen on the interface of the address Ray knows for this node (the one
+        # the other nodes reach it by), chosen here on the rank's own node.
+        bind_collectives(node_address(), reason=f"Ray's address of learner rank {self.rank}'s node")
         os.environ.update(
             RANK=str(self.rank), WORLD_SIZE=str(cfg.learner.num_ranks), LOCAL_RANK="0",
             MASTER_ADDR=master[0], MASTER_PORT=str(master[1]),
@@ -64,6 +75,7 @@ class LearnerWorker:
 
         self.learner = Learner(cfg.model, cfg.learner, cfg.optim, cfg.loss, total_steps=total_steps,
                                temperature=cfg.rollout.temperature)
+        return node_id(), node_address()
 
     def step(
         self, packs: Sequence[PackedBatch], denominator: float, filler: PackedBatch | None = None,
@@ -175,16 +187,24 @@ class LearnerFailedError(RuntimeError):
     """A learner rank died (its Ray actor was lost): the run stops; the last checkpoint is intact."""
 
 
+LOST_RANK_GRACE_S = 60.0  # after a rank's error, how long to wait for a lost rank or node to show
+
+
 class LearnerGroup:
     """``learner.num_ranks`` :class:`LearnerWorker` actors forming one data-parallel group.
 
     A rank that dies (killed, out of memory, node lost) stops the run with
-    :class:`LearnerFailedError` naming the rank and the last checkpoint, at once: the other
-    ranks may be blocked in a collective with it, so results are awaited as they come.
+    :class:`LearnerFailedError` naming the rank, its node and the last checkpoint, at once:
+    the other ranks may be blocked in a collective with it, so results are awaited as they
+    come. When a node is lost its peers' collectives fail first (``Connection closed by
+    peer``) while Ray takes seconds to declare the node dead: a rank's error is held up to
+    ``LOST_RANK_GRACE_S`` for a lost rank to show, which is then the error reported.
     """
 
-    def __init__(self, cfg: Config, placement: Placement, total_steps: int, wait: bool = True) -> None:
-        """Start the ranks; with ``wait=False`` return at once (:func:`start_groups` awaits ``starting``)."""
+    def __init__(self, cfg: Config, placement: Placement, total_steps: int, wait: bool = True,
+                 output_token: str | None = None) -> None:
+        """Start the ranks; with ``wait=False`` return at once (:func:`start_groups` awaits ``starting``).
+        ``output_token``: :func:`arbor.run.nodes.mark_output_dir`'s, which every rank checks on its node."""
         import ray
 
         actor = ray.remote(LearnerWorker)
@@ -196,7 +216,8 @@ class LearnerGroup:
         self.lora = cfg.model.lora_rank > 0
         # Rank 0's address reaches every setup as a ref: Ray resolves it, nothing blocks here.
         master = self.workers[0].address.remote()
-        self.starting = [w.setup.remote(master, total_steps) for w in self.workers]  # ref r: rank r is set up
+        self.starting = [w.setup.remote(master, total_steps, output_token) for w in self.workers]  # ref r: rank r is set up
+        self.nodes: list[tuple[str, str] | None] = [None] * len(self.workers)  # rank r's (Ray node id, address), once set up
         self.weight_version: str | None = None  # what the engines serve; None: model.path's weights
         if wait:
             self.wait_started()
@@ -206,23 +227,75 @@ class LearnerGroup:
         return len(self.workers)
 
     def results(self, refs: list[Any]) -> list[Any]:
-        """``ray.get(refs)`` (ref r from rank r), or LearnerFailedError as soon as a rank is lost."""
+        """``ray.get(refs)`` (ref r from rank r), or LearnerFailedError as soon as a rank is lost;
+        a rank's own error (a bug, a config problem) is raised as it is."""
         import ray
 
-        return gather(refs, ray.exceptions.RayActorError, self._lost)
+        pending = list(refs)
+        while pending:
+            ready, pending = ray.wait(pending, num_returns=1)
+            try:
+                ray.get(ready[0])
+            except ray.exceptions.RayActorError as e:
+                raise self._lost(refs.index(ready[0]), e) from e
+            except ray.exceptions.RayError as e:
+                cause = getattr(e, "cause", None)  # what a rank raised (Ray's RayTaskError)
+                if isinstance(cause, ConfigError):  # its node lacks a path: say so at once
+                    raise ConfigError(str(cause)) from None
+                lost = self._lost_meanwhile(refs, refs.index(ready[0]), e, pending)
+                if lost is None:
+                    raise
+                raise lost from e
+        return ray.get(refs)
+
+    def _lost_meanwhile(self, refs: list[Any], rank: int, error: Exception, pending: list[Any]) -> LearnerFailedError | None:
+        """After rank ``rank`` raised ``error``: the LearnerFailedError of a rank found lost
+        within ``LOST_RANK_GRACE_S`` (the cause of the error, when a node died), else None."""
+        import ray
+
+        print(f"arbor train: learner rank {rank} failed ({_first_line(error)}); waiting up to "
+              f"{LOST_RANK_GRACE_S:.0f} s for whether another rank or its node was lost", file=sys.stderr, flush=True)
+        deadline = time.monotonic() + LOST_RANK_GRACE_S
+        while pending and time.monotonic() < deadline:
+            ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+            for ref in ready:
+                try:
+                    ray.get(ref)
+                except ray.exceptions.RayActorError as e:
+                    return self._lost(refs.index(ref), e)
+                except ray.exceptions.RayError:
+                    continue  # another rank's error: the peers of a lost one fail alike
+        return None
 
     def _lost(self, rank: int, e: Exception) -> LearnerFailedError:
         from arbor.run import checkpoint
 
-        cause = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        node = self.nodes[rank]
+        where = ""
+        if node is not None:
+            where = f" on node {node[1]}"
+            if not node_alive(node[0]):
+                where += f" (node {node[1]} is lost: Ray lists it as dead)"
         return LearnerFailedError(
-            f"learner rank {rank} died ({type(e).__name__}: {cause}); the run stops. "
+            f"learner rank {rank}{where} died ({_first_line(e)}); the run stops. "
             f"{checkpoint.resume_hint(self.output_dir)}"
         )
 
+    def lost_rank_error(self) -> LearnerFailedError | None:
+        """A LearnerFailedError for the first rank whose node Ray lists as dead, else None
+        (an engine's recovery asks before moving the engine off a lost node)."""
+        for rank, node in enumerate(self.nodes):
+            if node is not None and not node_alive(node[0]):
+                return self._lost(rank, RuntimeError(f"its node {node[1]} died"))
+        return None
+
+    def node_addresses(self) -> str:
+        """Where the ranks run, rank by rank: ``10.0.0.1, 10.0.0.2`` (after :meth:`wait_started`)."""
+        return ", ".join(node[1] if node is not None else "?" for node in self.nodes)
+
     def wait_started(self) -> None:
         """Wait until every rank is set up (after ``wait=False``)."""
-        self.results(self.starting)
+        self.nodes = self.results(self.starting)
 
     def step(
         self, packs_per_rank: Sequence[Sequence[PackedBatch]], denominator: float, filler: PackedBatch | None = None,
@@ -288,3 +361,10 @@ class LearnerGroup:
         for w in self.workers:
             ray.kill(w)
         self.workers = []
+
+
+def _first_line(error: BaseException) -> str:
+    """The first line of what ``error`` says (of a rank's own exception, for Ray's task errors)."""
+    cause = getattr(error, "cause", None) or error  # RayTaskError.cause: the exception the rank raised
+    text = str(cause).strip()
+    return f"{type(cause).__name__}: {text.splitlines()[0]}" if text else type(cause).__name__

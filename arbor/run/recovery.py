@@ -43,6 +43,7 @@ from arbor.run.engine_group import EngineGroup
 from arbor.run.learner_group import LearnerGroup
 
 T = TypeVar("T")
+HEALTH_TIMEOUT_S = 30.0
 
 
 class EngineFailedError(RuntimeError):
@@ -63,18 +64,26 @@ class EngineRecovery:
         self.died_this_step: set[str] = set()
         self.restarts_this_step = 0
         self._locks = {url: threading.Lock() for url in engines.urls}
+        self.moved: dict[str, str] = {}  # an engine's old URL -> its URL after it moved to another node
 
-    async def recover(self, url: str, error: EngineError) -> None:
-        """Bring the server at ``url`` back with the run's weights, or raise EngineFailedError."""
-        await asyncio.to_thread(self._recover, url, error)
+    async def recover(self, url: str, error: EngineError) -> str:
+        """Bring the server at ``url`` back with the run's weights, or raise EngineFailedError;
+        the URL it answers at now."""
+        return await asyncio.to_thread(self._recover, url, error)
 
     def revive_dead(self) -> None:
         """Recover every server that does not answer ``/health`` now (before a weight sync,
         whose broadcast cannot be replayed: a server that died after its last rollout
         request is found here rather than in the middle of the broadcast)."""
-        for url in self.engines.urls:
-            if not self._on(url, lambda c: c.health()):
+        for url in list(self.engines.urls):  # a moved engine changes its entry
+            if not self._healthy(url):
                 self._recover(url, EngineError("not answering /health before the weight sync", url=url))
+
+    def _healthy(self, url: str) -> bool:
+        """Whether the server at ``url`` answers ``/health`` within ``HEALTH_TIMEOUT_S`` (a
+        lost machine answers nothing: a health check must not wait engine.request_timeout_s)."""
+        return run_sync(lambda c: c.health(), [url], timeout_s=min(HEALTH_TIMEOUT_S, self.engine_cfg.request_timeout_s),
+                        api_key=self.engine_cfg.api_key)
 
     def _on(self, url: str, make_call: Callable[[SGLangClient], Awaitable[T]]) -> T:
         """One call to the server at ``url`` alone, from this thread (its own client and loop)."""
@@ -90,10 +99,12 @@ class EngineRecovery:
         self.died_this_step, self.restarts_this_step = set(), 0
         return metrics
 
-    def _recover(self, url: str, error: EngineError) -> None:
+    def _recover(self, url: str, error: EngineError) -> str:
         with self._locks[url]:  # the other requests to this server wait for its restart
-            if self._on(url, lambda c: c.health()):
-                return
+            if url in self.moved:  # another request moved it already
+                return self.moved[url]
+            if self._healthy(url):
+                return url
             worker = self.engines.worker(url)
             if worker is None:
                 raise EngineFailedError(
@@ -117,9 +128,32 @@ class EngineRecovery:
                     break
                 except EngineLaunchError as e:  # died again while starting: counts as another failure
                     error = EngineError(str(e).splitlines()[0], url=url)
+                except ray.exceptions.RayActorError:
+                    url = self._move(url)  # its actor is gone with its node (or process): start it anew
+                    break
             self.restarts_this_step += 1
             self.died_this_step.add(url)
             self._restore_weights(url)
+            return url
+
+    def _move(self, url: str) -> str:
+        """Start the engine at ``url``, whose actor is gone, in a new actor (on an alive node when
+        its own was lost); its new URL. A learner rank on a lost node stops the run instead."""
+        lost = self.learners.lost_rank_error()
+        if lost is not None:
+            raise lost
+        print(f"arbor train: engine {url}'s actor is gone (its node lost?); starting the engine again "
+              "where Ray places it", file=sys.stderr, flush=True)
+        try:
+            new_url = self.engines.replace(url)
+        except EngineLaunchError as e:
+            raise EngineFailedError(f"{e}. {checkpoint.resume_hint(self.output_dir)}") from e
+        self.moved[url] = new_url
+        self.in_a_row[new_url] = self.in_a_row.pop(url)
+        self._locks[new_url] = self._locks[url]
+        self.client.urls[self.client.urls.index(url)] = new_url
+        print(f"arbor train: engine {url} now runs at {new_url}", file=sys.stderr, flush=True)
+        return new_url
 
     def _restore_weights(self, url: str) -> None:
         """The restarted server serves model.path's weights: give it the run's current ones."""
