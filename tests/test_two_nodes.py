@@ -16,6 +16,7 @@ One cluster for the module; a test that kills node 2 starts it again for the nex
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -24,9 +25,16 @@ import time
 from pathlib import Path
 
 import pytest
-from netns_cluster import namespace_cluster
+import torch
+from netns_cluster import namespace_cluster, node_env
+from test_sft import write_config
+from tiny_model import build_tiny_model_dir
+from transformers import AutoModelForCausalLM
 
+from arbor.config_load import load_config
+from arbor.engines.ports import free_port
 from arbor.run.metrics import read_metrics
+from arbor.run.sft import run_sft
 
 QUICK = ["learner.num_ranks=2", "run.eval_every=0", "run.save_trees_every=0", "run.cpu_threads=1",
          "data.prompts_per_step=16"]
@@ -164,3 +172,108 @@ def test_an_engine_alone_on_a_lost_node_starts_again_on_an_alive_one(cluster, tm
     assert [m["step"] for m in steps] == [1, 2, 3]
     assert sum(m["engine/restarts"] for m in steps) == 1
     assert all(m["sync/logprob_gap"] < GAP_BOUND for m in steps)
+
+
+def test_sft_by_deepspeeds_launcher_on_both_nodes_equals_one_process(cluster, tmp_path):
+    """``deepspeed --no_ssh --node_rank=K`` on each node (a hostfile of both addresses, the
+    rendezvous at node 1's): two ZeRO-3 ranks over gloo across the addresses give the one-process
+    run's loss and gradient norm at every step, and its weights."""
+    tiny = build_tiny_model_dir(tmp_path / "tiny")
+    config = write_config(tmp_path, tiny, "")
+    steps = ["sft.max_steps=3", "run.tensorboard=false"]
+    a, b = cluster.address(1), cluster.address(2)
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text(f"{a} slots=1\n{b} slots=1\n")
+    launcher = Path(sys.executable).with_name("deepspeed")
+    port = free_port("")
+    ranks = [cluster.popen(node, [launcher, "--hostfile", hostfile, "--no_ssh", f"--node_rank={node - 1}",
+                                  f"--master_addr={a}", f"--master_port={port}", "--module", "arbor", "sft", config,
+                                  *steps], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+             for node in (1, 2)]
+    logs = [rank.communicate(timeout=600)[0] for rank in ranks]
+    assert [rank.returncode for rank in ranks] == [0, 0], "\n".join(log[-3000:] for log in logs)
+    assert "2 rank(s), DeepSpeed ZeRO-3" in logs[0] and "step 3/3" in logs[0]
+
+    two = read_metrics(tmp_path / "run")
+    one = run_sft(load_config(config, ["learner.backend=torch", f"run.output_dir={tmp_path / 'single'}", *steps]))
+    assert [m["sft/loss"] for m in two] == pytest.approx([m["sft/loss"] for m in one], rel=1e-5)
+    assert [m["sft/grad_norm"] for m in two] == pytest.approx([m["sft/grad_norm"] for m in one], rel=1e-5)
+    across = AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "hf").state_dict()
+    single = AutoModelForCausalLM.from_pretrained(tmp_path / "single" / "hf").state_dict()
+    for name, tensor in single.items():
+        torch.testing.assert_close(across[name], tensor, rtol=1e-4, atol=1e-6)
+
+
+def test_arbor_eval_against_an_engine_on_the_other_node(cluster, tmp_path):
+    """``arbor serve`` bound to node 2's address, with a key; ``arbor eval`` on node 1 uses it
+    as an external engine."""
+    b = cluster.address(2)
+    port = free_port("")
+    key = "two-node-test-key"
+    env = node_env(ARBOR_ENGINE_API_KEY=key)
+    server = cluster.popen(2, [sys.executable, "-m", "arbor", "serve", "--model", "models/tiny-arith", "--host", b,
+                               "--port", port, "--dtype", "float32", "--device", "cpu"], env=env,
+                           stdout=open(tmp_path / "serve.log", "w"), stderr=subprocess.STDOUT)  # noqa: SIM115
+    try:
+        report = tmp_path / "eval.json"
+        done = cluster.run(1, [sys.executable, "-m", "arbor", "eval", "configs/quickstart.yaml", "engine.kind=external",
+                               f"engine.urls=[http://{b}:{port}]", "engine.startup_timeout_s=300",
+                               "eval.max_problems=16", f"eval.output={report}", f"run.output_dir={tmp_path / 'eval'}"],
+                           env=env, timeout=600)
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)
+        server.wait(timeout=60)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:] + (tmp_path / "serve.log").read_text()[-2000:]
+    assert f"arbor eval: engines http://{b}:{port}" in done.stdout
+    result = json.loads(report.read_text())
+    assert len(result["problems"]) == 16 and 0 <= result["metrics"]["eval/accuracy"] <= 1
+
+
+def test_a_placement_that_cannot_fit_fails_at_once(cluster, tmp_path):
+    """STRICT_SPREAD puts each of 3 bundles on its own node; the cluster has 2: stop at start-up."""
+    started = time.monotonic()
+    done = cluster.run(1, train_command(cluster, tmp_path / "run", "ray.placement_strategy=STRICT_SPREAD", "run.steps=1"),
+                       timeout=600)
+    assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-3000:]
+    assert ("arbor train: stopped: Ray cannot place this run: ray.placement_strategy=STRICT_SPREAD puts each of the 3 "
+            "bundles (learner rank 0, learner rank 1, engine 0) on a node of its own, and the cluster has 2 alive "
+            "nodes") in done.stderr, done.stderr[-3000:]
+    assert time.monotonic() - started < 300  # it used to wait 600 s for the placement
+
+
+def test_a_node_without_the_model_or_the_output_dir_fails_naming_it(cluster, tmp_path):
+    """model.path and run.output_dir exist on node 1 only (node 2 sees an empty file system
+    there): the run stops at start-up naming node 2 and both keys."""
+    import shutil
+
+    hidden = tmp_path / "node1-only"
+    model = hidden / "model"
+    shutil.copytree(Path(__file__).resolve().parents[1] / "models" / "tiny-arith", model)
+    cluster.run(2, ["mount", "-t", "tmpfs", "tmpfs", hidden], check=True)
+    try:
+        done = cluster.run(1, train_command(cluster, hidden / "run", *SPLIT, f"model.path={model}", "run.steps=1"),
+                           timeout=600)
+    finally:
+        cluster.run(2, ["umount", hidden], check=True)
+    b = cluster.address(2)
+    assert done.returncode == 2, done.stdout[-3000:] + done.stderr[-3000:]
+    error = next((line for line in done.stderr.splitlines() if line.startswith("arbor train: config error:")),
+                 done.stderr[-3000:])
+    assert f"on node {b}: model.path {model} does not exist there" in error, error
+    assert f"run.output_dir {hidden / 'run'} there is not the driver's" in error, error
+
+
+def test_a_real_sglang_server_on_the_other_node(cluster, tmp_path):
+    """SGLang (its CPU engine) started by arbor on node 2, learner ranks on both nodes: weights
+    broadcast from 10.77.0.1 into SGLang's own weight-update group on 10.77.0.2."""
+    from sglang_env import sglang_python
+
+    python = sglang_python()
+    out = tmp_path / "sglang"
+    done = train(cluster, out, *SPLIT, "engine.kind=sglang", f"engine.python={python}", "engine.max_cached_tokens=16384",
+                 "data.prompts_per_step=4", "run.steps=2", "run.save_every=0")
+    assert f"engines http://{cluster.address(2)}:" in started_line(done.stdout)
+    steps = steps_of(out)
+    assert [m["step"] for m in steps] == [1, 2]
+    assert all(m["sync/logprob_gap"] < 1e-4 for m in steps)  # SGLang's torch_native kernels vs the learner
+    assert steps[0]["train/logprob_gap"] < 1e-4
