@@ -212,6 +212,35 @@ def test_a_server_that_stays_down_is_recovered_through_the_constructors_hook_and
     assert outs[0].output_ids == [4, 5] and recovered == [(url, None)]
 
 
+def test_a_server_recovered_at_a_new_url_gets_the_call_there():
+    """A server started again on another node answers at another URL: ``recover`` returns it
+    and the call is sent there."""
+
+    async def main():
+        fake = FakeServer()
+        dead = f"http://127.0.0.1:{free_port()}"  # nothing listens
+        moved: list[str] = []
+
+        async def recover(dead_url: str, error: EngineError) -> str:
+            url, runner = await fake.start()
+            moved.append(url)
+            runners.append(runner)
+            return url
+
+        runners: list = []
+        client = SGLangClient([dead], max_retries=1, backoff_s=0.01, recover=recover)
+        try:
+            outs = await client.generate(REQUEST)
+        finally:
+            await client.close()
+            for runner in runners:
+                await runner.cleanup()
+        return outs, moved, fake
+
+    outs, moved, fake = asyncio.run(main())
+    assert outs[0].output_ids == [4, 5] and len(moved) == 1 and fake.calls["/generate"] == 1
+
+
 def test_engine_client_is_built_from_the_engine_section():
     cfg = load_config(None, ["engine.kind=external", "engine.urls=[http://10.0.0.1:30000]", "engine.api_key=k",
                              "engine.request_timeout_s=7", "engine.max_retries=2"])

@@ -224,11 +224,13 @@ class Placement:
         while not ray.wait([ready_ref], timeout=min(WAIT_REPORT_S, PLACEMENT_TIMEOUT_S - waited))[0]:
             waited = min(waited + WAIT_REPORT_S, PLACEMENT_TIMEOUT_S)
             if waited >= PLACEMENT_TIMEOUT_S:
+                reason = self.waiting_for()
+                self.remove()  # else the pending group would take the resources once they free up
                 raise PlacementError(
-                    f"Ray could not place {self.describe()} within {PLACEMENT_TIMEOUT_S:.0f} s: {self.waiting_for()} "
+                    f"Ray could not place {self.describe()} within {PLACEMENT_TIMEOUT_S:.0f} s: {reason} "
                     "(check `ray status`, learner.num_ranks, engine.num_engines)"
                 )
-            print(f"arbor: still waiting for Ray to place {self.describe()} ({waited:.0f} s): {self.waiting_for()}",
+            print(f"arbor train: still waiting for Ray to place {self.describe()} ({waited:.0f} s): {self.waiting_for()}",
                   file=sys.stderr, flush=True)
 
     def waiting_for(self) -> str:
