@@ -6,7 +6,7 @@ differently on each node and the host name resolves to loopback, so a rank that 
 host-name address or copied the driver's interface would fail here as on a real cluster.
 Placement is pinned with custom resources (``ray.learner_resources``, ``ray.engine_resources``):
 
-- node 1: CPU 4, ``{node1: 3, learner: 1}``; node 2: CPU 3, ``{learner: 1, engine: 1}``.
+- node 1: CPU 4, ``{node1: 3, trainer: 1}``; node 2: CPU 3, ``{trainer: 1, rollout: 1}``.
 - ``SPLIT``: learner rank 0 on node 1, rank 1 and the engine on node 2 (ZeRO-3 over gloo
   across the addresses; weights broadcast from 10.77.0.1 to 10.77.0.2 or loaded from disk).
 - ``ONE_NODE``: everything on node 1, the same run for comparison.
@@ -38,7 +38,7 @@ from arbor.run.sft import run_sft
 
 QUICK = ["learner.num_ranks=2", "run.eval_every=0", "run.save_trees_every=0", "run.cpu_threads=1",
          "data.prompts_per_step=16"]
-SPLIT = ["ray.learner_resources={learner: 1}", "ray.engine_resources={engine: 1}"]
+SPLIT = ["ray.learner_resources={trainer: 1}", "ray.engine_resources={rollout: 1}"]
 ONE_NODE = ["ray.learner_resources={node1: 1}", "ray.engine_resources={node1: 1}"]
 GAP_BOUND = 1e-5  # float32 learner and embedded engine: the same forward, up to summation order
 
@@ -47,8 +47,8 @@ GAP_BOUND = 1e-5  # float32 learner and embedded engine: the same forward, up to
 def cluster():
     cluster = namespace_cluster(nodes=2)
     try:
-        cluster.start_ray(1, cpus=4, resources={"node1": 3, "learner": 1})
-        cluster.start_ray(2, cpus=3, resources={"learner": 1, "engine": 1})
+        cluster.start_ray(1, cpus=4, resources={"node1": 3, "trainer": 1})
+        cluster.start_ray(2, cpus=3, resources={"trainer": 1, "rollout": 1})
         yield cluster
     finally:
         cluster.down()
