@@ -181,9 +181,11 @@ def test_connection_refused_is_retried_until_the_server_comes_up():
     assert asyncio.run(main())[0].output_ids == [4, 5]
 
 
-def test_a_server_that_stays_down_is_recovered_through_the_constructors_hook_and_the_call_resent():
+@pytest.mark.parametrize("moves", [False, True])
+def test_a_server_that_stays_down_is_recovered_through_the_constructors_hook_and_the_call_resent(moves):
     """``recover`` (the run's engine recovery) is awaited once the retries are spent; the
-    call is then sent again, to the server it brought back."""
+    call is then sent again, to the server it brought back: on its port (a restart), or at
+    the URL ``recover`` returns (``moves``: started again on another node)."""
 
     async def main():
         fake = FakeServer()
@@ -191,13 +193,15 @@ def test_a_server_that_stays_down_is_recovered_through_the_constructors_hook_and
         url = f"http://127.0.0.1:{port}"
         runners, recovered = [], []
 
-        async def recover(dead_url: str, error: EngineError) -> None:  # start the server, as a restart would
+        async def recover(dead_url: str, error: EngineError) -> str | None:  # start the server, as a restart would
             recovered.append((dead_url, error.status))
             app = web.Application()
             app.router.add_post("/generate", fake.generate)
             runners.append(web.AppRunner(app))
             await runners[-1].setup()
-            await web.TCPSite(runners[-1], "127.0.0.1", port).start()
+            new_port = free_port() if moves else port
+            await web.TCPSite(runners[-1], "127.0.0.1", new_port).start()
+            return f"http://127.0.0.1:{new_port}" if moves else None
 
         client = SGLangClient([url], max_retries=1, backoff_s=0.01, recover=recover)
         try:
@@ -206,39 +210,10 @@ def test_a_server_that_stays_down_is_recovered_through_the_constructors_hook_and
             await client.close()
             for runner in runners:
                 await runner.cleanup()
-        return outs, recovered, url
+        return outs, recovered, url, fake
 
-    outs, recovered, url = asyncio.run(main())
-    assert outs[0].output_ids == [4, 5] and recovered == [(url, None)]
-
-
-def test_a_server_recovered_at_a_new_url_gets_the_call_there():
-    """A server started again on another node answers at another URL: ``recover`` returns it
-    and the call is sent there."""
-
-    async def main():
-        fake = FakeServer()
-        dead = f"http://127.0.0.1:{free_port()}"  # nothing listens
-        moved: list[str] = []
-
-        async def recover(dead_url: str, error: EngineError) -> str:
-            url, runner = await fake.start()
-            moved.append(url)
-            runners.append(runner)
-            return url
-
-        runners: list = []
-        client = SGLangClient([dead], max_retries=1, backoff_s=0.01, recover=recover)
-        try:
-            outs = await client.generate(REQUEST)
-        finally:
-            await client.close()
-            for runner in runners:
-                await runner.cleanup()
-        return outs, moved, fake
-
-    outs, moved, fake = asyncio.run(main())
-    assert outs[0].output_ids == [4, 5] and len(moved) == 1 and fake.calls["/generate"] == 1
+    outs, recovered, url, fake = asyncio.run(main())
+    assert outs[0].output_ids == [4, 5] and recovered == [(url, None)] and fake.calls["/generate"] == 1
 
 
 def test_engine_client_is_built_from_the_engine_section():
