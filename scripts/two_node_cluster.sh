@@ -26,7 +26,7 @@ set -euo pipefail
 
 SUBNET=${ARBOR_CLUSTER_SUBNET:-10.77.0}
 usage() {
-    sed -n '2,25p' "$0" >&2
+    sed -n '2,24p' "$0" >&2
     exit 2
 }
 die() {
