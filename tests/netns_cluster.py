@@ -24,6 +24,8 @@ from pathlib import Path
 
 import pytest
 
+from arbor.engines.interfaces import SOCKET_IFNAME_VARIABLES
+
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "scripts" / "two_node_cluster.sh"
 RAY_PORT = 6379
@@ -35,7 +37,8 @@ FAST_NODE_DEATH = {"RAY_health_check_period_ms": "1000", "RAY_health_check_timeo
 
 def node_env(**extra: str) -> dict[str, str]:
     """The environment of every process the tests start on a node."""
-    env = dict(os.environ)
+    # An interface a test process chose for itself (or a developer's setting) is no node's here.
+    env = {k: v for k, v in os.environ.items() if k not in SOCKET_IFNAME_VARIABLES}
     env.update(PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")])), RAY_AUTH_MODE="disabled",
                OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", RAY_USAGE_STATS_ENABLED="0",
                PYTHONWARNINGS="ignore::FutureWarning", **extra)

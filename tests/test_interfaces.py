@@ -13,15 +13,20 @@ from arbor.engines.interfaces import (
     interface_addresses,
     interface_of,
     route_source,
+    user_socket_ifnames,
 )
 
 linux = pytest.mark.skipif(not os.path.exists("/proc/net"), reason="reads interfaces with Linux ioctls")
 
 
 @pytest.fixture
-def unset(monkeypatch):
+def unset():
+    """No *_SOCKET_IFNAME variable during the test; the previous ones back after it."""
+    saved = {v: os.environ.pop(v) for v in SOCKET_IFNAME_VARIABLES if v in os.environ}
+    yield
     for variable in SOCKET_IFNAME_VARIABLES:
-        monkeypatch.delenv(variable, raising=False)
+        os.environ.pop(variable, None)
+    os.environ.update(saved)
 
 
 @linux
@@ -39,10 +44,12 @@ def test_both_variables_name_the_interface_of_the_address(unset):
 
 
 @linux
-def test_the_users_setting_wins(unset, monkeypatch):
+def test_the_users_setting_wins_and_only_it_goes_to_other_nodes(unset, monkeypatch):
     monkeypatch.setenv("GLOO_SOCKET_IFNAME", "eth7")
     bind_collectives_towards("127.0.0.1")
     assert os.environ["GLOO_SOCKET_IFNAME"] == "eth7" and os.environ["NCCL_SOCKET_IFNAME"] == "lo"
+    # The driver hands actors the user's choice, never the interface it chose for itself.
+    assert user_socket_ifnames() == {"GLOO_SOCKET_IFNAME": "eth7"}
 
 
 def test_an_address_no_interface_holds_warns_and_sets_nothing(unset, capsys):

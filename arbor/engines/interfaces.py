@@ -23,6 +23,7 @@ import sys
 
 # The variables torch's gloo and NCCL read to choose an interface.
 SOCKET_IFNAME_VARIABLES = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
+_chosen: dict[str, str] = {}  # what bind_collectives set in this process (not the user's choice)
 _SIOCGIFADDR = 0x8915  # Linux ioctl: an interface's IPv4 address
 
 
@@ -76,8 +77,15 @@ def bind_collectives(address: str, reason: str = "") -> str | None:
         return None
     for variable in SOCKET_IFNAME_VARIABLES:
         if not os.environ.get(variable):
-            os.environ[variable] = interface
+            os.environ[variable] = _chosen[variable] = interface
     return interface
+
+
+def user_socket_ifnames() -> dict[str, str]:
+    """The ``*_SOCKET_IFNAME`` variables of this process the user set (not :func:`bind_collectives`,
+    whose choice holds for this machine only): what a driver hands its actors on other nodes."""
+    return {v: os.environ[v] for v in SOCKET_IFNAME_VARIABLES
+            if os.environ.get(v) and os.environ[v] != _chosen.get(v)}
 
 
 def bind_collectives_towards(peer: str) -> str | None:

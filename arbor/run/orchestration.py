@@ -37,17 +37,14 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from arbor.config import Config, RayConfig
-from arbor.engines.interfaces import SOCKET_IFNAME_VARIABLES
+from arbor.engines.interfaces import user_socket_ifnames
 from arbor.run.startup import StartupClock, uses_gpu
 
 # Nothing here imports torch, transformers or DeepSpeed at module level: an engine actor
 # imports this module before it starts its server, which would wait for them for nothing.
 
 # Environment every actor needs: no Ray auth token files, CPU DeepSpeed where no CUDA.
-# A user's GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME reach every actor and win over the
-# interface each rank would choose from its node's address.
-_ACTOR_ENV = ("RAY_AUTH_MODE", "DS_ACCELERATOR", "HF_HUB_OFFLINE", "PYTHONPATH", "TRANSFORMERS_OFFLINE", "PYTHONWARNINGS",
-              *SOCKET_IFNAME_VARIABLES)
+_ACTOR_ENV = ("RAY_AUTH_MODE", "DS_ACCELERATOR", "HF_HUB_OFFLINE", "PYTHONPATH", "TRANSFORMERS_OFFLINE", "PYTHONWARNINGS")
 
 
 _started_here = False  # whether the running Ray instance is a local one start_ray made
@@ -129,6 +126,9 @@ def _start_ray(ray_cfg: RayConfig, needs_cpus: int) -> None:
     if not torch.cuda.is_available():
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     env = {k: os.environ[k] for k in _ACTOR_ENV if k in os.environ}
+    # A user's GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME reach every actor and win over the
+    # interface each rank chooses from its node's address.
+    env |= user_socket_ifnames()
     # torch.distributed's deprecation notices, once per collective, would flood the console.
     env.setdefault("PYTHONWARNINGS", "ignore::FutureWarning")
     # Actors import arbor (and the user's rewards/agents) from the driver's directory.
