@@ -253,8 +253,9 @@ class LearnerGroup:
         within ``LOST_RANK_GRACE_S`` (the cause of the error, when a node died), else None."""
         import ray
 
-        print(f"arbor train: learner rank {rank} failed ({_first_line(error)}); waiting up to "
-              f"{LOST_RANK_GRACE_S:.0f} s for whether another rank or its node was lost", file=sys.stderr, flush=True)
+        if pending:
+            print(f"arbor train: learner rank {rank} failed ({_first_line(error)}); waiting up to {LOST_RANK_GRACE_S:.0f} s "
+                  "for whether another rank or its node was lost", file=sys.stderr, flush=True)
         deadline = time.monotonic() + LOST_RANK_GRACE_S
         while pending and time.monotonic() < deadline:
             ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))

@@ -38,6 +38,7 @@ from typing import Any, Protocol
 
 from arbor.config import Config, RayConfig
 from arbor.engines.interfaces import user_socket_ifnames
+from arbor.run.nodes import cluster_nodes, placement_problem, show_resources
 from arbor.run.startup import StartupClock, uses_gpu
 
 # Nothing here imports torch, transformers or DeepSpeed at module level: an engine actor
@@ -185,8 +186,6 @@ class Placement:
     def __init__(self, cfg: Config) -> None:
         from ray.util.placement_group import placement_group
 
-        from arbor.run.nodes import cluster_nodes, placement_problem
-
         self.gpu = uses_gpu(cfg)
         self.colocate = cfg.ray.colocate and self.gpu
         self.num_ranks = cfg.learner.num_ranks
@@ -237,8 +236,6 @@ class Placement:
         """Which bundles are not placed yet and what the cluster has free now."""
         import ray
         from ray.util.placement_group import placement_group_table
-
-        from arbor.run.nodes import show_resources
 
         table = placement_group_table(self.group)
         placed = table.get("bundles_to_node_id", {})
