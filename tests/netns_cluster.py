@@ -29,10 +29,15 @@ from arbor.engines.interfaces import SOCKET_IFNAME_VARIABLES
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "scripts" / "two_node_cluster.sh"
 RAY_PORT = 6379
-# Ray declares a silent node dead after health_check_failure_threshold missed checks, one every
-# health_check_period_ms (defaults 5 × 3 s, plus a 10 s timeout each): tests shorten that wait.
-FAST_NODE_DEATH = {"RAY_health_check_period_ms": "1000", "RAY_health_check_timeout_ms": "1000",
-                   "RAY_health_check_failure_threshold": "3"}
+RAY_NODE_SETTINGS = {
+    # Ray declares a silent node dead after health_check_failure_threshold missed checks, one
+    # every health_check_period_ms (defaults 5 × 3 s, plus a 10 s timeout each): shortened here.
+    "RAY_health_check_period_ms": "1000", "RAY_health_check_timeout_ms": "1000",
+    "RAY_health_check_failure_threshold": "3",
+    # Every node here sees the whole machine's memory, other nodes' and other jobs' included:
+    # Ray's memory monitor (which kills workers past 95% of it) would kill ours for their use.
+    "RAY_memory_monitor_refresh_ms": "0",
+}
 
 
 def node_env(**extra: str) -> dict[str, str]:
@@ -89,7 +94,7 @@ class NamespaceCluster:
         else:
             args += [f"--address={self.ray_address}"]
         self.ray_args[node] = args
-        self.run(node, args, timeout=180, env=node_env(**FAST_NODE_DEATH), check=True)
+        self.run(node, args, timeout=180, env=node_env(**RAY_NODE_SETTINGS), check=True)
 
     def kill(self, node: int) -> None:
         """Every process of ``node`` dies at once (the machine is lost); its address stays."""
@@ -99,7 +104,7 @@ class NamespaceCluster:
         """A fresh machine at ``node``'s address, running the Ray it ran before."""
         subprocess.run(["bash", str(SCRIPT), "start", self.directory, str(node)], check=True, timeout=60)
         if node in self.ray_args:
-            self.run(node, self.ray_args[node], timeout=180, env=node_env(**FAST_NODE_DEATH), check=True)
+            self.run(node, self.ray_args[node], timeout=180, env=node_env(**RAY_NODE_SETTINGS), check=True)
 
     def down(self) -> None:
         subprocess.run(["bash", str(SCRIPT), "down", self.directory], timeout=120)
