@@ -125,6 +125,8 @@ def test_a_run_needing_more_gpus_than_the_local_ray_instance_fails_at_once(tmp_p
                        "engine.urls=[http://127.0.0.1:1]")
     message = gpu_shortfall(two_ranks, [{"CPU": 1, "GPU": 1}] * 2, 1)
     assert message == "this run places 2 GPUs (learner.num_ranks=2), and the local Ray instance has 1"
+    on_a_cluster = gpu_shortfall(two_ranks, [{"CPU": 1, "GPU": 1}] * 2, 1, "the Ray cluster's alive nodes have")
+    assert on_a_cluster == "this run places 2 GPUs (learner.num_ranks=2), and the Ray cluster's alive nodes have 1"
 
 
 def test_a_placement_that_waits_says_what_for_and_gives_up_with_the_reason(tmp_path, monkeypatch, capsys):

@@ -263,15 +263,17 @@ def test_a_node_without_the_model_or_the_output_dir_fails_naming_it(cluster, tmp
     assert f"run.output_dir {hidden / 'run'} there is not the driver's" in error, error
 
 
-def test_a_real_sglang_server_on_the_other_node(cluster, tmp_path):
+@pytest.mark.parametrize("weight_sync", ["distributed", "disk"])
+def test_a_real_sglang_server_on_the_other_node(cluster, tmp_path, weight_sync):
     """SGLang (its CPU engine) started by arbor on node 2, learner ranks on both nodes: weights
-    broadcast from 10.77.0.1 into SGLang's own weight-update group on 10.77.0.2."""
+    broadcast from 10.77.0.1 into SGLang's own weight-update group on 10.77.0.2, or loaded by
+    SGLang from the directory rank 0 writes."""
     from sglang_env import sglang_python
 
     python = sglang_python()
     out = tmp_path / "sglang"
     done = train(cluster, out, *SPLIT, "engine.kind=sglang", f"engine.python={python}", "engine.max_cached_tokens=16384",
-                 "data.prompts_per_step=4", "run.steps=2", "run.save_every=0")
+                 f"learner.weight_sync={weight_sync}", "data.prompts_per_step=4", "run.steps=2", "run.save_every=0")
     assert f"engines http://{cluster.address(2)}:" in started_line(done.stdout)
     steps = steps_of(out)
     assert [m["step"] for m in steps] == [1, 2]

@@ -151,15 +151,17 @@ def _start_ray(ray_cfg: RayConfig, needs_cpus: int) -> None:
     _started_here = True
 
 
-def gpu_shortfall(cfg: Config, bundles: list[dict[str, float]], gpus: float, where: str = "the local Ray instance") -> str | None:
-    """Why ``bundles`` cannot be placed on ``where``'s ``gpus`` GPUs (None: they can)."""
+def gpu_shortfall(cfg: Config, bundles: list[dict[str, float]], gpus: float,
+                  where: str = "the local Ray instance has") -> str | None:
+    """Why ``bundles`` cannot be placed where there are ``gpus`` GPUs (None: they can);
+    ``where`` says what has them."""
     needed = sum(b.get("GPU", 0) for b in bundles)
     if needed <= gpus:
         return None
     engines = len(bundles) - cfg.learner.num_ranks
     message = (f"this run places {needed:g} GPUs (learner.num_ranks={cfg.learner.num_ranks}"
                + (f" + engine.num_engines={engines} × engine.tp_size={cfg.engine.tp_size}" if engines else "")
-               + f"), and {where} has {gpus:g}")
+               + f"), and {where} {gpus:g}")
     if engines and not cfg.ray.colocate:
         message += (": set ray.colocate: true to put each engine on a learner's GPU (with "
                     "learner.weight_sync: disk), or use fewer learner ranks or engines")
@@ -204,7 +206,7 @@ class Placement:
             self.labels += [f"engine {i}" for i in range(engines)]
         self.strategy = cfg.ray.placement_strategy
         nodes = cluster_nodes()
-        where = "the local Ray instance" if _started_here else "the Ray cluster's alive nodes"
+        where = "the local Ray instance has" if _started_here else "the Ray cluster's alive nodes have"
         problem = (gpu_shortfall(cfg, self.bundles, sum(n.resources.get("GPU", 0) for n in nodes), where)
                    or placement_problem(self.bundles, self.labels, self.strategy, nodes))
         if problem:
