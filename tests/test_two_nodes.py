@@ -88,7 +88,8 @@ def test_ranks_on_two_addresses_learn_as_on_one_node(cluster, tmp_path):
     assert [m["step"] for m in two_nodes] == [1, 2, 3]
     for x, y in zip(two_nodes, one_node):
         assert x["reward/mean"] == pytest.approx(y["reward/mean"], abs=1e-9), (x, y)
-        assert x["train/loss"] == pytest.approx(y["train/loss"], rel=1e-3, abs=1e-9)
+        # The PPO loss on fresh samples is ~1e-8 (advantages average to 0): float noise apart.
+        assert x["train/loss"] == pytest.approx(y["train/loss"], abs=1e-7)
         assert x["train/grad_norm"] == pytest.approx(y["train/grad_norm"], rel=1e-4)
         assert x["sync/logprob_gap"] < GAP_BOUND and y["sync/logprob_gap"] < GAP_BOUND
         assert x["train/logprob_gap"] < GAP_BOUND
