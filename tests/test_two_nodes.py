@@ -7,8 +7,9 @@ host-name address or copied the driver's interface would fail here as on a real 
 Placement is pinned with custom resources (``ray.learner_resources``, ``ray.engine_resources``):
 
 - node 1: CPU 4, ``{node1: 3, trainer: 1}``; node 2: CPU 3, ``{trainer: 1, rollout: 1}``.
-- ``SPLIT``: learner rank 0 on node 1, rank 1 and the engine on node 2 (ZeRO-3 over gloo
-  across the addresses; weights broadcast from 10.77.0.1 to 10.77.0.2 or loaded from disk).
+- ``SPLIT``: learner rank 0 on node 1 (the driver's: ranks are numbered from its node), rank 1
+  and the engine on node 2 (ZeRO-3 over gloo across the addresses; weights broadcast from
+  10.77.0.1 to 10.77.0.2 or loaded from disk).
 - ``ONE_NODE``: everything on node 1, the same run for comparison.
 
 One cluster for the module; a test that kills node 2 starts it again for the next.
@@ -81,7 +82,7 @@ def test_ranks_on_two_addresses_learn_as_on_one_node(cluster, tmp_path):
     one = train(cluster, tmp_path / "one", *ONE_NODE, "run.steps=3")
     a, b = cluster.address(1), cluster.address(2)
     assert f"engines http://{b}:" in started_line(split.stdout), started_line(split.stdout)
-    assert f"2 learner rank(s) on {a}, {b}," in started_line(split.stdout)
+    assert f"2 learner rank(s) on {a}, {b}," in started_line(split.stdout)  # rank 0 beside the driver
     assert f"engines http://{a}:" in started_line(one.stdout) and f"on {a}, {a}," in started_line(one.stdout)
 
     two_nodes, one_node = steps_of(tmp_path / "split"), steps_of(tmp_path / "one")

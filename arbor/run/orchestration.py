@@ -178,6 +178,7 @@ WAIT_REPORT_S = 30.0  # a placement still waiting says what for, this often
 
 class Placement:
     """One placement group: learner bundles first, then engine bundles (unless colocated).
+    Learner ranks are numbered node by node, the driver's node first.
 
     A placement that can never fit the cluster's alive nodes (more GPUs than they have, more
     ``STRICT_SPREAD`` bundles than nodes, a bundle no node offers) fails at once with the
@@ -213,6 +214,26 @@ class Placement:
             raise PlacementError(f"Ray cannot place this run: {problem}")
         self.group = placement_group(self.bundles, strategy=self.strategy)
         self._wait_placed()
+        self.rank_bundles = self._ranks_by_node()  # rank r runs on learner bundle rank_bundles[r]
+        for rank, bundle in enumerate(self.rank_bundles):
+            self.labels[bundle] = f"learner rank {rank}"
+
+    def _ranks_by_node(self) -> list[int]:
+        """The learner bundles in rank order: those on the driver's node first, then node by
+        node (by address), so rank 0 runs beside the driver where it can and each node's
+        ranks are consecutive (Ray numbers bundles in no such order)."""
+        import ray
+        from ray.util.placement_group import placement_group_table
+
+        placed = placement_group_table(self.group).get("bundles_to_node_id", {})
+        driver = ray.get_runtime_context().get_node_id()
+        address = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes()}
+
+        def order(bundle: int) -> tuple[bool, str, str, int]:
+            node = placed.get(bundle, "")
+            return node != driver, address.get(node, ""), node, bundle
+
+        return sorted(range(self.num_ranks), key=order)
 
     def describe(self) -> str:
         return f"{len(self.bundles)} bundles with ray.placement_strategy={self.strategy}"
@@ -258,7 +279,7 @@ class Placement:
         }
 
     def learner_options(self, rank: int) -> dict[str, Any]:
-        return self.options(rank, (0.5 if self.colocate else 1.0) if self.gpu else 0)
+        return self.options(self.rank_bundles[rank], (0.5 if self.colocate else 1.0) if self.gpu else 0)
 
     def engine_options(self, index: int, tp_size: int) -> dict[str, Any]:
         if self.colocate:
