@@ -79,6 +79,7 @@ def test_two_ranks_on_two_nodes_give_the_single_process_gradient(tmp_path, monke
         probes = [probe.options(**placement.learner_options(rank)).remote(cfg, rank) for rank in range(2)]
         nodes = ray.get([p.node.remote() for p in probes])
         assert len(set(nodes)) == 2, "the two ranks share a node"
+        assert nodes[0] == ray.get_runtime_context().get_node_id(), "rank 0 is not on the driver's node"
         master = ray.get(probes[0].address.remote())
         ray.get([p.setup.remote(master) for p in probes])
         grads = ray.get([p.gradients.remote() for p in probes], timeout=300)
