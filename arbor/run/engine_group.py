@@ -18,7 +18,7 @@ from typing import Any
 from arbor.config import Config
 from arbor.engines.interfaces import bind_collectives
 from arbor.errors import ConfigError
-from arbor.run.nodes import check_node_paths, node_address
+from arbor.run.nodes import check_node_paths, node_address, node_id
 from arbor.run.orchestration import Placement, cpu_threads, gather
 from arbor.run.startup import engine_device, uses_gpu
 
@@ -45,6 +45,10 @@ class EngineWorker:
 
     def urls(self) -> list[str]:
         return self.handle.urls
+
+    def node(self) -> tuple[str, str]:
+        """This engine's Ray node id and address."""
+        return node_id(), node_address()
 
     def pid(self) -> int:
         """The server's process id (what a fault test or scripts/soak.py kills)."""
@@ -135,6 +139,7 @@ class EngineGroup:
         self.urls: list[str] = []
         self.cfg, self.placement, self.log_dir, self.output_token = cfg, placement, log_dir, output_token
         self.starts = [1] * cfg.engine.num_engines  # actors started per engine (a replaced one logs apart)
+        self.nodes: list[tuple[str, str]] = []  # engine i's Ray node id and address, once started
         if cfg.engine.kind == "external":
             from arbor.engines.launch import launch_engines
 
@@ -180,6 +185,7 @@ class EngineGroup:
                   f"{self.placement.waiting_for()}", file=sys.stderr, flush=True)
         (new_url,) = gather([ref], ray.exceptions.RayError, lambda _, e: _not_started(index, e))[0]
         self.urls[index] = new_url
+        self.nodes[index] = ray.get(self.workers[index].node.remote())
         return new_url
 
     def wait_started(self) -> None:
@@ -190,6 +196,11 @@ class EngineGroup:
         if not self.workers:
             return  # external engines: their URLs were taken at __init__
         self.urls = [u for urls in gather(self.starting, ray.exceptions.RayError, _not_started) for u in urls]
+        self.nodes = ray.get([w.node.remote() for w in self.workers])
+
+    def node_of(self, url: str) -> tuple[str, str] | None:
+        """The Ray node id and address of the engine at ``url`` (None: external)."""
+        return self.nodes[self.urls.index(url)] if self.nodes else None
 
     def worker(self, url: str) -> Any:
         """The actor owning the server at ``url`` (one server per actor); None for external engines."""

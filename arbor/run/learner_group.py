@@ -28,7 +28,7 @@ from arbor.engines.connect import closing
 from arbor.engines.interfaces import bind_collectives
 from arbor.engines.ports import free_port
 from arbor.errors import ConfigError
-from arbor.run.nodes import check_node_paths, node_address, node_alive, node_id
+from arbor.run.nodes import check_node_paths, node_address, node_alive, node_id, node_lost
 from arbor.run.orchestration import Placement, cpu_threads, uses_gpu
 
 if TYPE_CHECKING:
@@ -275,7 +275,7 @@ class LearnerGroup:
         where = ""
         if node is not None:
             where = f" on node {node[1]}"
-            if not node_alive(node[0]):
+            if node_lost(node[0]):  # waits for Ray's verdict when it has none yet
                 where += f" (node {node[1]} is lost: Ray lists it as dead)"
         return LearnerFailedError(
             f"learner rank {rank}{where} died ({_first_line(e)}); the run stops. "

@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import secrets
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -64,6 +65,38 @@ def node_alive(node_id: str) -> bool:
     import ray
 
     return any(n["NodeID"] == node_id and n["Alive"] for n in ray.nodes())
+
+
+NODE_VERDICT_S = 120.0  # how long node_lost waits for Ray to declare a silent node dead
+
+
+def node_lost(node_id: str, timeout_s: float = NODE_VERDICT_S) -> bool:
+    """Whether the Ray node ``node_id`` is lost: True once Ray declares it dead, False once it
+    runs a task. An actor dies at once with its node, but Ray declares the node dead only
+    after its missed health checks (by default 5, one every 3 s): until one of the two
+    happens, this waits (at most ``timeout_s``; then it goes by Ray's node table)."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    probe = ray.remote(num_cpus=0)(_process_id).options(
+        scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False)).remote()
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if not node_alive(node_id):
+            return True
+        if ray.wait([probe], timeout=1.0)[0]:
+            try:
+                ray.get(probe)
+                return False  # it ran a task: alive
+            except ray.exceptions.RayError:
+                return not node_alive(node_id)
+    ray.cancel(probe, force=True)
+    return not node_alive(node_id)
+
+
+def _process_id() -> int:
+    """What :func:`node_lost` runs on a node to see it alive."""
+    return os.getpid()
 
 
 def _fits(bundle: dict[str, float], offer: dict[str, float]) -> bool:

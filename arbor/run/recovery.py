@@ -41,6 +41,7 @@ from arbor.engines.launch import EngineLaunchError
 from arbor.run import checkpoint
 from arbor.run.engine_group import EngineGroup
 from arbor.run.learner_group import LearnerGroup
+from arbor.run.nodes import node_lost
 
 T = TypeVar("T")
 HEALTH_TIMEOUT_S = 30.0
@@ -139,11 +140,17 @@ class EngineRecovery:
     def _move(self, url: str) -> str:
         """Start the engine at ``url``, whose actor is gone, in a new actor (on an alive node when
         its own was lost); its new URL. A learner rank on a lost node stops the run instead."""
-        lost = self.learners.lost_rank_error()
-        if lost is not None:
-            raise lost
-        print(f"arbor train: engine {url}'s actor is gone (its node lost?); starting the engine again "
-              "where Ray places it", file=sys.stderr, flush=True)
+        node = self.engines.node_of(url)
+        # Wait for Ray's verdict on the node: until it declares a lost node dead, the engine's
+        # bundle stays there and a new actor would be sent to a dead machine.
+        if node is not None and node_lost(node[0]):
+            lost = self.learners.lost_rank_error()
+            if lost is not None:
+                raise lost
+            print(f"arbor train: engine {url}'s node {node[1]} is lost; starting the engine again where Ray "
+                  "re-places its bundle", file=sys.stderr, flush=True)
+        else:
+            print(f"arbor train: engine {url}'s actor is gone; starting it again", file=sys.stderr, flush=True)
         try:
             new_url = self.engines.replace(url)
         except EngineLaunchError as e:
