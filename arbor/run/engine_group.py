@@ -181,8 +181,8 @@ class EngineGroup:
             if waited >= limit:
                 raise EngineLaunchError(f"engine {index} (was {url}) did not start again within {limit:.0f} s: "
                                         f"{self.placement.waiting_for()}")
-            print(f"arbor train: engine {index} (was {url}) is starting again ({waited:.0f} s): "
-                  f"{self.placement.waiting_for()}", file=sys.stderr, flush=True)
+            print(f"arbor train: engine {index} (was {url}) is still starting again ({waited:.0f} s; "
+                  f"{self.placement.waiting_for()})", file=sys.stderr, flush=True)
         (new_url,) = gather([ref], ray.exceptions.RayError, lambda _, e: _not_started(index, e))[0]
         self.urls[index] = new_url
         self.nodes[index] = ray.get(self.workers[index].node.remote())

@@ -237,7 +237,7 @@ class LearnerGroup:
             try:
                 ray.get(ready[0])
             except ray.exceptions.RayActorError as e:
-                raise self._lost(refs.index(ready[0]), e) from e
+                raise self._lost(refs.index(ready[0]), _first_line(e)) from e
             except ray.exceptions.RayError as e:
                 cause = getattr(e, "cause", None)  # what a rank raised (Ray's RayTaskError)
                 if isinstance(cause, ConfigError):  # its node lacks a path: say so at once
@@ -263,12 +263,14 @@ class LearnerGroup:
                 try:
                     ray.get(ref)
                 except ray.exceptions.RayActorError as e:
-                    return self._lost(refs.index(ref), e)
+                    return self._lost(refs.index(ref), _first_line(e))
                 except ray.exceptions.RayError:
                     continue  # another rank's error: the peers of a lost one fail alike
         return None
 
-    def _lost(self, rank: int, e: Exception) -> LearnerFailedError:
+    def _lost(self, rank: int, cause: str) -> LearnerFailedError:
+        """The error naming rank ``rank``, its node (and whether Ray lists the node as lost),
+        ``cause`` and the last checkpoint."""
         from arbor.run import checkpoint
 
         node = self.nodes[rank]
@@ -276,10 +278,9 @@ class LearnerGroup:
         if node is not None:
             where = f" on node {node[1]}"
             if node_lost(node[0]):  # waits for Ray's verdict when it has none yet
-                where += f" (node {node[1]} is lost: Ray lists it as dead)"
+                where += " (the node is lost: Ray lists it as dead)"
         return LearnerFailedError(
-            f"learner rank {rank}{where} died ({_first_line(e)}); the run stops. "
-            f"{checkpoint.resume_hint(self.output_dir)}"
+            f"learner rank {rank}{where} died ({cause}); the run stops. {checkpoint.resume_hint(self.output_dir)}"
         )
 
     def lost_rank_error(self) -> LearnerFailedError | None:
@@ -287,7 +288,7 @@ class LearnerGroup:
         (an engine's recovery asks before moving the engine off a lost node)."""
         for rank, node in enumerate(self.nodes):
             if node is not None and not node_alive(node[0]):
-                return self._lost(rank, RuntimeError(f"its node {node[1]} died"))
+                return self._lost(rank, "found when an engine on a lost node stopped answering")
         return None
 
     def node_addresses(self) -> str:

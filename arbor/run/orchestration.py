@@ -265,7 +265,8 @@ class Placement:
         waiting = [f"{label} {show_resources(self.bundles[i])}" for i, label in enumerate(self.labels) if not placed.get(i)]
         state = table.get("stats", {}).get("scheduling_state", table.get("state", "?"))
         free = show_resources(ray.available_resources())
-        return f"{', '.join(waiting) or 'no bundle'} not placed yet ({state}); free in the cluster now: {free}"
+        placement = f"{', '.join(waiting)} not placed yet ({state})" if waiting else "every bundle is placed"
+        return f"{placement}; free in the cluster now: {free}"
 
     def options(self, bundle: int, gpus: float) -> dict[str, Any]:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
