@@ -6,7 +6,9 @@
     arbor export RUN/hf --merge OUT                         # a LoRA adapter merged into its base
 
 Every command that takes a config validates it (and its overrides) before any work
-starts; a bad key exits with status 2 and a message naming it.
+starts; a bad key exits with status 2 and a message naming it. ``train``, ``eval`` and ``sft``
+then share one start-up (:func:`arbor.run.startup.start_command`), whose rules on the settled
+config (the model's context, this machine) exit the same way.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import sys
 from collections.abc import Callable
 
 from arbor.config import Config, dump_config
-from arbor.config_load import check_context_length, load_config
+from arbor.config_load import load_config
 from arbor.errors import ConfigError
 from arbor.plugins import default_search_dirs
 
@@ -47,30 +49,6 @@ def check_extensions(cfg: Config) -> None:
         from arbor.rollout.agents import rollout_agent
 
         rollout_agent(cfg.rollout, default_search_dirs(cfg.source))
-
-
-def check_model_context(cfg: Config, command: str) -> None:
-    """``data.max_prompt_tokens`` + the response budget must fit the model's context
-    (:func:`~arbor.config_load.check_context_length`), read once before any work starts: SGLang's
-    ``--context-length`` when ``engine.extra_args`` sets it, else ``max_position_embeddings``
-    of ``model.path``'s config (what SGLang and the embedded engine default to)."""
-    extra = list(cfg.engine.extra_args)
-    for i, arg in enumerate(extra):
-        if cfg.engine.kind != "embedded" and arg.startswith("--context-length"):
-            value = arg.partition("=")[2] or (extra[i + 1] if i + 1 < len(extra) else "")
-            if not value.isdigit():
-                raise ConfigError(f"engine.extra_args: --context-length needs a number of tokens, got {value!r}")
-            check_context_length(cfg, int(value), "--context-length in engine.extra_args", command)
-            return
-    from transformers import AutoConfig
-
-    try:
-        model_config = AutoConfig.from_pretrained(cfg.model.path, trust_remote_code=cfg.model.trust_remote_code)
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"model.path: cannot read the config of {cfg.model.path!r}: {e}") from None
-    context = getattr(model_config.get_text_config(), "max_position_embeddings", None)
-    if context is not None:  # a model without the field: the server's own check is all there is
-        check_context_length(cfg, int(context), f"max_position_embeddings of {cfg.model.path}", command)
 
 
 def print_config(cfg: Config) -> int:
@@ -132,14 +110,12 @@ def main(argv: list[str] | None = None) -> int:
 
             start_ray_early(cfg)  # Ray comes up while the checks, imports and data load run
         check_extensions(cfg)
-        if args.command in ("train", "eval") and not args.dry_run:  # --dry-run reads no model
-            check_model_context(cfg, args.command)
-    except ConfigError as e:
+        if args.dry_run:
+            return print_config(cfg)
+        return _resolve(args.command)(cfg)
+    except ConfigError as e:  # also a rule the command's start-up found on the settled config
         print(f"arbor {args.command}: config error: {e}", file=sys.stderr)
         return 2
-    if args.dry_run:
-        return print_config(cfg)
-    return _resolve(args.command)(cfg)
 
 
 if __name__ == "__main__":

@@ -1,13 +1,15 @@
 """The pieces one ``arbor train`` run holds, declared in one record, and their start and stop.
 
     with start_run(cfg) as ctx:          # Ray, engines, learner ranks, reward pool, TensorBoard
-        batch = phases.collect_rollouts(ctx.sampling, ctx.rewards, ctx.stream, ctx.log, cfg, step)
+        batch = phases.collect_rollouts(ctx.sampling, ctx.rewards, ctx.stream, ctx.log, ctx.cfg, step)
         ctx.save_checkpoint(step)
     # everything started is stopped again, in reverse order, also after an error
 
-:func:`start_run` refuses an output directory holding another run (unless ``run.resume``),
-saves the resolved config, loads the problems and resumes from the latest checkpoint. The
-phases (:mod:`arbor.run.phases`) never see this record: the trainer hands each the pieces it uses.
+:func:`start_run` begins with the start-up every command shares
+(:func:`arbor.run.startup.start_command`: the settled config, written to the output directory;
+a used directory refused unless ``run.resume``; the tokenizer), loads the problems and
+resumes from the latest checkpoint. The phases (:mod:`arbor.run.phases`) never see this
+record: the trainer hands each the pieces it uses.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-from arbor.config import Config, save_config
+from arbor.config import Config
 from arbor.data import ProblemStream, load_problems
 from arbor.engines.client import SGLangClient
 from arbor.rollout.agents import Agent, fitting_problems, rollout_agent
@@ -31,7 +33,7 @@ from arbor.run.metrics import MetricsLog
 from arbor.run.orchestration import Placement, ray_cpus, start_groups, start_ray
 from arbor.run.phases import Sampling
 from arbor.run.recovery import EngineRecovery
-from arbor.run.startup import StartupClock, load_tokenizer, settled
+from arbor.run.startup import StartupClock, start_command
 
 T = TypeVar("T")
 
@@ -40,7 +42,7 @@ T = TypeVar("T")
 class RunContext:
     """Everything one run holds: config, data, engines, learners, rewards, metrics."""
 
-    cfg: Config
+    cfg: Config  # settled (arbor.run.startup.settled): what this run runs with, as config.yaml holds it
     sampling: Sampling  # the engine client with the tokenizer, agent and prompt format
     stream: ProblemStream  # training problems, batch after batch (its cursor is checkpointed)
     eval_problems: list[dict]  # eval.path (or data.eval_path) when run.eval_every; else empty
@@ -142,19 +144,10 @@ def start_run(cfg: Config, clock: StartupClock | None = None) -> Iterator[RunCon
 def _start(cfg: Config, closers: list[Callable[[], Any]], clock: StartupClock) -> RunContext:
     from arbor.plugins import default_search_dirs
 
+    started = start_command(cfg, "train", clock)
+    cfg, tokenizer, eos_token_ids, previous = started.cfg, started.tokenizer, started.stop_ids, started.previous
     out = Path(cfg.run.output_dir)
-    previous = checkpoint.latest_checkpoint(out)
-    if previous is not None and not cfg.run.resume:
-        raise SystemExit(
-            f"arbor train: {out} already holds a run (checkpoint {previous.name}); set "
-            "run.resume=true to continue it, or choose another run.output_dir"
-        )
-    out.mkdir(parents=True, exist_ok=True)
-    save_config(cfg, out / "config.yaml")  # as written: engine.kind auto stays auto on another machine
-    cfg = settled(cfg)
     search = default_search_dirs(cfg.source)  # where rewards/ and agents/ specs resolve
-    with clock.phase("tokenizer"):
-        tokenizer, eos_token_ids = load_tokenizer(cfg.model)
     agent = rollout_agent(cfg.rollout, search)  # multi-turn episodes, or None
     with clock.phase("data"):
         stream, eval_problems, data_metrics = _load_problems(cfg, agent, tokenizer)

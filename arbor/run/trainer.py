@@ -35,7 +35,7 @@ def train(cfg: Config, after_step: Callable[[RunContext, int, dict], None] | Non
     history = []
     with start_run(cfg) as ctx, producer_for(ctx.cfg, ctx.sampling, ctx.rewards, ctx.stream,
                                              ctx.start_step + 1) as producer:
-        cfg = ctx.cfg  # settled: engine.kind and engine.api_key decided (arbor.run.startup.settled)
+        cfg = ctx.cfg  # settled: what this run runs with (arbor.run.startup.start_command)
 
         def evaluate() -> dict[str, float]:
             with ctx.log.phase(phases.EVAL_PHASE):
