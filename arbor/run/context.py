@@ -24,6 +24,7 @@ from typing import Any, TypeVar
 from arbor.config import Config
 from arbor.data import ProblemStream, load_problems
 from arbor.engines.client import SGLangClient
+from arbor.engines.connect import engine_client
 from arbor.rollout.agents import Agent, fitting_problems, rollout_agent
 from arbor.rollout.rewards import RewardPool, reward_pool
 from arbor.run import checkpoint
@@ -32,8 +33,9 @@ from arbor.run.learner_group import LearnerGroup
 from arbor.run.metrics import MetricsLog
 from arbor.run.orchestration import Placement, ray_cpus, start_groups, start_ray
 from arbor.run.phases import Sampling
-from arbor.run.recovery import EngineRecovery
+from arbor.run.recovery import EngineRecovery, RecoveringEngine
 from arbor.run.startup import StartupClock, start_command
+from arbor.run.weight_sync import EngineWeights
 
 T = TypeVar("T")
 
@@ -43,7 +45,7 @@ class RunContext:
     """Everything one run holds: config, data, engines, learners, rewards, metrics."""
 
     cfg: Config  # settled (arbor.run.startup.settled): what this run runs with, as config.yaml holds it
-    sampling: Sampling  # the engine client with the tokenizer, agent and prompt format
+    sampling: Sampling  # the run's engines with the tokenizer, agent and prompt format
     stream: ProblemStream  # training problems, batch after batch (its cursor is checkpointed)
     eval_problems: list[dict]  # eval.path (or data.eval_path) when run.eval_every; else empty
     data_metrics: dict[str, float]  # problems skipped at start-up (data/skipped_long_prompts, ...)
@@ -52,6 +54,7 @@ class RunContext:
     placement: Placement
     engines: EngineGroup
     learners: LearnerGroup
+    weights: EngineWeights  # the weights the engines serve: pushes, restores, the adapter name
     recovery: EngineRecovery  # restarts a dead engine with the run's weights
     schedule_steps: int  # run.steps the LR schedule spans (kept from the first run on resume)
     startup: StartupClock  # seconds per start-up phase (printed once everything is up)
@@ -60,7 +63,8 @@ class RunContext:
 
     @property
     def client(self) -> SGLangClient:
-        return self.sampling.client
+        """The trainer's HTTP client of the engines (control calls; rollouts go through ``sampling.engine``)."""
+        return self.sampling.engine.client
 
     def run_async(self, coroutine: Coroutine[Any, Any, T]) -> T:
         """Run a coroutine on the engine client from this synchronous loop."""
@@ -107,9 +111,7 @@ class RunContext:
         self.learners.load(str(directory / "learner"))
         self.stream.load_state_dict(state["stream"])
         self.start_step = int(state["step"])
-        self.learners.push_weights(self.engines.urls, str(self.start_step))
-        self.client.lora_path = self.learners.adapter
-        self.run_async(self.client.flush_cache())
+        self.weights.push(str(self.start_step))
         print(f"arbor train: resumed from {directory} (step {self.start_step})", flush=True)
 
     def export_hf(self) -> None:
@@ -177,14 +179,15 @@ def _start(cfg: Config, closers: list[Callable[[], Any]], clock: StartupClock) -
     learners = LearnerGroup(cfg, placement, total_steps=schedule_steps * updates_per_step(cfg), wait=False)
     closers.append(learners.shutdown)
     start_groups(engines, learners, clock)
-    # A server that dies mid-step is restarted with the run's weights; its requests are sent
-    # again. The recovery owns the driver's client for that.
-    recovery = EngineRecovery(engines, learners, cfg.engine, cfg.learner.weight_sync, cfg.run.output_dir)
+    # A server that dies mid-step is restarted with the run's weights; its requests are sent again.
+    weights = EngineWeights(cfg, learners, engines.urls)
+    recovery = EngineRecovery(engines, weights, cfg.engine, cfg.run.output_dir)
+    engine = RecoveringEngine(engine_client(cfg.engine, engines.urls), recovery, weights)
     ctx = RunContext(
-        cfg=cfg, sampling=Sampling(recovery.client, tokenizer, agent, eos_token_ids, cfg.data, cfg.model.chat_template),
+        cfg=cfg, sampling=Sampling(engine, tokenizer, agent, eos_token_ids, cfg.data, cfg.model.chat_template),
         stream=stream, eval_problems=eval_problems, data_metrics=data_metrics, log=log, rewards=rewards,
-        placement=placement, engines=engines, learners=learners, recovery=recovery, schedule_steps=schedule_steps,
-        startup=clock,
+        placement=placement, engines=engines, learners=learners, weights=weights, recovery=recovery,
+        schedule_steps=schedule_steps, startup=clock,
     )
     if previous is not None:
         with clock.phase("resume"):

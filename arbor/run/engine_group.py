@@ -98,10 +98,10 @@ def engine_args(cfg: Config) -> list[str]:
         )
         if cpu:
             args += sglang_cpu_flags(cfg.engine.max_cached_tokens)
-        if cfg.model.lora_rank:  # the adapters each sync loads (arbor.train.lora)
-            from arbor.train.lora import sglang_lora_flags
+        if cfg.model.lora_rank:  # the adapters each push loads
+            from arbor.run.weight_sync import lora_engine_flags
 
-            args += sglang_lora_flags(cfg.model)
+            args += lora_engine_flags(cfg.model)
     else:
         args = ["--max-cached-tokens", str(cfg.engine.max_cached_tokens)]
     return args + list(cfg.engine.extra_args)
