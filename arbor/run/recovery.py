@@ -74,10 +74,8 @@ class EngineRecovery:
             if self._healthy(url):
                 return
             self._restart(url, error)
-            self.weights.restore(url)
-            version = self.weights.version
-        print(f"arbor train: engine {url} is back, serving weight version {version or 'of model.path'}",
-              file=sys.stderr, flush=True)
+            served = self.weights.restore(url)
+        print(f"arbor train: engine {url} is back, serving {served}", file=sys.stderr, flush=True)
 
     def revive_dead(self) -> None:
         """Recover every server that does not answer ``/health`` now (before a weight sync,

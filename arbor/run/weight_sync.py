@@ -329,20 +329,26 @@ class EngineWeights:
             return await self._sync.push_directory(self.sync_dir, version)
         return await self._sync.push_from(self.learners, version)
 
-    def restore(self, url: str) -> None:
-        """The restarted server at ``url`` (serving model.path's weights) gets the others'."""
+    def restore(self, url: str) -> str:
+        """The restarted server at ``url`` (serving model.path's weights) gets the others';
+        what it serves now, in words."""
         with self._lock:
             one = WeightSync(self._sync.client.over([url]))
-            if self.version is not None:
-                if self.method == "adapter":
-                    _run(one.client, one.load_adapters(self.sync_dir, self._sync.adapters, self.version))
-                elif not self._ahead:  # else the push now under way brings them
-                    if self.method == "distributed":
-                        self.learners.export_hf(str(self.sync_dir))
-                    _run(one.client, one.push_directory(self.sync_dir, self.version))
+            served = f"weight version {self.version}"
+            if self.version is None:
+                served = "model.path's weights, as the others"
+            elif self.method == "adapter":
+                _run(one.client, one.load_adapters(self.sync_dir, self._sync.adapters, self.version))
+            elif self._ahead:
+                served = "model.path's weights until the push under way"
+            else:
+                if self.method == "distributed":
+                    self.learners.export_hf(str(self.sync_dir))
+                _run(one.client, one.push_directory(self.sync_dir, self.version))
             if self.method == "distributed":  # the old group had the dead server in it
                 others = [u for u in self.urls if u != url]
                 _run(self._sync.client, self._sync.leave_group(others))
+        return served
 
 
 def _run(client: SGLangClient, coroutine: Coroutine[Any, Any, T]) -> T:
