@@ -159,6 +159,17 @@ def test_ray_started_early_is_awaited_and_outlives_the_thread_that_started_it(tm
         for kind in ("gcs_server", "raylet"):
             assert all(p.process.poll() is None for p in node.all_processes[kind]), kind
         assert ray.get(ray.remote(lambda: 6 * 7).remote()) == 42
+
+        def progress_bars() -> dict[str, bool]:  # defined here: Ray ships it by value
+            """Whether tqdm, and transformers (save_pretrained's "Writing model shards"), draw bars."""
+            from tqdm import tqdm
+            from transformers.utils import logging
+
+            with tqdm(range(1), desc="Writing model shards") as bar:
+                return {"tqdm": not bar.disable, "transformers": logging.is_progress_bar_enabled()}
+
+        # Actors draw no progress bars: Ray would forward them to the run's console.
+        assert ray.get(ray.remote(progress_bars).remote()) == {"tqdm": False, "transformers": False}
     finally:
         ray.shutdown()
 
