@@ -88,23 +88,26 @@ def apply_override(raw: dict[str, Any], item: str, schema: type) -> str:
     return key
 
 
-def override_syntax(key: str, tp: Any) -> str:
-    """How to override ``key`` (annotated ``tp``) on the command line, as examples.
+def override_syntax(key: str, tp: Any, given: Any = None) -> str:
+    """How to override ``key`` (annotated ``tp``) on the command line, as examples; a string
+    the user ``given`` fills the first text field of a record.
 
-        override_syntax("reward.functions", list[RewardTermConfig])
-        # "'reward.functions=[{fn: rewards/math.py:boxed_accuracy, weight: 1.0}]' (the whole list,
-        #  YAML flow syntax) or 'reward.functions[0].fn=rewards/math.py:boxed_accuracy' (one key of one item)"
+        override_syntax("reward.functions", list[RewardTermConfig], "my.py:score")
+        # "'reward.functions=[{fn: my.py:score, weight: 1.0}]' (the whole list, YAML flow syntax)
+        #  or 'reward.functions[0].fn=my.py:score' (one key of one item)"
     """
-    whole, one = _examples(key, tp)
+    whole, one = _examples(key, tp, given)
     return f"{whole} or {one}"
 
 
-def _examples(key: str, tp: Any) -> tuple[str, str]:
+def _examples(key: str, tp: Any, given: Any = None) -> tuple[str, str]:
     """Two overrides of ``key``: its whole value, and one part of it."""
     item_tp = _list_item(tp)
     if _is_record(item_tp):
         example = {f.name: getattr(item_tp(), f.name) for f in dataclasses.fields(item_tp)}
         first = next(iter(example))
+        if isinstance(given, str) and isinstance(example[first], str):
+            example[first] = given
         return (f"'{key}=[{_flow(example)}]' (the whole list, YAML flow syntax)",
                 f"'{key}[0].{first}={_flow(example[first])}' (one key of one item)")
     if item_tp is not None:
@@ -158,7 +161,7 @@ def _show_key(path: list[str | int]) -> str:
 def _list_advice(here: str, tp: Any, rest: list[str | int], value: str) -> str:
     """What to write instead of ``here.rest=value`` (``rest`` starting with a name, not an index)."""
     first = rest[0]
-    whole, one = _examples(here, tp)
+    whole, one = _examples(here, tp, value)
     if isinstance(first, str) and first.isdigit():  # reward.functions.0.fn: the index goes in brackets
         fixed = _show_key([here, int(first), *rest[1:]])
         return f"write '{fixed}={value}' (items are indexed in brackets), or {whole}"

@@ -110,7 +110,7 @@ def build(cls: type, raw: Any, prefix: str, where: KeySources) -> Any:
         # A list's item (reward.functions[0]): show the list's syntax, else the section's.
         owner, tp = (key.rpartition("[")[0], list[cls]) if key.endswith("]") else (key, cls)  # type: ignore[valid-type]
         raise ConfigError(f"{where(key)}: {key or 'config'} must be a mapping, got {_show(raw)}"
-                          + _syntax_hint(owner, tp, where))
+                          + _syntax_hint(owner, tp, where, raw))
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls) if f.name != "source"}
     unknown = [k for k in raw if k not in fields]
@@ -154,7 +154,7 @@ def coerce(value: Any, tp: Any, key: str, where: KeySources) -> Any:
     if origin is list:
         if not isinstance(value, list):
             raise ConfigError(f"{where(key)}: {key} must be a list, got {_show(value)}"
-                              + _syntax_hint(key, tp, where))
+                              + _syntax_hint(key, tp, where, value))
         (item_tp,) = typing.get_args(tp)
         return [coerce(v, item_tp, f"{key}[{i}]", where) for i, v in enumerate(value)]
     if tp is bool:
@@ -179,9 +179,9 @@ def coerce(value: Any, tp: Any, key: str, where: KeySources) -> Any:
     raise TypeError(f"config field {key} has an unsupported annotation {tp!r}")  # our bug
 
 
-def _syntax_hint(key: str, tp: Any, where: KeySources) -> str:
-    """For a value an override gave: how to write it on the command line."""
-    return f"; on the command line: {override_syntax(key, tp)}" if where.override_of(key) else ""
+def _syntax_hint(key: str, tp: Any, where: KeySources, given: Any) -> str:
+    """For a value an override gave: how to write it on the command line (with ``given`` in it)."""
+    return f"; on the command line: {override_syntax(key, tp, given)}" if where.override_of(key) else ""
 
 
 def _show(value: Any) -> str:

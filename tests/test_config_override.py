@@ -68,8 +68,9 @@ def test_wrong_guesses_name_the_override_and_show_syntax_that_works(guess):
     assert "quickstart.yaml" not in message  # never blamed on a line of the file
     fixes = suggested(message.removeprefix(f"override {guess!r}: "))
     assert fixes and any(f.startswith("reward.functions=[{fn: ") for f in fixes), message
+    assert f"'reward.functions=[{{fn: {FN}, weight: 1.0}}]'" in message  # the user's function, in place
     for fix in fixes:  # every suggestion is itself an override that works
-        assert load_config(QUICKSTART, [fix]).reward.functions[0].fn
+        assert load_config(QUICKSTART, [fix]).reward.functions[0].fn == FN
 
 
 def test_the_dotted_index_is_corrected_with_the_users_value():
