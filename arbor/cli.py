@@ -220,6 +220,7 @@ def _engine_kind(cfg: Config, kind: str) -> str:
 
 def _passes(check: Callable[[], None], detail: str) -> Callable[[], str]:
     """``check`` as a dry run's check: it raises, or passes with ``detail``."""
+
     def run() -> str:
         check()
         return detail
@@ -228,6 +229,7 @@ def _passes(check: Callable[[], None], detail: str) -> Callable[[], str]:
 
 def _raise(error: Exception) -> str:
     raise error
+
 
 if __name__ == "__main__":
     sys.exit(main())
