@@ -16,18 +16,19 @@ from collections.abc import Callable
 from pathlib import Path
 
 from arbor.config import Config
-from arbor.config_parse import apply_override, build, read_yaml
+from arbor.config_override import apply_override
+from arbor.config_parse import build, read_yaml
 from arbor.errors import ConfigError
 
 # -- loading (the YAML reading and type checks: arbor.config_parse) ----------------
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
-    """Read ``path`` (YAML), apply ``section.key=value`` overrides, check everything."""
+    """Read ``path`` (YAML), apply ``section.key=value`` overrides (list items as
+    ``section.key[0].field=value``: :mod:`arbor.config_override`), check everything."""
     raw, where = read_yaml(path)
     for item in overrides:
-        key = apply_override(raw, item)
-        where.overrides[key] = item
+        where.add_override(apply_override(raw, item, Config), item)
     cfg = build(Config, raw, "", where)
     cfg.source = str(Path(path).resolve()) if path is not None else None
     validate(cfg, where)

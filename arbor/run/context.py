@@ -31,7 +31,7 @@ from arbor.run.metrics import MetricsLog
 from arbor.run.orchestration import Placement, ray_cpus, start_groups, start_ray
 from arbor.run.phases import Sampling
 from arbor.run.recovery import EngineRecovery
-from arbor.run.startup import StartupClock, load_tokenizer, settled
+from arbor.run.startup import StartupClock, load_tokenizer, problem_files, settled
 
 T = TypeVar("T")
 
@@ -220,13 +220,13 @@ def _load_problems(cfg: Config, agent: Agent | None, tokenizer: Any) -> tuple[Pr
         data_metrics[metric] = float(len(skipped))
         return kept
 
-    problems = fitting(load_problems(cfg.data.train_path, cfg.data), "data.train_path", "data/skipped_long_prompts")
+    files = problem_files(cfg, "train")  # data.train_path, and the eval set when the run evaluates
+    problems = fitting(load_problems(files.pop("data.train_path"), cfg.data, "data.train_path"), "data.train_path",
+                       "data/skipped_long_prompts")
     stream = ProblemStream(problems, cfg.run.seed, cfg.data.shuffle)
     eval_problems: list[dict] = []
-    eval_path = cfg.eval.path or cfg.data.eval_path
-    if eval_path and cfg.run.eval_every:
-        eval_problems = fitting(load_problems(eval_path, cfg.data),
-                                "eval.path" if cfg.eval.path else "data.eval_path", "data/skipped_long_eval_prompts")
+    for key, path in files.items():
+        eval_problems = fitting(load_problems(path, cfg.data, key), key, "data/skipped_long_eval_prompts")
     return stream, eval_problems, data_metrics
 
 

@@ -271,20 +271,17 @@ def main(cfg: Config) -> int:
     from arbor.rollout.rewards import reward_pool
     from arbor.run.engine_group import launch_options
     from arbor.run.orchestration import cpu_threads
-    from arbor.run.startup import engine_device, load_tokenizer, settled
+    from arbor.run.startup import engine_device, load_tokenizer, problem_files, settled
 
     e = cfg.eval
-    path = e.path or cfg.data.eval_path
-    if path is None:
-        print("arbor eval: no set to evaluate: set eval.path or data.eval_path", file=sys.stderr)
-        return 2
+    ((key, path),) = problem_files(cfg, "eval").items()  # eval.path, else data.eval_path
     cfg = settled(cfg)
     tokenizer, eos = load_tokenizer(cfg.model)
     search = default_search_dirs(cfg.source)
     agent = rollout_agent(cfg.rollout, search)  # the episodes the run trains on
     # As arbor train does: prompts longer than data.max_prompt_tokens are skipped (and counted), never cut.
-    problems, skipped = fitting_problems(load_problems(path, cfg.data), agent, tokenizer, cfg.data,
-                                         cfg.model.chat_template, "eval.path" if e.path else "data.eval_path")
+    problems, skipped = fitting_problems(load_problems(path, cfg.data, key), agent, tokenizer, cfg.data,
+                                         cfg.model.chat_template, key)
     problems = problems[: e.max_problems or None]
     prompts, render = episode_inputs(problems, agent, tokenizer, cfg.data, cfg.model.chat_template)
     out_dir = Path(cfg.run.output_dir)

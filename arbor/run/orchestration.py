@@ -43,7 +43,8 @@ from arbor.run.startup import StartupClock, uses_gpu
 # imports this module before it starts its server, which would wait for them for nothing.
 
 # Environment every actor needs: no Ray auth token files, CPU DeepSpeed where no CUDA.
-_ACTOR_ENV = ("RAY_AUTH_MODE", "DS_ACCELERATOR", "HF_HUB_OFFLINE", "PYTHONPATH", "TRANSFORMERS_OFFLINE", "PYTHONWARNINGS")
+_ACTOR_ENV = ("RAY_AUTH_MODE", "DS_ACCELERATOR", "HF_HUB_OFFLINE", "PYTHONPATH", "TRANSFORMERS_OFFLINE", "PYTHONWARNINGS",
+              "TQDM_DISABLE", "HF_HUB_DISABLE_PROGRESS_BARS")
 
 
 _started_here = False  # whether the running Ray instance is a local one start_ray made
@@ -127,6 +128,10 @@ def _start_ray(ray_cfg: RayConfig, needs_cpus: int) -> None:
     env = {k: os.environ[k] for k in _ACTOR_ENV if k in os.environ}
     # torch.distributed's deprecation notices, once per collective, would flood the console.
     env.setdefault("PYTHONWARNINGS", "ignore::FutureWarning")
+    # Ray forwards actors' stderr to the driver's console, where a progress bar (transformers'
+    # "Writing model shards", "Loading weights") is an escape-coded line between arbor's own.
+    env.setdefault("TQDM_DISABLE", "1")
+    env.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # transformers' and the hub's bars
     # Actors import arbor (and the user's rewards/agents) from the driver's directory.
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [os.getcwd(), env.get("PYTHONPATH")]))
     runtime_env = {"env_vars": env}
