@@ -142,12 +142,7 @@ def _start(cfg: Config, closers: list[Callable[[], Any]], clock: StartupClock) -
     from arbor.plugins import default_search_dirs
 
     out = Path(cfg.run.output_dir)
-    previous = checkpoint.latest_checkpoint(out)
-    if previous is not None and not cfg.run.resume:
-        raise SystemExit(
-            f"arbor train: {out} already holds a run (checkpoint {previous.name}); set "
-            "run.resume=true to continue it, or choose another run.output_dir"
-        )
+    previous = checkpoint.check_output_dir(out, cfg.run.resume, "train")  # before anything is written
     out.mkdir(parents=True, exist_ok=True)
     save_config(cfg, out / "config.yaml")  # as written: engine.kind auto stays auto on another machine
     cfg = settled(cfg)

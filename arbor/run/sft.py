@@ -324,10 +324,7 @@ def run_sft(cfg: Config) -> list[dict[str, float]]:
         raise SystemExit(f"arbor sft: learner.backend: torch is single-process, but WORLD_SIZE is {world_size}; "
                          "use learner.backend: deepspeed")
     out = Path(cfg.run.output_dir)
-    previous = checkpoint.latest_checkpoint(out)
-    if previous is not None and not cfg.run.resume:
-        raise SystemExit(f"arbor sft: {out} already holds a run (checkpoint {previous.name}); set "
-                         "run.resume=true to continue it, or choose another run.output_dir")
+    previous = checkpoint.check_output_dir(out, cfg.run.resume, "sft")  # before anything is written
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.path, trust_remote_code=cfg.model.trust_remote_code)
     examples = load_examples(cfg.sft.train_path, tokenizer, cfg.data, cfg.model.chat_template,
                              max_tokens=cfg.learner.pack_tokens)
