@@ -299,7 +299,9 @@ class RayConfig:
 class SftConfig:
     """``arbor sft``: supervised fine-tuning on conversations or trees of branches (jsonl)."""
 
-    train_path: str = "data/sft/train.jsonl"  # jsonl: {"messages": [...]} or {"prompt": ..., "branches": [...]}
+    # jsonl: {"messages": [...]} or {"prompt": ..., "branches": [...]}; the default is the tool-use
+    # conversations configs/sft.yaml trains on.
+    train_path: str = "data/arith-tool/sft.jsonl"
     # Passes over sft.train_path.
     epochs: int = 1
     batch_size: int = 32  # examples (conversations or trees) per optimizer step, over all ranks
