@@ -73,7 +73,7 @@ def run_arm(config: str, arm: str, seed: int, steps: int, out: Path, overrides: 
     cfg = load_config(config, [
         *overrides, *ARMS[arm], f"run.seed={seed}", f"run.output_dir={output_dir}",
         f"run.name=bench-{arm}", f"run.steps={steps}", "run.save_every=0", "run.save_trees_every=0",
-        "run.tensorboard=false", "run.log_every=10",
+        "run.loggers=[]", "run.log_every=10",
     ])
     if cfg.run.eval_every and steps % cfg.run.eval_every:
         cfg.run.eval_every = steps  # the final accuracy is measured after the last step

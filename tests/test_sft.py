@@ -286,7 +286,7 @@ def test_two_zero3_ranks_lower_the_loss_and_export(tmp_path, tiny):
 
 def test_torch_backend_run_resumes(tmp_path, tiny, capsys):
     config = write_config(tmp_path, tiny, "")
-    overrides = ["learner.backend=torch", "learner.zero_stage=0", "run.save_every=2", "run.tensorboard=false"]
+    overrides = ["learner.backend=torch", "learner.zero_stage=0", "run.save_every=2", "run.loggers=[]"]
     assert main(load_config(config, overrides + ["sft.max_steps=2"])) == 0
     assert "step 2/2  loss" in capsys.readouterr().out
     with pytest.raises(SystemExit, match="already holds a run"):

@@ -65,7 +65,7 @@ def test_one_train_step_exports_a_tied_model(smollm2, tmp_path):
     out = tmp_path / "run"
     arbor("train", "configs/smollm2_math.yaml", f"model.path={smollm2}", f"run.output_dir={out}", "run.steps=1",
           "data.prompts_per_step=2", "rollout.width=2", "rollout.segment_tokens=24", "rollout.max_depth=2",
-          "algorithm.dynamic_sampling=false", "run.save_trees_every=0", "run.save_every=0", "run.tensorboard=false")
+          "algorithm.dynamic_sampling=false", "run.save_trees_every=0", "run.save_every=0", "run.loggers=[]")
     (step,) = read_metrics(out)
     assert step["step"] == 1 and step["rollout/tokens_generated"] > 0 and step["tree/leaves"] == 2
     model = AutoModelForCausalLM.from_pretrained(out / "hf")

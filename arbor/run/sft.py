@@ -63,7 +63,7 @@ from typing import Any
 
 import torch
 
-from arbor.config import Config, DataConfig, SftConfig, save_config
+from arbor.config import Config, DataConfig, SftConfig, config_to_dict, save_config
 from arbor.data import DataError, format_prompt, read_rows, stop_token_ids
 from arbor.engines.ports import free_port
 from arbor.run import checkpoint
@@ -343,7 +343,8 @@ def run_sft(cfg: Config) -> list[dict[str, float]]:
     if rank == 0:
         save_config(cfg, out / "config.yaml")
         # MetricsLog's console line shows RL metrics; the SFT line is printed below.
-        log = MetricsLog(cfg.run, len(batches), stream=open(os.devnull, "w"))  # noqa: SIM115 (closed with log)
+        log = MetricsLog(cfg.run, len(batches), stream=open(os.devnull, "w"),  # noqa: SIM115 (closed with log)
+                         config=config_to_dict(cfg))
         le = cfg.learner
         print(f"arbor sft: {len(examples)} examples from {cfg.sft.train_path}; steps {start + 1}..{len(batches)}, "
               f"{cfg.sft.batch_size} examples each, {world_size} rank(s), "
