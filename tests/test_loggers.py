@@ -228,3 +228,12 @@ def test_a_tracking_store_mlflow_cannot_open_stops_the_start_saying_what_to_set(
                                          r"(.|\n)*Set MLFLOW_TRACKING_URI"):
         MetricsLog(RunConfig(output_dir=str(trackers / "run"), loggers=["tensorboard", "mlflow"]), total_steps=1)
     assert not (trackers / "run" / "metrics.jsonl").exists()
+
+
+def test_wandb_without_a_key_stops_the_start_saying_what_to_do(trackers, monkeypatch):
+    monkeypatch.delenv("WANDB_MODE")
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.setenv("HOME", str(trackers))  # no ~/.netrc with a key
+    with pytest.raises(SystemExit, match=r"run.loggers: wandb could not start a run: (.|\n)*WANDB_MODE=offline"):
+        MetricsLog(RunConfig(output_dir=str(trackers / "run"), loggers=["wandb"]), total_steps=1)
+    assert not (trackers / "run" / "metrics.jsonl").exists()

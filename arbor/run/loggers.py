@@ -102,11 +102,15 @@ class WandbLogger:
         import wandb
 
         previous = ids.get("wandb")
-        self.run = wandb.init(
-            project=os.environ.get("WANDB_PROJECT") or "arbor", name=run_name, dir=str(output_dir),
-            config=config, id=previous, resume="allow",  # id None: a new run, W&B names it
-            allow_val_change=True,  # a resumed run may change run.steps
-        )
+        try:
+            self.run = wandb.init(
+                project=os.environ.get("WANDB_PROJECT") or "arbor", name=run_name, dir=str(output_dir),
+                config=config, id=previous, resume="allow",  # id None: a new run, W&B names it
+                allow_val_change=True,  # a resumed run may change run.steps
+            )
+        except Exception as e:  # no key (wandb login), no network: stops the run before it starts
+            raise SystemExit(f"arbor: run.loggers: wandb could not start a run: {type(e).__name__}: {e}\n"
+                             "Log in (`wandb login`, WANDB_API_KEY) or set WANDB_MODE=offline") from None
         ids["wandb"] = self.run.id
         self.run.define_metric("step")
         self.run.define_metric("*", step_metric="step")
