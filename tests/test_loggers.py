@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import struct
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -230,10 +233,15 @@ def test_a_tracking_store_mlflow_cannot_open_stops_the_start_saying_what_to_set(
     assert not (trackers / "run" / "metrics.jsonl").exists()
 
 
-def test_wandb_without_a_key_stops_the_start_saying_what_to_do(trackers, monkeypatch):
-    monkeypatch.delenv("WANDB_MODE")
-    monkeypatch.delenv("WANDB_API_KEY", raising=False)
-    monkeypatch.setenv("HOME", str(trackers))  # no ~/.netrc with a key
-    with pytest.raises(SystemExit, match=r"run.loggers: wandb could not start a run: (.|\n)*WANDB_MODE=offline"):
-        MetricsLog(RunConfig(output_dir=str(trackers / "run"), loggers=["wandb"]), total_steps=1)
-    assert not (trackers / "run" / "metrics.jsonl").exists()
+def test_wandb_without_a_key_stops_the_start_saying_what_to_do(trackers):
+    """In a fresh process (W&B keeps its settings per process: the other tests' offline mode)."""
+    repo = Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
+    env |= {"HOME": str(trackers), "PYTHONPATH": os.pathsep.join([str(repo), env.get("PYTHONPATH", "")])}  # no ~/.netrc
+    code = ("from arbor.config import RunConfig; from arbor.run.metrics import MetricsLog; "
+            f"MetricsLog(RunConfig(output_dir={str(trackers / 'run')!r}, loggers=['wandb']), total_steps=1)")
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300,
+                          stdin=subprocess.DEVNULL)
+    assert done.returncode == 1, done.stderr[-2000:]
+    assert "arbor: run.loggers: wandb could not start a run: UsageError" in done.stderr
+    assert "WANDB_MODE=offline" in done.stderr and not (trackers / "run" / "metrics.jsonl").exists()
