@@ -316,7 +316,9 @@ class RayConfig:
 class SftConfig:
     """``arbor sft``: supervised fine-tuning on conversations or trees of branches (jsonl)."""
 
-    train_path: str = "data/sft/train.jsonl"  # jsonl: {"messages": [...]} or {"prompt": ..., "branches": [...]}
+    # jsonl: {"messages": [...]} or {"prompt": ..., "branches": [...]}; the default is the tool-use
+    # conversations configs/sft.yaml trains on.
+    train_path: str = "data/arith-tool/sft.jsonl"
     # Passes over sft.train_path.
     epochs: int = 1
     batch_size: int = 32  # examples (conversations or trees) per optimizer step, over all ranks
@@ -360,8 +362,11 @@ class RunConfig:
     save_trees_every: int = 10  # trees written for `arbor view`; 0: never
     # Continue from output_dir's latest checkpoint (a new run refuses a used output_dir).
     resume: bool = False
-    # Write TensorBoard event files under output_dir/tensorboard.
-    tensorboard: bool = True
+    # Where every step's metrics and the resolved config go beside metrics.jsonl: tensorboard
+    # (output_dir/tensorboard), wandb (W&B: WANDB_PROJECT, WANDB_MODE), mlflow (MLflow:
+    # MLFLOW_TRACKING_URI, MLFLOW_EXPERIMENT_NAME); [] for none. wandb and mlflow are the
+    # extras arbor[wandb] and arbor[mlflow] (docs/metrics.md, Where metrics go).
+    loggers: list[Literal["tensorboard", "wandb", "mlflow"]] = field(default_factory=lambda: ["tensorboard"])
     # torch threads of each CPU process (the engine server, each learner rank); 0: the machine's
     # cores (the engine all of them, each learner rank its share). Set 1 where other jobs share
     # the cores: OpenMP threads waiting for a busy core slowed SmolLM2 decoding over 10x here.

@@ -93,7 +93,7 @@ def config(model, data, out, *overrides):
         f"model.path={model}", "model.chat_template=true", f"data.train_path={data}", "data.max_prompt_tokens=64",
         "engine.kind=embedded", f"reward.functions=[{{fn: {TESTS}/reward_fixtures.py:one}}]", "reward.workers=1",
         "learner.backend=deepspeed", "learner.zero_stage=3", "learner.device=cpu", "learner.dtype=float32",
-        f"run.output_dir={out}", "run.tensorboard=false", *overrides,
+        f"run.output_dir={out}", "run.loggers=[]", *overrides,
     ])
 
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-from arbor.config import Config, save_config
+from arbor.config import Config, config_to_dict, save_config
 from arbor.data import ProblemStream, load_problems
 from arbor.engines.client import SGLangClient
 from arbor.rollout.agents import Agent, fitting_problems, rollout_agent
@@ -143,12 +143,7 @@ def _start(cfg: Config, closers: list[Callable[[], Any]], clock: StartupClock) -
     from arbor.plugins import default_search_dirs
 
     out = Path(cfg.run.output_dir)
-    previous = checkpoint.latest_checkpoint(out)
-    if previous is not None and not cfg.run.resume:
-        raise SystemExit(
-            f"arbor train: {out} already holds a run (checkpoint {previous.name}); set "
-            "run.resume=true to continue it, or choose another run.output_dir"
-        )
+    previous = checkpoint.check_output_dir(out, cfg.run.resume, "train")  # before anything is written
     out.mkdir(parents=True, exist_ok=True)
     save_config(cfg, out / "config.yaml")  # as written: engine.kind auto stays auto on another machine
     cfg = settled(cfg)
@@ -159,7 +154,7 @@ def _start(cfg: Config, closers: list[Callable[[], Any]], clock: StartupClock) -
     with clock.phase("data"):
         stream, eval_problems, data_metrics = _load_problems(cfg, agent, tokenizer)
     with clock.phase("metrics"):
-        log = MetricsLog(cfg.run, cfg.run.steps)
+        log = MetricsLog(cfg.run, cfg.run.steps, config=config_to_dict(cfg))  # the settled config
         closers.append(log.close)
     with clock.phase("rewards"):
         rewards = reward_pool(cfg.reward, search)

@@ -7,8 +7,9 @@
 It starts the engine(s) of ``engine``/``model`` (no Ray), samples ``eval.samples`` answers
 per problem of ``eval.path`` (default ``data.eval_path``), scores them with
 ``reward.functions``, prints a summary and writes ``<run.output_dir>/eval.json`` (metrics
-plus one record per problem) and TensorBoard scalars under
-``<run.output_dir>/tensorboard/eval``. The trainer calls :func:`run_eval` every
+plus one record per problem) and, with ``tensorboard`` in ``run.loggers``, TensorBoard
+scalars under ``<run.output_dir>/tensorboard/eval`` (W&B and MLflow get a training run's
+``eval/*`` metrics, not ``arbor eval``'s). The trainer calls :func:`run_eval` every
 ``run.eval_every`` steps (``arbor.run.phases.evaluate``) and logs the same ``eval/*`` metrics.
 
 In code, with any :class:`~arbor.engines.types.RolloutEngine` and a reward pool:
@@ -310,7 +311,7 @@ def main(cfg: Config) -> int:
     report.metrics["eval/seconds"] = time.perf_counter() - t0
     report.metrics["eval/skipped_long_prompts"] = float(len(skipped))
     write_report(output, report, cfg, str(path))
-    if cfg.run.tensorboard:
+    if "tensorboard" in cfg.run.loggers:
         write_scalars(out_dir / "tensorboard" / "eval", report.metrics, e.step)
     m, k = report.metrics, report.k
     print(f"arbor eval: pass@{k} {m[f'eval/pass@{k}']:.3f}  maj@{k} {m[f'eval/maj@{k}']:.3f}  "

@@ -63,7 +63,7 @@ from typing import Any
 
 import torch
 
-from arbor.config import Config, DataConfig, SftConfig, save_config
+from arbor.config import Config, DataConfig, SftConfig, config_to_dict, save_config
 from arbor.data import DataError, format_prompt, read_rows, stop_token_ids
 from arbor.engines.ports import free_port
 from arbor.run import checkpoint
@@ -324,10 +324,7 @@ def run_sft(cfg: Config) -> list[dict[str, float]]:
         raise SystemExit(f"arbor sft: learner.backend: torch is single-process, but WORLD_SIZE is {world_size}; "
                          "use learner.backend: deepspeed")
     out = Path(cfg.run.output_dir)
-    previous = checkpoint.latest_checkpoint(out)
-    if previous is not None and not cfg.run.resume:
-        raise SystemExit(f"arbor sft: {out} already holds a run (checkpoint {previous.name}); set "
-                         "run.resume=true to continue it, or choose another run.output_dir")
+    previous = checkpoint.check_output_dir(out, cfg.run.resume, "sft")  # before anything is written
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.path, trust_remote_code=cfg.model.trust_remote_code)
     examples = load_examples(cfg.sft.train_path, tokenizer, cfg.data, cfg.model.chat_template,
                              max_tokens=cfg.learner.pack_tokens)
@@ -346,7 +343,8 @@ def run_sft(cfg: Config) -> list[dict[str, float]]:
     if rank == 0:
         save_config(cfg, out / "config.yaml")
         # MetricsLog's console line shows RL metrics; the SFT line is printed below.
-        log = MetricsLog(cfg.run, len(batches), stream=open(os.devnull, "w"))  # noqa: SIM115 (closed with log)
+        log = MetricsLog(cfg.run, len(batches), stream=open(os.devnull, "w"),  # noqa: SIM115 (closed with log)
+                         config=config_to_dict(cfg))
         le = cfg.learner
         print(f"arbor sft: {len(examples)} examples from {cfg.sft.train_path}; steps {start + 1}..{len(batches)}, "
               f"{cfg.sft.batch_size} examples each, {world_size} rank(s), "
