@@ -298,7 +298,7 @@ class LearnerConfig:
 
 @dataclass
 class RayConfig:
-    address: str | None = None  # None: start a local instance; "auto": join a cluster
+    address: str | None = None  # None: start a local instance (never joins a running one); "auto": join a cluster
     # CPUs a local Ray instance offers; None: the machine's (at least what the run needs).
     num_cpus: int | None = None
     # GPUs a local Ray instance offers; None: Ray detects them.

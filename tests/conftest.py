@@ -26,7 +26,7 @@ SLOW_FILES = {
     "test_sglang_lora.py", "test_build_tiny_model.py", "test_profile_learner_step.py",
     "test_bench_async.py", "test_bench_learning.py", "test_bench_lora_memory.py", "test_bench_loss_memory.py",
     "test_bench_packing.py", "test_bench_rollout.py", "test_bench_train_step.py", "test_bench_vs_trl.py",
-    "test_bench_weight_sync.py",
+    "test_bench_weight_sync.py", "test_ray_start.py",
 }
 # Slow tests of files whose other tests are fast: file -> test functions (all their parameters).
 SLOW_TESTS = {

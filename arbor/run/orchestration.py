@@ -145,7 +145,10 @@ def _start_ray(ray_cfg: RayConfig, needs_cpus: int) -> None:
     # Ray would prestart one idle worker per CPU for the first driver; they lack the job's
     # runtime_env, so no actor of ours can use them (checked on Ray 2.60: each actor gets a
     # fresh worker) and on a small machine they only take CPU from the start-up.
-    ray.init(num_cpus=cpus, num_gpus=ray_cfg.num_gpus, include_dashboard=False,
+    # address="local": a new instance even when a Ray cluster already runs on this machine
+    # (`ray start`, or a leftover /tmp/ray/ray_current_cluster), which ray.init() would join
+    # otherwise, refusing num_cpus; joining one is ray.address's job.
+    ray.init(address="local", num_cpus=cpus, num_gpus=ray_cfg.num_gpus, include_dashboard=False,
              runtime_env=runtime_env, log_to_driver=True, configure_logging=False,
              _system_config={"prestart_worker_first_driver": False})
     _started_here = True
