@@ -270,6 +270,13 @@ class LearnerConfig:
     # Tree attention: auto = flex (FlexAttention) on CUDA, blocks (ancestor blocks) on CPU;
     # dense = an N x N mask with SDPA, the reference.
     attention: Literal["auto", "blocks", "dense", "flex"] = "auto"
+    # How a pack is forwarded: packed = all its tokens in one forward and backward (tree
+    # attention); dfs = depth first, a group of sibling branches at a time with their
+    # ancestors' keys and values as the KV cache: one root-to-leaf path in memory.
+    tree_execution: Literal["packed", "dfs"] = "packed"
+    # tree_execution dfs: the most tokens (padding included) of sibling branches forwarded
+    # together; lower holds less memory, higher makes fewer, larger forwards.
+    dfs_group_tokens: int = 2048
     # DeepSpeed: keep the optimizer state in CPU memory.
     offload_optimizer: bool = False
     # DeepSpeed ZeRO-3: keep parameter shards in CPU memory.
