@@ -226,6 +226,10 @@ class DfsWalk(Generic[R]):
     def trains(self) -> bool:
         return self.token_loss is not None
 
+    def calls(self) -> str:
+        """The model calls :meth:`ops` announces, in order (only forwards without ``token_loss``)."""
+        return self.plan.ops() if self.trains else "F" * len(self.plan.groups)
+
     def ops(self) -> Iterator[str]:
         """Run the walk; yields "F" before each group's forward and "B" before its backward."""
         for g in self.plan.roots:

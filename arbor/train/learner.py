@@ -297,7 +297,7 @@ class Learner:
                                     token_loss=functools.partial(objective, pack), reference=ref, backward=backward,
                                     scale=float(self.world_size) if self.engine is not None else 1.0,
                                     anchor_every_backward=lockstep.distributed)
-            lockstep.run(walk.ops() if walk else None, walk.plan.ops() if walk else "", idle)
+            lockstep.run(walk.ops() if walk else None, walk.calls() if walk else "", idle)
             records += walk.records if walk else []
         return records
 
@@ -309,7 +309,7 @@ class Learner:
             walk = DfsWalk(model, pack, pack.trained.nonzero()[:, 0], **self._dfs_settings())
         with torch.no_grad():
             Lockstep(self.engine is not None and self.world_size > 1).run(
-                walk.ops() if walk else None, walk.plan.ops() if walk else "", IdleCalls(model))
+                walk.ops() if walk else None, walk.calls() if walk else "", IdleCalls(model))
         return walk.logp if walk else None
 
     def _dfs_settings(self) -> dict[str, Any]:
