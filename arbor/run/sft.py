@@ -69,7 +69,7 @@ from arbor.engines.ports import free_port
 from arbor.run import checkpoint
 from arbor.run.metrics import MetricsLog
 from arbor.train.learner import Learner, resolve_device
-from arbor.train.packed_loss import pack_sft_loss
+from arbor.train.packed_loss import pack_sft_loss, sft_token_loss
 from arbor.train.packing import (
     Normalize,
     PackedBatch,
@@ -258,8 +258,14 @@ def sft_backward(learner: Learner, examples: Sequence[SftExample], normalize: No
         loss = pack_sft_loss(model, pack, denominator, learner.attention, learner.cfg.logit_chunk_tokens)
         return loss, float(loss.detach())
 
-    # Any pack can fill a rank's idle passes: every rank holds them all.
-    loss = sum(learner.backward([packs[i] for i in mine], loss_of, filler=packs[0]), 0.0)
+    def token_loss(pack: PackedBatch, tokens: torch.Tensor, logp: torch.Tensor, *_: Any) -> tuple[torch.Tensor, float]:
+        loss = sft_token_loss(pack, tokens, logp, denominator)
+        return loss, float(loss.detach())
+
+    if learner.cfg.tree_execution == "dfs":  # each pack walked depth first, group by group
+        loss = sum(learner.dfs_backward([packs[i] for i in mine], token_loss), 0.0)
+    else:  # any pack can fill a rank's idle passes: every rank holds them all
+        loss = sum(learner.backward([packs[i] for i in mine], loss_of, filler=packs[0]), 0.0)
     return {
         "sft/loss": loss,
         "sft/tokens": loss_denominator(trees, "token"),

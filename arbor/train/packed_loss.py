@@ -175,7 +175,18 @@ def pack_sft_loss(
     """
     select = pack.trained.nonzero()[:, 0]
     logp, _ = pack_token_logprobs(model, pack, select, attention, chunk_tokens=chunk_tokens)
-    return -(pack.weight[select].to(logp) * logp).sum() / denominator
+    return sft_token_loss(pack, select, logp, denominator)
+
+
+def sft_token_loss(
+    pack: PackedBatch,
+    tokens: torch.Tensor,  # [M] int64 packed indices of trained tokens
+    logp: torch.Tensor,  # [M] their log-probs (with graph)
+    denominator: float,
+) -> torch.Tensor:
+    """−Σ weight · log p over ``tokens`` / ``denominator``: :func:`pack_sft_loss` of any of a pack's
+    trained tokens (a depth-first walk's group, :mod:`arbor.train.dfs`)."""
+    return -(pack.weight[tokens.to(pack.weight.device)].to(logp) * logp).sum() / denominator
 
 
 # -- padded (the reference: every leaf its own padded sequence) -------------------------------------
