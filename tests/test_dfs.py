@@ -206,6 +206,30 @@ def test_plan_of_a_hand_made_tree():
     assert plan.ops() == "FFFBFBBFBB"  # prompt (a (c+d) (b)) (e)
 
 
+def test_cousins_with_equally_long_paths_share_a_forward_float64():
+    # Two trees with 3-token prompts, each forking in two: the four second-level chains of both
+    # trees have paths of 5 tokens and run in one batch, each row with its own tree's cache.
+    trees = []
+    for t in range(2):
+        tree = RolloutTree([1 + t, 2, 3], problem={"id": t})
+        for a in range(2):
+            node = tree.add_segment(tree.root, [4 + a, 5], logprobs=[-1.0, -1.0])
+            for b in range(2):
+                tree.add_segment(node, [6 + b + t, 7, 8], logprobs=[-1.0] * 3)
+        trees.append(tree)
+    advantages = [[1.0, -0.5, 0.25, 2.0], [-1.0, 0.5, 1.5, -0.75]]
+    (pack,) = pack_trees(trees, advantages)
+    plan = plan_walk(pack, pack.trained.nonzero()[:, 0], group_tokens=4096)
+    assert [(len(g.members), g.past) for g in plan.groups] == [(2, 0), (4, 3), (8, 5)]
+    assert plan.ops() == "FFFBBB"
+    model = tiny("qwen2", torch.float64, 9)
+    lin_loss, lin_grads, _ = loss_and_grads(model, trees, advantages, mode="padded")
+    loss, grads, _ = dfs_loss_and_grads(model, trees, advantages)
+    assert loss == pytest.approx(lin_loss.item(), rel=1e-9)
+    for a, b in zip(lin_grads, grads):
+        assert_close(a, b, 1e-6)
+
+
 def test_a_walk_refuses_gradient_checkpointing_and_the_config_names_both_keys():
     from arbor.config_load import load_config
     from arbor.errors import ConfigError

@@ -55,10 +55,11 @@ TokenLoss = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | N
 
 @dataclass
 class Group:
-    """Sibling chains forwarded together: one right-padded batch row each."""
+    """Chains forwarded together, one right-padded batch row each: children of one group's
+    chains (siblings or cousins) whose paths are equally long."""
 
     members: list[int]  # chain indices, one batch row each
-    past: int  # tokens on the members' path above them: the position of their first token
+    past: int  # tokens on each member's path above it: the position of their first token
     width: int  # the longest member: the batch's row length
     children: list[int] = field(default_factory=list)  # child groups, member by member (walk order)
     keep: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))  # [K] row offsets
@@ -96,8 +97,8 @@ class WalkPlan:
 
 
 def plan_walk(pack: PackedBatch, select: torch.Tensor, group_tokens: int) -> WalkPlan:
-    """Chains, sibling groups (≤ ``group_tokens`` padded tokens, at least one chain each) and
-    the rows that score the trained tokens ``select`` ([M] packed indices)."""
+    """Chains, groups (≤ ``group_tokens`` padded tokens, at least one chain each) and the rows
+    that score the trained tokens ``select`` ([M] packed indices)."""
     if group_tokens < 1:
         raise ValueError(f"learner.dfs_group_tokens must be ≥ 1, got {group_tokens}")
     parent = pack.parent.tolist()
@@ -121,27 +122,29 @@ def plan_walk(pack: PackedBatch, select: torch.Tensor, group_tokens: int) -> Wal
     groups: list[Group] = []
     where: dict[int, tuple[int, int]] = {}  # chain -> (group, member index)
 
-    def make_groups(up: int, past: int) -> list[int]:
-        # Longest first, so each batch's rows are of similar length (little padding).
-        siblings = sorted(below.get(up, []), key=lambda c: -(chains[c][1] - chains[c][0]))
+    def make_groups(above: list[int]) -> list[int]:
+        # The child chains of the chains ``above`` (one group's members; [-1]: the roots). Those
+        # whose paths are as long batch together, cousins too: each row gets its own path's
+        # cache. Longest first, so a batch's rows are of similar length (little padding).
+        by_past: dict[int, list[int]] = {}
+        for c in (c for up in above for c in below.get(up, [])):
+            by_past.setdefault(int(pack.position_ids[chains[c][0]]), []).append(c)
         made: list[int] = []
-        for c in siblings:
-            length = chains[c][1] - chains[c][0]
-            last = groups[made[-1]] if made else None
-            if last is not None and (len(last.members) + 1) * last.width <= group_tokens:
-                where[c] = (made[-1], len(last.members))
-                last.members.append(c)
-                continue
-            where[c] = (len(groups), 0)
-            made.append(len(groups))
-            groups.append(Group(members=[c], past=past, width=length))
+        for past, members in sorted(by_past.items()):
+            for c in sorted(members, key=lambda c: -(chains[c][1] - chains[c][0])):
+                last = groups[made[-1]] if made else None
+                if last is not None and last.past == past and (len(last.members) + 1) * last.width <= group_tokens:
+                    where[c] = (made[-1], len(last.members))
+                    last.members.append(c)
+                    continue
+                where[c] = (len(groups), 0)
+                made.append(len(groups))
+                groups.append(Group(members=[c], past=past, width=chains[c][1] - chains[c][0]))
         for g in made:
-            for c in groups[g].members:
-                end = chains[c][1]
-                groups[g].children += make_groups(c, int(pack.position_ids[end - 1]) + 1)
+            groups[g].children = make_groups(groups[g].members)
         return made
 
-    roots = make_groups(-1, 0)
+    roots = make_groups([-1])
     _score_rows(groups, chains, chain_of, where, parent, select)
     return WalkPlan(chains=chains, ancestors=ancestors, groups=groups, roots=roots,
                     parents={c for c in below if c >= 0})
@@ -247,20 +250,23 @@ class DfsWalk(Generic[R]):
             self.cache.pop(c, None)
 
     def _past(self, group: Group, dtype: torch.dtype) -> DynamicCache:
-        """The members' ancestors' keys and values as one cache, one copy per batch row."""
+        """Each member's ancestors' keys and values as one cache: one row per member."""
         if not group.past:
             return DynamicCache()
-        path = self.plan.ancestors[group.members[0]]
-        layers = len(self.cache[path[0]]) // 2
-        rows = len(group.members)
-        data = []
-        for layer in range(layers):
-            k, v = (torch.cat([self.cache[a][layer + half * layers] for a in path], dim=2).to(dtype)
-                    for half in (0, 1))
-            data.append((k.expand(rows, -1, -1, -1), v.expand(rows, -1, -1, -1)))
-        if data[0][0].shape[2] != group.past:
-            raise AssertionError(f"the cache holds {data[0][0].shape[2]} tokens, the path {group.past}")
-        return DynamicCache(ddp_cache_data=data)
+        paths = [self.plan.ancestors[c] for c in group.members]
+        rows = len(paths)
+        halves = len(self.cache[paths[0][0]])  # keys of every layer, then values
+        data: list[torch.Tensor] = []
+        for i in range(halves):
+            if all(path == paths[0] for path in paths):  # siblings: one path, viewed per row
+                past = torch.cat([self.cache[a][i] for a in paths[0]], dim=2).to(dtype).expand(rows, -1, -1, -1)
+            else:  # cousins: a path each
+                past = torch.cat([torch.cat([self.cache[a][i] for a in path], dim=2) for path in paths]).to(dtype)
+            data.append(past)
+        if data[0].shape[2] != group.past:
+            raise AssertionError(f"the cache holds {data[0].shape[2]} tokens, the path {group.past}")
+        layers = halves // 2
+        return DynamicCache(ddp_cache_data=list(zip(data[:layers], data[layers:])))
 
     def _forward(self, g: int) -> _Forward:
         group, pack = self.plan.groups[g], self.pack
