@@ -15,6 +15,7 @@ from test_tree_vs_linear import (
     budget,
     loss_and_grads,
     random_advantages,
+    random_case,
     random_tree,
     tiny,
     tree_with_empty_nodes,
@@ -53,13 +54,7 @@ CASES = [
 
 @pytest.mark.parametrize("seed, kind, normalize, kl, entropy_coef, per_token, slack, group_tokens, chunk", CASES)
 def test_dfs_equals_linear_float64(seed, kind, normalize, kl, entropy_coef, per_token, slack, group_tokens, chunk):
-    rng = random.Random(seed)
-    trees = [random_tree(rng, i) for i in range(rng.randint(2, 4))]
-    advantages = random_advantages(rng, trees, per_token)
-    model = tiny(kind, torch.float64, seed)
-    kw = dict(normalize=normalize, entropy_coef=entropy_coef, clip_low=0.2, clip_high=0.28)
-    if kl:
-        kw.update(kl_coef=0.1, kl_estimator=kl, ref_model=tiny(kind, torch.float64, seed + 100))
+    trees, advantages, model, kw = random_case(seed, kind, normalize, kl, entropy_coef, per_token)
     lin_loss, lin_grads, lin_m = loss_and_grads(model, trees, advantages, mode="padded", **kw)
     loss, grads, metrics = dfs_loss_and_grads(model, trees, advantages, pack_tokens=budget(trees, slack),
                                               group_tokens=group_tokens, chunk_tokens=chunk, **kw)
