@@ -30,9 +30,10 @@ training's, the longest root-to-leaf path = what a depth-first walk must hold), 
 time and peak memory, and the ratios dfs/packed and linear/packed. Peak memory is the step's
 growth over what was allocated before it: ``torch.cuda.max_memory_allocated`` on CUDA; on the
 CPU the high-water mark of resident memory (VmHWM, reset through ``/proc/self/clear_refs``)
-in a fresh process per case and mode. A mode that runs out of GPU memory is reported as such
-(its ratios nan). ``--quick``: one timed repeat (the CUDA run in about a minute or two);
-``--smoke``: a tiny model and cases shrunk 16×, no memory runs.
+in a fresh process per case and mode (on CUDA the timed steps are measured). A mode that runs
+out of GPU memory is reported as such (its ratios nan). ``--quick``: one timed repeat after
+the warm-up (the CUDA run in about a minute or two; each case's line is printed as soon as it
+is measured); ``--smoke``: a tiny model and cases shrunk 16×, no memory runs.
 
 Ends with ``RESULT`` and, per case c in agentic, prefix, quickstart: ``c_unique`` (tokens),
 ``c_ideal`` (linearised / unique tokens), ``c_dfs_time``, ``c_dfs_memory`` (dfs / packed),
@@ -89,9 +90,10 @@ def build_model(settings: Settings) -> torch.nn.Module:
 
     torch.manual_seed(0)
     size = {"smoke": SMOKE, "toy": TOY, "0.5b": QWEN25_05B}[settings.model]
-    model = Qwen2ForCausalLM(Qwen2Config(attn_implementation="sdpa", **size))
+    with torch.device(settings.device):  # initialised where it runs: seconds, not a minute, for 0.5B
+        model = Qwen2ForCausalLM(Qwen2Config(attn_implementation="sdpa", **size))
     dtype = torch.bfloat16 if settings.device == "cuda" else torch.float32
-    return model.to(device=settings.device, dtype=dtype).train()
+    return model.to(dtype=dtype).train()
 
 
 def segment(tree: RolloutTree, parent, rng: random.Random, n: int, vocab: int, trained: bool = True):
@@ -158,28 +160,23 @@ def step(model: torch.nn.Module, mode: str, trees: list[RolloutTree], advantages
     return loss
 
 
-def timed(model: torch.nn.Module, mode: str, trees: list[RolloutTree], advantages: list, settings: Settings) -> float:
-    """Wall seconds of one step (synchronised with the GPU)."""
+def timed(model: torch.nn.Module, mode: str, trees: list[RolloutTree], advantages: list,
+          settings: Settings) -> tuple[float, float]:
+    """Wall seconds of one step (synchronised with the GPU) and, on CUDA, its peak memory over
+    what was allocated before it (MiB; nan on the CPU, measured in a process of its own)."""
     model.zero_grad(set_to_none=True)
     cuda = settings.device == "cuda"
+    before = 0
     if cuda:
         torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
     start = time.perf_counter()
     step(model, mode, trees, advantages, settings)
     if cuda:
         torch.cuda.synchronize()
-    return time.perf_counter() - start
-
-
-def cuda_peak_mib(model: torch.nn.Module, mode: str, trees: list[RolloutTree], advantages: list,
-                  settings: Settings) -> float:
-    """Peak GPU memory of one step over what was allocated before it (MiB)."""
-    model.zero_grad(set_to_none=True)
-    torch.cuda.synchronize()
-    before = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    timed(model, mode, trees, advantages, settings)
-    return (torch.cuda.max_memory_allocated() - before) / 2**20
+    seconds = time.perf_counter() - start
+    return seconds, (torch.cuda.max_memory_allocated() - before) / 2**20 if cuda else math.nan
 
 
 def status_kib(field_name: str) -> int:
@@ -193,9 +190,9 @@ def status_kib(field_name: str) -> int:
 def measure_cpu_memory(case: str, mode: str, settings: Settings) -> None:
     """In a fresh process: the step's peak resident memory over the resident memory before it (MiB).
 
-    The model and the trees are built, and one step runs (its buffers warm), before the
-    high-water mark is reset (``/proc/self/clear_refs``): Linux keeps ru_maxrss across
-    fork + exec, so a clean peak needs the reset.
+    The model and the trees are built before the high-water mark is reset
+    (``/proc/self/clear_refs``; Linux keeps ru_maxrss across fork + exec, so a clean peak needs
+    the reset). The peak includes the parameters' gradients, the same in every mode.
     """
     model = build_model(settings)
     trees, advantages = batch(case, settings, model.config.vocab_size)
@@ -250,14 +247,17 @@ def run_case(model: torch.nn.Module, case: str, settings: Settings, reps: int, t
             torch.cuda.empty_cache()
             result.out_of_memory.append(mode)
     times: dict[str, list[float]] = {m: [] for m in modes}
+    peaks: dict[str, list[float]] = {m: [] for m in modes}
     for _ in range(reps):  # interleaved: drifts in machine load hit every mode
         for mode in modes:
-            times[mode].append(timed(model, mode, trees, advantages, settings))
+            seconds, peak = timed(model, mode, trees, advantages, settings)
+            times[mode].append(seconds)
+            peaks[mode].append(peak)
     result.seconds = {m: statistics.median(v) for m, v in times.items()}
-    if measure_memory:
-        for mode in modes:
-            result.memory[mode] = (cuda_peak_mib(model, mode, trees, advantages, settings)
-                                   if settings.device == "cuda" else cpu_peak_mib(case, mode, settings, threads))
+    if settings.device == "cuda":  # measured in the timed steps
+        result.memory = {m: max(v) for m, v in peaks.items()}
+    elif measure_memory:
+        result.memory = {m: cpu_peak_mib(case, m, settings, threads) for m in modes}
     model.zero_grad(set_to_none=True)
     return result
 
