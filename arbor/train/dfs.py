@@ -256,9 +256,10 @@ class DfsWalk(Generic[R]):
         paths = [self.plan.ancestors[c] for c in group.members]
         rows = len(paths)
         halves = len(self.cache[paths[0][0]])  # keys of every layer, then values
+        siblings = all(path == paths[0] for path in paths)
         data: list[torch.Tensor] = []
         for i in range(halves):
-            if all(path == paths[0] for path in paths):  # siblings: one path, viewed per row
+            if siblings:  # one path, viewed per row
                 past = torch.cat([self.cache[a][i] for a in paths[0]], dim=2).to(dtype).expand(rows, -1, -1, -1)
             else:  # cousins: a path each
                 past = torch.cat([torch.cat([self.cache[a][i] for a in path], dim=2) for path in paths]).to(dtype)
