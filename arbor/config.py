@@ -263,7 +263,8 @@ class LearnerConfig:
     # auto: cuda when a GPU is visible, else cpu.
     device: Literal["auto", "cpu", "cuda"] = "auto"
     dtype: Dtype = "auto"  # training dtype: auto = bfloat16 on CUDA, float32 on CPU
-    pack_tokens: int = 16384  # token budget of one tree pack (one forward/backward)
+    # Token budget of one tree pack (one forward/backward); tree_execution dfs walks whole trees.
+    pack_tokens: int = 16384
     # Tokens per LM-head chunk for log-probs/entropy: [tokens, vocab] logits are never
     # materialised whole (exact gradients, one extra head matmul); 0: whole logits.
     logit_chunk_tokens: int = 1024

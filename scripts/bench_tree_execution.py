@@ -11,9 +11,9 @@ interleaved, medians:
   tokens (the learner's default, 16,384) in one forward with tree attention (block attention
   on the CPU, FlexAttention on CUDA); a tree larger than a pack is split into parts that
   forward their ancestors again as context;
-- ``dfs``: ``learner.tree_execution: dfs`` — each pack walked depth first, sibling groups of
-  at most ``--group-tokens`` tokens forwarded with their ancestors' keys and values as the
-  KV cache (``arbor.train.dfs``);
+- ``dfs``: ``learner.tree_execution: dfs`` — whole trees walked depth first (never split into
+  packs), groups of sibling (and cousin) branches of at most ``--group-tokens`` tokens
+  forwarded with their ancestors' keys and values as the KV cache (``arbor.train.dfs``);
 - ``linear``: every leaf its own sequence (``linearise_trees``), packed without padding into
   ``--pack-tokens`` packs, what verl, slime and OpenRLHF train on.
 

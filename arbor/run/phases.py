@@ -3,7 +3,8 @@
     batch = collect_rollouts(ctx.sampling, ctx.rewards, ctx.stream, ctx.log, cfg, step)
     advantages = batch_advantages(batch.trees, cfg.algorithm)
     train = train_on_batch(ctx.learners, batch.trees, advantages, step, cfg.algorithm, cfg.loss,
-                           pack_tokens=cfg.learner.pack_tokens, seed=cfg.run.seed)  # PPO epochs × minibatches
+                           pack_tokens=pack_budget(cfg.learner.tree_execution, cfg.learner.pack_tokens),
+                           seed=cfg.run.seed)  # PPO epochs × minibatches
     sync = sync_weights(ctx.learners, ctx.engines, ctx.recovery, ctx.sampling, cfg.rollout,
                         version=str(step), probe=batch.trees[:2])
 
@@ -197,7 +198,8 @@ def train_on_batch(
 ) -> dict[str, float]:
     """``ppo_epochs`` × ``minibatches`` learner updates over the batch; loss metrics.
 
-    ``pack_tokens``: ``learner.pack_tokens``; ``seed``: ``run.seed`` (the epochs' shuffles);
+    ``pack_tokens``: a pack's budget (``learner.pack_tokens``; whole trees with
+    ``learner.tree_execution: dfs``, :func:`arbor.train.dfs.pack_budget`); ``seed``: ``run.seed`` (the epochs' shuffles);
     ``behaviour_cap``: ``loss.behaviour_cap`` for off-policy batches (the decoupled objective),
     None on-policy. With ``loss.rollout_correction`` tis/mis the learners first score the whole
     batch without an update (π_old, :func:`recompute_old_logprobs`); at sequence level each

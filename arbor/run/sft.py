@@ -68,6 +68,7 @@ from arbor.data import DataError, format_prompt, read_rows, stop_token_ids
 from arbor.engines.ports import free_port
 from arbor.run import checkpoint
 from arbor.run.metrics import MetricsLog
+from arbor.train.dfs import pack_budget
 from arbor.train.learner import Learner, resolve_device
 from arbor.train.packed_loss import pack_sft_loss, sft_token_loss
 from arbor.train.packing import Normalize, PackedBatch, loss_denominator
@@ -247,7 +248,8 @@ def sft_backward(learner: Learner, examples: Sequence[SftExample], normalize: No
     denominator = max(loss_denominator(trees, normalize), 1e-12)
     # Every rank packs the whole batch's shares (balanced by tokens) and trains its own.
     ranks = learner.world_size if _distributed(learner) else 1
-    per_rank, _ = rank_packs(trees, None, ranks, pack_tokens=learner.cfg.pack_tokens, normalize=normalize,
+    budget = pack_budget(learner.cfg.tree_execution, learner.cfg.pack_tokens)  # dfs: whole trees
+    per_rank, _ = rank_packs(trees, None, ranks, pack_tokens=budget, normalize=normalize,
                              loss_weights=[e.weights for e in examples], require_logprobs=False)
     mine = per_rank[learner.rank if ranks > 1 else 0]
     packs = [pack for share in per_rank for pack in share]

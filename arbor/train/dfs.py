@@ -53,6 +53,16 @@ CACHE_KEYWORD = "cache" if Version(transformers.__version__).release >= (5, 24) 
 TokenLoss = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None], tuple[torch.Tensor, R]]
 
 
+# The pack budget of depth-first execution: whole trees, never split. A walk holds one path
+# whatever its pack's size; a tree split over packs would only forward its ancestors again.
+WHOLE_TREES = 1 << 62
+
+
+def pack_budget(tree_execution: str, pack_tokens: int) -> int:
+    """The token budget of one pack: ``learner.pack_tokens`` (packed), whole trees (dfs)."""
+    return WHOLE_TREES if tree_execution == "dfs" else pack_tokens
+
+
 @dataclass
 class Group:
     """Chains forwarded together, one right-padded batch row each: children of one group's

@@ -34,7 +34,7 @@ from typing import Any, Literal
 import torch
 from transformers import PreTrainedModel
 
-from arbor.train.dfs import DfsWalk, dfs_token_logprobs
+from arbor.train.dfs import DfsWalk, dfs_token_logprobs, pack_budget
 from arbor.train.logprobs import pack_token_logprobs, padded_token_logprobs
 from arbor.train.loss import KLEstimator, LossStats, LossSums, combine, token_sums
 from arbor.train.packing import (
@@ -328,9 +328,9 @@ def policy_backward(
     """:func:`policy_loss` and its backward: the gradients accumulate in ``model``; returns the
     loss's value and metrics.
 
-    ``execution``: ``"packed"`` (each pack one forward and backward) or ``"dfs"`` (each pack
-    walked depth first, :class:`arbor.train.dfs.DfsWalk`: one path's activations in memory,
-    ``group_tokens`` a sibling group's most tokens) — the same loss and gradients.
+    ``execution``: ``"packed"`` (each pack of ``pack_tokens`` one forward and backward) or
+    ``"dfs"`` (whole trees walked depth first, :class:`arbor.train.dfs.DfsWalk`: one path's
+    activations in memory, ``group_tokens`` a group's most tokens) — the same loss and gradients.
     ``objective``: :class:`PolicyObjective`'s settings (``clip_low``, ``kl_coef``, ...).
 
         loss, metrics = policy_backward(model, trees, advantages, execution="dfs")
@@ -348,7 +348,7 @@ def policy_backward(
     policy = PolicyObjective(loss_denominator(trees, normalize), **objective)
     scoring: dict[str, Any] = dict(group_tokens=group_tokens, temperature=temperature, chunk_tokens=chunk_tokens)
     stats = LossStats()
-    for pack in pack_trees(trees, advantages, pack_tokens=pack_tokens, normalize=normalize):
+    for pack in pack_trees(trees, advantages, pack_tokens=pack_budget("dfs", pack_tokens), normalize=normalize):
         select = pack.trained.nonzero()[:, 0]
         ref = None
         if ref_model is not None and policy.kl_coef:
