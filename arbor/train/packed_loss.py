@@ -325,8 +325,9 @@ def policy_backward(
     ref_model: PreTrainedModel | None = None,
     **objective: Any,
 ) -> tuple[float, dict[str, float]]:
-    """:func:`policy_loss` and its backward: the gradients accumulate in ``model``; returns the
-    loss's value and metrics.
+    """:func:`policy_loss` and its backward, pack by pack as the learner runs it (one pack's graph
+    in memory at a time): the gradients accumulate in ``model``; returns the loss's value and
+    metrics.
 
     ``execution``: ``"packed"`` (each pack of ``pack_tokens`` one forward and backward) or
     ``"dfs"`` (whole trees walked depth first, :class:`arbor.train.dfs.DfsWalk`: one path's
@@ -335,19 +336,20 @@ def policy_backward(
 
         loss, metrics = policy_backward(model, trees, advantages, execution="dfs")
     """
-    if execution == "packed":
-        loss, metrics = policy_loss(model, trees, advantages, normalize=normalize, pack_tokens=pack_tokens,
-                                    attention=attention, temperature=temperature, chunk_tokens=chunk_tokens,
-                                    ref_model=ref_model, **objective)
-        loss.backward()
-        return float(loss.detach()), metrics
-    if execution != "dfs":
+    if execution not in ("packed", "dfs"):
         raise ValueError(f"execution must be 'packed' or 'dfs', got {execution!r}")
     if objective.get("kl_coef") and ref_model is None:
         raise ValueError("kl_coef > 0 needs a ref_model")
     policy = PolicyObjective(loss_denominator(trees, normalize), **objective)
-    scoring: dict[str, Any] = dict(group_tokens=group_tokens, temperature=temperature, chunk_tokens=chunk_tokens)
     stats = LossStats()
+    if execution == "packed":  # pack by pack, as the learner: one pack's graph at a time
+        for pack in pack_trees(trees, advantages, pack_tokens=pack_tokens, normalize=normalize):
+            loss, sums = pack_loss(model, pack, policy.denominator, ref_model=ref_model, attention=attention,
+                                   temperature=temperature, chunk_tokens=chunk_tokens, **objective)
+            loss.backward()
+            stats += sums.stats
+        return stats.loss, stats.metrics()
+    scoring: dict[str, Any] = dict(group_tokens=group_tokens, temperature=temperature, chunk_tokens=chunk_tokens)
     for pack in pack_trees(trees, advantages, pack_tokens=pack_budget("dfs", pack_tokens), normalize=normalize):
         select = pack.trained.nonzero()[:, 0]
         ref = None
