@@ -248,7 +248,7 @@ class Learner:
         with torch.no_grad():
             if self.cfg.tree_execution == "dfs":  # idle passes (None) keep the ranks in step
                 scored = [self._dfs_logprobs(self.model, packs[i] if i < len(packs) else None)
-                          for i in range(self._passes(len(packs)))]
+                          for i in range(self._passes(len(packs), needs_filler=False))]
                 return [logp for logp in scored if logp is not None]
             for i in range(self._passes(len(packs), filler)):
                 pack = packs[min(i, len(packs) - 1)] if packs else filler
@@ -260,12 +260,13 @@ class Learner:
                     out.append(logp.to(device="cpu", dtype=torch.float64))
         return out
 
-    def _passes(self, n: int, filler: PackedBatch | None | bool = False) -> int:
-        """Forward/backward passes this rank runs: the most packs any rank has. ``filler``: the
-        pack a rank without packs runs its packed passes on (depth-first idle passes need none)."""
+    def _passes(self, n: int, filler: PackedBatch | None = None, needs_filler: bool = True) -> int:
+        """Forward/backward passes this rank runs: the most packs any rank has. A rank without
+        packs runs packed passes on ``filler``; depth-first idle passes (``needs_filler`` False)
+        run one-token calls instead."""
         if self.engine is None or self.world_size == 1:
             return n
-        if n == 0 and filler is None:
+        if n == 0 and filler is None and needs_filler:
             raise ValueError("a learner rank without packs needs a filler pack for its idle passes")
         count = torch.tensor([n], dtype=torch.long, device=self.device)
         torch.distributed.all_reduce(count, op=torch.distributed.ReduceOp.MAX)
@@ -290,7 +291,7 @@ class Learner:
         if self.engine is not None:
             lockstep.warm_up(idle)
         records: list[R] = []
-        for i in range(self._passes(len(packs))):
+        for i in range(self._passes(len(packs), needs_filler=False)):
             pack = packs[i] if i < len(packs) else None
             ref = self._dfs_logprobs(self.ref_model, pack) if with_reference else None
             walk = pack and DfsWalk(model, pack, pack.trained.nonzero()[:, 0], **self._dfs_settings(),
