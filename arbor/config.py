@@ -278,13 +278,21 @@ class LearnerConfig:
     # auto: cuda when a GPU is visible, else cpu.
     device: Literal["auto", "cpu", "cuda"] = "auto"
     dtype: Dtype = "auto"  # training dtype: auto = bfloat16 on CUDA, float32 on CPU
-    pack_tokens: int = 16384  # token budget of one tree pack (one forward/backward)
+    # Token budget of one tree pack (one forward/backward); tree_execution dfs walks whole trees.
+    pack_tokens: int = 16384
     # Tokens per LM-head chunk for log-probs/entropy: [tokens, vocab] logits are never
     # materialised whole (exact gradients, one extra head matmul); 0: whole logits.
     logit_chunk_tokens: int = 1024
     # Tree attention: auto = flex (FlexAttention) on CUDA, blocks (ancestor blocks) on CPU;
     # dense = an N x N mask with SDPA, the reference.
     attention: Literal["auto", "blocks", "dense", "flex"] = "auto"
+    # How a pack is forwarded: packed = all its tokens in one forward and backward (tree
+    # attention); dfs = depth first, a group of sibling branches at a time with their
+    # ancestors' keys and values as the KV cache: one root-to-leaf path in memory.
+    tree_execution: Literal["packed", "dfs"] = "packed"
+    # tree_execution dfs: the most tokens (padding included) of sibling branches forwarded
+    # together; lower holds less memory, higher makes fewer, larger forwards.
+    dfs_group_tokens: int = 2048
     # DeepSpeed: keep the optimizer state in CPU memory.
     offload_optimizer: bool = False
     # DeepSpeed ZeRO-3: keep parameter shards in CPU memory.

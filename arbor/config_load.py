@@ -172,6 +172,10 @@ def validate(cfg: Config, where: Callable[[str], str] | None = None) -> None:
     )
     need(not le.offload_params or le.zero_stage == 3, "learner.offload_params", "needs learner.zero_stage: 3")
     need(le.sync_bucket_mb > 0, "learner.sync_bucket_mb", f"must be > 0, got {le.sync_bucket_mb}")
+    need(le.dfs_group_tokens >= 1, "learner.dfs_group_tokens", f"must be ≥ 1, got {le.dfs_group_tokens}")
+    # transformers turns the KV cache off in checkpointed layers: the walk's forwards need it.
+    need(not (le.tree_execution == "dfs" and m.gradient_checkpointing), "learner.tree_execution",
+         "dfs needs model.gradient_checkpointing: false (transformers drops the KV cache under checkpointing)")
     need(le.logit_chunk_tokens >= 0, "learner.logit_chunk_tokens", f"must be ≥ 0 (0: off), got {le.logit_chunk_tokens}")
     need(
         le.pack_tokens >= cfg.data.max_prompt_tokens + r.segment_tokens,

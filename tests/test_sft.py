@@ -194,8 +194,9 @@ def random_examples(seed: int) -> list[SftExample]:
 
 
 @settings(max_examples=12, deadline=None)
-@given(seed=st.integers(0, 10_000), normalize=st.sampled_from(["token", "sequence"]))
-def test_tree_sft_gradients_equal_linear_sft(seed, normalize):
+@given(seed=st.integers(0, 10_000), normalize=st.sampled_from(["token", "sequence"]),
+       execution=st.sampled_from(["packed", "dfs"]))
+def test_tree_sft_gradients_equal_linear_sft(seed, normalize, execution):
     torch.manual_seed(seed)
     cfg = Qwen2Config(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                       intermediate_size=64, vocab_size=VOCAB, attn_implementation="sdpa")
@@ -203,8 +204,9 @@ def test_tree_sft_gradients_equal_linear_sft(seed, normalize):
     reference = copy.deepcopy(model)
     examples = random_examples(seed)
     # A small pack budget: several packs, and trees split across them.
-    learner = Learner(ModelConfig(), LearnerConfig(backend="torch", device="cpu", pack_tokens=16), OptimConfig(),
-                      LossConfig(), total_steps=1, model=model)
+    learner = Learner(ModelConfig(), LearnerConfig(backend="torch", device="cpu", pack_tokens=16,
+                                                   tree_execution=execution, dfs_group_tokens=5),
+                      OptimConfig(), LossConfig(), total_steps=1, model=model)
     metrics = sft_backward(learner, examples, normalize)
 
     trees = [e.tree for e in examples]

@@ -3,7 +3,8 @@
     batch = collect_rollouts(ctx.sampling, ctx.rewards, ctx.stream, ctx.log, cfg, step)
     advantages = batch_advantages(batch.trees, cfg.algorithm)
     train = train_on_batch(ctx.learners, batch.trees, advantages, step, cfg.algorithm, cfg.loss,
-                           pack_tokens=cfg.learner.pack_tokens, seed=cfg.run.seed)  # PPO epochs × minibatches
+                           pack_tokens=pack_budget(cfg.learner.tree_execution, cfg.learner.pack_tokens),
+                           seed=cfg.run.seed)  # PPO epochs × minibatches
     sync = sync_weights(ctx.learners, ctx.engines, ctx.recovery, ctx.sampling, cfg.rollout,
                         version=str(step), probe=batch.trees[:2])
 
@@ -38,7 +39,8 @@ from arbor.run.learner_group import LearnerGroup
 from arbor.run.recovery import EngineRecovery
 from arbor.train.advantage import compute_advantages, dynamic_sampling_filter
 from arbor.train.loss import LossStats
-from arbor.train.packing import assign_to_ranks, loss_denominator, pack_trees
+from arbor.train.packing import PackedBatch, loss_denominator
+from arbor.train.rank_balance import rank_imbalance, rank_packs
 from arbor.train.rollout_correction import (
     attach_learner_logprobs,
     correction_of,
@@ -196,7 +198,8 @@ def train_on_batch(
 ) -> dict[str, float]:
     """``ppo_epochs`` × ``minibatches`` learner updates over the batch; loss metrics.
 
-    ``pack_tokens``: ``learner.pack_tokens``; ``seed``: ``run.seed`` (the epochs' shuffles);
+    ``pack_tokens``: a pack's budget (``learner.pack_tokens``; whole trees with
+    ``learner.tree_execution: dfs``, :func:`arbor.train.dfs.pack_budget`); ``seed``: ``run.seed`` (the epochs' shuffles);
     ``behaviour_cap``: ``loss.behaviour_cap`` for off-policy batches (the decoupled objective),
     None on-policy. With ``loss.rollout_correction`` tis/mis the learners first score the whole
     batch without an update (π_old, :func:`recompute_old_logprobs`); at sequence level each
@@ -207,6 +210,7 @@ def train_on_batch(
     if correction.recompute:
         recompute_old_logprobs(learners, trees, pack_tokens)
     stats, norms, lrs = LossStats(), [], []
+    rank_tokens = [0] * learners.world_size  # tokens each rank forwarded over the step's updates
     order = list(range(len(trees)))
     for epoch in range(algorithm.ppo_epochs):
         if epoch:
@@ -220,11 +224,12 @@ def train_on_batch(
 
                 sub_trees, sub_adv = linearise_trees(sub_trees, sub_adv)
             weights = leaf_correction_weights(sub_trees, correction)[0] if leaf_level else None
-            packs = pack_trees(sub_trees, sub_adv, pack_tokens=pack_tokens, normalize=loss_cfg.normalize,
-                               correction_weights=weights)
-            per_rank = [[packs[i] for i in r] for r in assign_to_ranks(packs, learners.world_size)]
+            # Each rank its share of the trees, balanced by the tokens it computes, packed there.
+            per_rank, tokens = rank_packs(sub_trees, sub_adv, learners.world_size, pack_tokens=pack_tokens,
+                                          normalize=loss_cfg.normalize, correction_weights=weights)
+            rank_tokens = [a + b for a, b in zip(rank_tokens, tokens)]
             denominator = loss_denominator(sub_trees, loss_cfg.normalize)
-            results = learners.step(per_rank, denominator, filler=packs[0], behaviour_cap=behaviour_cap)
+            results = learners.step(per_rank, denominator, filler=_filler(per_rank), behaviour_cap=behaviour_cap)
             stats = sum((r.stats for r in results), stats)
             norms.append(results[0].grad_norm)  # the same on every rank
             lrs.append(results[0].lr)
@@ -238,6 +243,7 @@ def train_on_batch(
     metrics["train/nonfinite_grad_norms"] = float(len(nonfinite))
     metrics["train/lr"] = lrs[-1]
     metrics["train/updates"] = float(len(norms))
+    metrics["train/rank_imbalance"] = rank_imbalance(rank_tokens)
     mismatch = stats.mismatch
     if leaf_level:  # the weights are the leaves' (per leaf); the KL stays per token
         mismatch = replace(leaf_correction_weights(trees, correction)[1], kl=mismatch.kl, tokens=mismatch.tokens)
@@ -248,13 +254,14 @@ def train_on_batch(
 def recompute_old_logprobs(learners: LearnerGroup, trees: list[RolloutTree], pack_tokens: int) -> None:
     """π_old for ``loss.rollout_correction``: the learners' log-probs of every trained token of
     ``trees`` under the weights before this batch's updates, into ``node.learner_logprobs``."""
-    packs = pack_trees(trees, None, pack_tokens=pack_tokens)
-    ranks = assign_to_ranks(packs, learners.world_size)
-    results = learners.old_logprobs([[packs[i] for i in r] for r in ranks], filler=packs[0])
-    by_pack: dict[int, Any] = {}
-    for indices, logps in zip(ranks, results):
-        by_pack.update(zip(indices, logps))
-    attach_learner_logprobs(trees, packs, [by_pack[i] for i in range(len(packs))])
+    per_rank, _ = rank_packs(trees, None, learners.world_size, pack_tokens=pack_tokens)
+    results = learners.old_logprobs(per_rank, filler=_filler(per_rank))
+    attach_learner_logprobs(trees, [p for packs in per_rank for p in packs], [lp for logps in results for lp in logps])
+
+
+def _filler(per_rank: list[list[PackedBatch]]) -> PackedBatch:
+    """A pack for the idle passes of ranks without one (ZeRO-3: every rank in every forward)."""
+    return next(pack for packs in per_rank for pack in packs)
 
 
 def sync_weights(
