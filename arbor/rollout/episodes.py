@@ -223,13 +223,15 @@ class TreeEpisodes:
             # A per-branch error, not a run-stopping one: one long observation (a tool's traceback)
             # must not end a run that is otherwise fine, and a cut message is not what the
             # environment said, so the branch is dropped (never trained on), counted and warned about.
+            # One warning per tree (the first such branch): every branch of a step may hit it.
             self.stats.env_errors += 1
             node.finish_reason = TOO_LONG
-            log.warning("problem %s: the %s's messages of turn %d are %d tokens, but the episode has %d left of "
-                        "its response budget (rollout.segment_tokens × rollout.max_depth = %d; agent and "
-                        "environment messages count against it): the branch is dropped (%s, env/errors)",
-                        self._problem_id, "agent" if self.agent else "environment", turn, len(ids), max(room, 0),
-                        self.cfg.max_response_tokens, TOO_LONG)
+            if not any(leaf.finish_reason == TOO_LONG for leaf in self.dropped):
+                log.warning("problem %s: the %s's messages of turn %d are %d tokens, but the episode has %d left "
+                            "of its response budget (rollout.segment_tokens × rollout.max_depth = %d; agent and "
+                            "environment messages count against it): the branch is dropped (%s, env/errors)",
+                            self._problem_id, "agent" if self.agent else "environment", turn, len(ids),
+                            max(room, 0), self.cfg.max_response_tokens, TOO_LONG)
             await self.calls.close(self.key, env)
             self._drop(node)
             return None
