@@ -193,3 +193,12 @@ class Silent(Env):
 
     def step(self, history):
         return Step([], done=True)
+
+
+class Broken(Notebook):
+    """Its second step raises (a bug in the environment)."""
+
+    def step(self, history):
+        if len(self.notes) == 1:
+            raise KeyError("no such account")
+        return super().step(history)

@@ -4,14 +4,17 @@ The state a new branch starts from is its node's **state node**: the nearest env
 above it, or the root (model tokens never change an environment). How it gets an instance in
 that state is the environment's ``fork``:
 
-- ``copy``: ``env.copy()`` of an instance in that state. Forks at a past state (a TreePO
-  fallback cut, an entropy fork inside an earlier turn) copy a pristine copy kept of every state
-  of the tree (the root's and each environment turn's) until the tree is sampled.
+- ``copy``: ``env.copy()`` of an instance in that state, made when the copies are requested.
+  Forks at a past state (a TreePO fallback cut, an entropy fork inside an earlier turn) copy a
+  pristine copy kept of every state of the tree (the root's and each environment turn's) until
+  the tree is sampled.
 - ``replay``: a fresh instance, ``reset`` with the same problem and seed, then the steps recorded
-  on the path replayed, each returned ``Step`` compared with the recorded one. A replay that
-  diverges (hidden non-determinism: a global RNG, a clock) or raises stops that branch before
-  it samples anything: warned about with the problem id and the turn, counted (``env/errors``),
-  never trained on.
+  on the path replayed, each returned ``Step`` compared with the recorded one; built when the
+  branch first needs it (its first step, or its end for the reward), so a tree holds few
+  instances and any idle one can be closed for a slot (``rollout.max_live_envs``) and rebuilt.
+  A replay that diverges (hidden non-determinism: a global RNG, a clock) or raises stops that
+  branch: warned about with the problem id and the turn, counted (``env/errors``), dropped from
+  the tree (never trained on).
 - ``none``: a fresh instance reset the same way, for branches that start before the first step
   only (the sampler gives a path one copy once its episode has stepped).
 

@@ -249,6 +249,11 @@ class TreeEpisodes:
 
     async def end(self, tree: RolloutTree, node: Node) -> None:
         """The episode ended at ``node`` without a step (length, repetition, abort): its reward."""
+        if not self.setup.source.gives_reward and node.id not in self.forks.owned:
+            # A fork that never needed its instance: no reward to read, nothing to build just to close.
+            self.stats.env_episodes += 1
+            self.stats.env_episode_steps += self.turns_before(tree, node)
+            return
         env = await self.forks.instance(tree, node)
         if env is None:
             self._drop(node)
