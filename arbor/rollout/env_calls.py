@@ -63,6 +63,7 @@ class EnvCalls:
         self.timeout_s, self.max_live = timeout_s, max_live
         self.live = 0  # instances built (or being built) and not closed
         self.close_failures = 0  # close() calls that raised or timed out
+        self.warned: set[str] = set()  # warnings given once per sampling run (every tree may hit them)
         self._lock = threading.Lock()  # ``live`` also drops in abandoned calls' threads
         self._loop: asyncio.AbstractEventLoop | None = None
         self._changed: asyncio.Condition | None = None

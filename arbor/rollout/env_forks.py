@@ -74,6 +74,9 @@ class Forks:
         self.source, self.calls, self.key, self.stats = source, calls, key, stats
         self.turns = turns  # environment-turn node ids (the episodes' messages by node)
         self.keep_states = snapshots  # copy mode: keep every state for forks at past states
+        # A stateless agent's instances (AgentEnv) are alike in every state: one kept copy serves
+        # every fork, and none of them is a real fork (env/forks).
+        self.stateless = source.is_agent
         self.mode: Fork = "replay"
         self.owned: dict[int, Any] = {}  # node id -> the instance of the branch whose tip it is
         self.pending: dict[int, list[Any]] = {}  # node id -> instances prepared for its next copies
@@ -118,12 +121,13 @@ class Forks:
             self.pending[node.id] = have
             return n
         state = self.state(node)
-        source = self.snapshots.get(state.id, have[0] if have else None)
+        source = self.snapshots.get(0 if self.stateless else state.id, have[0] if have else None)
         if source is None:
             raise RuntimeError(f"no instance of the environment in the state of node {state.id} to copy")
         made = [await self._copy(source) for _ in range(n - len(have))]  # one source: one call at a time
         have += [env for env in made if env is not None]
-        self.stats.env_forks["copy"] = self.stats.env_forks.get("copy", 0) + sum(e is not None for e in made)
+        if not self.stateless:
+            self.stats.env_forks["copy"] = self.stats.env_forks.get("copy", 0) + sum(e is not None for e in made)
         self.pending[node.id] = have
         return len(have)
 
@@ -153,7 +157,7 @@ class Forks:
         replays), keep a copy of the state (copy mode), and the branch goes on with ``env``.
         False: that copy timed out (``env`` stays with the caller)."""
         self.recorded[tip.id] = (history, step)
-        if self.keep_states:
+        if self.keep_states and not self.stateless:
             snapshot = await self._copy(env)
             if snapshot is None:
                 return False

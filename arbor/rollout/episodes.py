@@ -223,15 +223,17 @@ class TreeEpisodes:
             # A per-branch error, not a run-stopping one: one long observation (a tool's traceback)
             # must not end a run that is otherwise fine, and a cut message is not what the
             # environment said, so the branch is dropped (never trained on), counted and warned about.
-            # One warning per tree (the first such branch): every branch of a step may hit it.
+            # Warned about once per sampling run (every branch of a step may hit it); all are counted.
             self.stats.env_errors += 1
+            self.stats.dropped_too_long += 1
             node.finish_reason = TOO_LONG
-            if not any(leaf.finish_reason == TOO_LONG for leaf in self.dropped):
+            if TOO_LONG not in self.calls.warned:
+                self.calls.warned.add(TOO_LONG)
                 log.warning("problem %s: the %s's messages of turn %d are %d tokens, but the episode has %d left "
                             "of its response budget (rollout.segment_tokens × rollout.max_depth = %d; agent and "
-                            "environment messages count against it): the branch is dropped (%s, env/errors)",
-                            self._problem_id, "agent" if self.agent else "environment", turn, len(ids),
-                            max(room, 0), self.cfg.max_response_tokens, TOO_LONG)
+                            "environment messages count against it): the branch is dropped (%s; every such branch "
+                            "is counted in env/errors)", self._problem_id, "agent" if self.agent else "environment",
+                            turn, len(ids), max(room, 0), self.cfg.max_response_tokens, TOO_LONG)
             await self.calls.close(self.key, env)
             self._drop(node)
             return None

@@ -31,7 +31,12 @@ from arbor.rollout.agents import tool_turns
 from arbor.rollout.answers import has_final_answer
 from arbor.rollout.environments import FORK_MODES, EnvSource
 from arbor.rollout.episodes import EpisodeSetup, run_episodes
-from arbor.rollout.rewards import RewardPool, check_failure_fraction, failed_checks
+from arbor.rollout.rewards import (
+    RewardFailureError,
+    RewardPool,
+    check_failure_fraction,
+    failed_checks,
+)
 from arbor.rollout.sample_stats import SampleStats
 from arbor.rollout.sampler import sample_trees
 from arbor.rollout.tools import unsandboxed_calls
@@ -51,6 +56,11 @@ from arbor.tree import RolloutTree
 T = TypeVar("T")
 Status = Callable[[str], None]  # a progress line for the console (MetricsLog.status)
 log = logging.getLogger(__name__)
+
+
+class EpisodesDroppedError(RewardFailureError):
+    """Every episode of a step was dropped (an environment's messages over the response budget,
+    diverged replays, unscored timeouts): nothing is left to score or train on."""
 
 
 @dataclass
@@ -161,6 +171,16 @@ def collect_rollouts(
     check_failure_fraction(batch.reward_timeouts + batch.reward_crashed, len(batch.correct),
                            cfg.reward.max_failure_fraction, batch.reward_failures)
     warn_budget(batch, cfg.rollout, step, sampling.budget_warned)
+    dropped = sum(s.env_dropped for s in batch.stats)
+    if dropped and not any(tree.leaves() for tree in batch.sampled):
+        too_long = sum(s.dropped_too_long for s in batch.stats)
+        raise EpisodesDroppedError(
+            f"step {step}: all {dropped} episodes were dropped, {too_long} of them because an agent's or "
+            f"environment's messages did not fit the response budget (rollout.segment_tokens × rollout.max_depth "
+            f"= {cfg.rollout.segment_tokens} × {cfg.rollout.max_depth} = {cfg.rollout.max_response_tokens} tokens; "
+            "their messages count against it), the rest by diverged replays or unscored timeouts (env/errors, "
+            "env/timeouts): nothing is left to train on"
+        )
     return batch
 
 
@@ -407,9 +427,11 @@ def env_metrics(batch: Batch) -> dict[str, float]:
 
 def warn_budget(batch: Batch, rollout_cfg: RolloutConfig, step: int, warned: list[bool]) -> None:
     """Warn once (``warned`` holds whether it has) when most of a step's episodes ended at the
-    response budget: their answers were cut, and nothing else says why (``response/max_length``)."""
+    response budget: their answers were cut, or dropped because an agent's or environment's
+    messages did not fit, and nothing else says why (``response/max_length``, ``env/errors``)."""
     leaves = [leaf for tree in batch.sampled for leaf in tree.leaves()]
-    cut = sum(leaf.finish_reason == "max_length" for leaf in leaves) / max(len(leaves), 1)
+    too_long = sum(s.dropped_too_long for s in batch.stats)  # dropped: their messages did not fit
+    cut = (sum(leaf.finish_reason == "max_length" for leaf in leaves) + too_long) / max(len(leaves) + too_long, 1)
     if cut <= 0.5 or warned[0]:
         return
     warned[0] = True
