@@ -174,12 +174,12 @@ def collect_rollouts(
     dropped = sum(s.env_dropped for s in batch.stats)
     if dropped and not any(tree.leaves() for tree in batch.sampled):
         too_long = sum(s.dropped_too_long for s in batch.stats)
+        rest = f"; {dropped - too_long} by diverged replays or unscored timeouts" if dropped > too_long else ""
         raise EpisodesDroppedError(
             f"step {step}: all {dropped} episodes were dropped, {too_long} of them because an agent's or "
             f"environment's messages did not fit the response budget (rollout.segment_tokens × rollout.max_depth "
             f"= {cfg.rollout.segment_tokens} × {cfg.rollout.max_depth} = {cfg.rollout.max_response_tokens} tokens; "
-            "their messages count against it), the rest by diverged replays or unscored timeouts (env/errors, "
-            "env/timeouts): nothing is left to train on"
+            f"their messages count against it){rest} (env/errors, env/timeouts): nothing is left to train on"
         )
     return batch
 
@@ -437,5 +437,6 @@ def warn_budget(batch: Batch, rollout_cfg: RolloutConfig, step: int, warned: lis
     warned[0] = True
     log.warning("step %d: %.0f%% of the episodes ended at the response budget, rollout.segment_tokens × "
                 "rollout.max_depth = %d × %d = %d tokens (agent and environment messages count against it): "
-                "their answers were cut. Raise rollout.segment_tokens or rollout.max_depth (response/max_length)",
+                "their answers were cut, or their agent's messages did not fit. Raise rollout.segment_tokens or "
+                "rollout.max_depth (response/max_length)",
                 step, 100 * cut, rollout_cfg.segment_tokens, rollout_cfg.max_depth, rollout_cfg.max_response_tokens)
