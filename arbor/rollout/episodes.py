@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from arbor.config import DataConfig, RolloutConfig
+from arbor.errors import ConfigError
 from arbor.rollout.agents import Agent, Message, Render, continuation_ids, episode_prompt
 from arbor.rollout.budget import request_seed
 from arbor.rollout.env_calls import EnvCalls, EnvTimeout
@@ -132,11 +133,14 @@ class TreeEpisodes:
             env = await self.calls.open(self.key, self.setup.source.make)
         except EnvTimeout:
             raise self._error("building", 0, "ran past " + self.timeout_key) from None
-        mode = fork_mode(env, self.setup.source.key)
         try:
+            mode = fork_mode(env, self.setup.source.key)  # a factory may build other classes than the probe's
             messages = await self.calls.call(self.key, env, "reset", problem, seed)
         except EnvTimeout:
             raise self._error("reset", 0, f"ran past {self.timeout_key}: the tree has no prompt") from None
+        except ConfigError:
+            await self.calls.close(self.key, env)
+            raise
         except Exception as e:
             await self.calls.close(self.key, env)
             raise self._error("reset", 0, f"raised {type(e).__name__}: {e}") from e
@@ -171,8 +175,8 @@ class TreeEpisodes:
         return self.forks.may_fork(node)
 
     async def prepare(self, tree: RolloutTree, node: Node, n: int) -> int:
-        """Instances for ``n`` copies sampled from ``node``; returns how many it has (a diverged
-        replay or a timed-out fork stops that branch before it starts)."""
+        """Instances for ``n`` copies sampled from ``node``; returns how many may be sampled (fewer
+        when a ``copy()`` timed out: that branch does not start)."""
         return await self.forks.prepare(tree, node, n)
 
     def hand_over(self, node: Node, children: list[Node]) -> None:
@@ -189,7 +193,7 @@ class TreeEpisodes:
         """Step the branch's environment after the model turn ending at ``node``; returns the
         environment-turn node the episode goes on from, or None when it ended at ``node``."""
         env = await self.forks.instance(tree, node)
-        if env is None:  # rebuilt after its slot was taken, and the replay diverged
+        if env is None:  # the replay that built it (a fork, or a rebuild after its slot was taken) diverged
             self._drop(node)
             return None
         turn = self.turns_before(tree, node) + 1
