@@ -90,16 +90,23 @@ def _claim_output_dir(cfg: Config, command: Command, writes: bool) -> Path | Non
     from arbor.run import checkpoint
 
     out = Path(cfg.run.output_dir)
-    previous = checkpoint.latest_checkpoint(out)
-    if previous is not None and not cfg.run.resume:
-        raise SystemExit(
-            f"arbor {command}: {out} already holds a run (checkpoint {previous.name}); set "
-            "run.resume=true to continue it, or choose another run.output_dir"
-        )
+    previous = checkpoint.check_output_dir(out, cfg.run.resume, command)  # before anything is written
     if writes:
         out.mkdir(parents=True, exist_ok=True)
         save_config(cfg, out / "config.yaml")  # as run: engine.kind decided (the key is never saved)
     return previous
+
+
+def check_device(cfg: Config) -> None:
+    """:class:`ConfigError` naming ``learner.device`` when it asks for CUDA on a machine without it."""
+    if cfg.learner.device != "cuda":
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        build = f"CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
+        raise ConfigError(f"learner.device is cuda, but no CUDA device is visible here (torch {torch.__version__}, "
+                          f"{build}); set learner.device: cpu or auto")
 
 
 def settled(cfg: Config, command: Command = "train") -> Config:
@@ -115,6 +122,7 @@ def settled(cfg: Config, command: Command = "train") -> Config:
     get a GPU. Decided once, here, before anything starts: the engine and learner actors,
     the clients and the launcher all read the settled ``cfg.engine`` and never decide again.
     """
+    check_device(cfg)
     if command in ("train", "eval"):
         from arbor.engines.auth import run_api_key
         from arbor.engines.launch import resolve_kind
@@ -149,6 +157,29 @@ def check_model_context(cfg: Config, command: Command) -> None:
     context = getattr(model_config.get_text_config(), "max_position_embeddings", None)
     if context is not None:  # a model without the field: the server's own check is all there is
         check_context_length(cfg, int(context), f"max_position_embeddings of {cfg.model.path}", command)
+
+
+def problem_files(cfg: Config, command: str) -> dict[str, str]:
+    """The data files ``arbor COMMAND`` reads, by the config key naming each: ``train`` reads
+    ``data.train_path`` and, when it evaluates (``run.eval_every``), ``eval.path`` or else
+    ``data.eval_path``; ``eval`` reads the latter (a :class:`ConfigError` when neither is
+    set); ``sft`` reads ``sft.train_path``."""
+    evals = {"eval.path": cfg.eval.path} if cfg.eval.path else {"data.eval_path": cfg.data.eval_path}
+    if command == "sft":
+        return {"sft.train_path": cfg.sft.train_path}
+    if command == "eval":
+        if cfg.eval.path is None and cfg.data.eval_path is None:
+            raise ConfigError("eval.path: arbor eval has no set to evaluate: set eval.path or data.eval_path")
+        return {k: v for k, v in evals.items() if v is not None}
+    files = {"data.train_path": cfg.data.train_path}
+    return files | {k: v for k, v in evals.items() if v is not None and cfg.run.eval_every}
+
+
+def check_problem_files(cfg: Config, command: str) -> None:
+    """:class:`ConfigError` naming the key of the first of :func:`problem_files` that does not exist."""
+    for key, path in problem_files(cfg, command).items():
+        if not Path(path).exists():
+            raise ConfigError(f"{key}: {path}: no such file or directory")
 
 
 def load_tokenizer(model_cfg: ModelConfig) -> tuple[Any, list[int]]:
