@@ -24,6 +24,7 @@ from arbor.run.context import RunContext, start_run
 from arbor.run.learner_group import LearnerFailedError
 from arbor.run.orchestration import PlacementError
 from arbor.run.recovery import EngineFailedError
+from arbor.train.dfs import pack_budget
 
 
 def train(cfg: Config, after_step: Callable[[RunContext, int, dict], None] | None = None) -> list[dict[str, float]]:
@@ -37,7 +38,7 @@ def train(cfg: Config, after_step: Callable[[RunContext, int, dict], None] | Non
     history = []
     with start_run(cfg) as ctx, producer_for(ctx.cfg, ctx.sampling, ctx.rewards, ctx.stream,
                                              ctx.start_step + 1) as producer:
-        cfg = ctx.cfg  # settled: engine.kind and engine.api_key decided (arbor.run.startup.settled)
+        cfg = ctx.cfg  # settled: what this run runs with (arbor.run.startup.start_command)
 
         def evaluate() -> dict[str, float]:
             with ctx.log.phase(phases.EVAL_PHASE):
@@ -47,6 +48,7 @@ def train(cfg: Config, after_step: Callable[[RunContext, int, dict], None] | Non
         if ctx.start_step == 0 and cfg.run.eval_every and ctx.eval_problems:
             ctx.log.write(0, evaluate())  # where the policy starts
         behaviour_cap = cfg.loss.behaviour_cap if producer else None  # None: on-policy PPO
+        pack_tokens = pack_budget(cfg.learner.tree_execution, cfg.learner.pack_tokens)  # dfs: whole trees
         for step in range(ctx.start_step + 1, cfg.run.steps + 1):
             started = time.perf_counter()
             if producer is None:
@@ -60,13 +62,15 @@ def train(cfg: Config, after_step: Callable[[RunContext, int, dict], None] | Non
             if batch.trees:  # else every prompt's leaves scored the same: nothing to learn
                 with ctx.log.phase("advantage"):
                     advantages = phases.batch_advantages(batch.trees, cfg.algorithm)
-                with ctx.log.phase("train"), ctx.engines_released():
-                    metrics |= phases.train_on_batch(ctx.learners, batch.trees, advantages, step, cfg.algorithm,
-                                                     cfg.loss, pack_tokens=cfg.learner.pack_tokens, seed=cfg.run.seed,
-                                                     behaviour_cap=behaviour_cap)
+                with ctx.weights.changing():  # a restarted engine waits for the push (arbor.run.weight_sync)
+                    with ctx.log.phase("train"), ctx.engines_released():
+                        metrics |= phases.train_on_batch(ctx.learners, batch.trees, advantages, step, cfg.algorithm,
+                                                         cfg.loss, pack_tokens=pack_tokens,
+                                                         seed=cfg.run.seed, behaviour_cap=behaviour_cap)
+                    with ctx.log.phase("sync"):
+                        metrics |= phases.push_weights(ctx.weights, ctx.recovery, str(step))
                 with ctx.log.phase("sync"):
-                    metrics |= phases.sync_weights(ctx.learners, ctx.engines, ctx.recovery, ctx.sampling, cfg.rollout,
-                                                   str(step), probe=batch.trees[:2])
+                    metrics |= phases.probe_weights(ctx.learners, ctx.sampling, cfg.rollout, probe=batch.trees[:2])
             if producer is not None:
                 producer.step_done(step, pushed=bool(batch.trees))  # the next batch may start sampling
             if cfg.run.eval_every and step % cfg.run.eval_every == 0 and ctx.eval_problems:
