@@ -4,11 +4,11 @@
     started.cfg                                    # settled: what the run runs with, every rule checked
     started.tokenizer, started.stop_ids, started.previous
 
-:func:`start_command`, in order: settles the config (:func:`settled`: ``engine.kind: auto``
+:func:`start_command`, in order: refuses an output directory holding another run (``train``,
+``sft``; unless ``run.resume``), settles the config (:func:`settled`: ``engine.kind: auto``
 and ``engine.api_key`` decided for commands that start engines, the longest request checked
 against the model's context, and every rule of :func:`~arbor.config_load.validate` checked
-again on the settled values and this machine), refuses an output directory holding another
-run (``train``, ``sft``; unless ``run.resume``), writes the settled config there as
+again on the settled values and this machine), writes the settled config there as
 ``config.yaml``, and loads the tokenizer and its stop ids.
 
 Start-up time, as named phases timed from the clock's origin:
@@ -73,28 +73,22 @@ def start_command(cfg: Config, command: Command, clock: StartupClock | None = No
     """The start-up every command shares (see the module docstring); ``writes``: this process
     writes ``config.yaml`` (an SPMD ``arbor sft``: rank 0 alone). Raises ConfigError for a
     rule the settled config breaks, SystemExit for a used output directory."""
+    from arbor.run import checkpoint
+
     clock = clock or StartupClock()
-    with clock.phase("settle"):
-        cfg = settled(cfg, command)
     previous = None
     if command != "eval":  # eval writes its report into any directory, next to a run's
-        previous = _claim_output_dir(cfg, command, writes)
+        # First: a directory holding another run is refused before any other work.
+        previous = checkpoint.check_output_dir(cfg.run.output_dir, cfg.run.resume, command)
+    with clock.phase("settle"):
+        cfg = settled(cfg, command)
+    if command != "eval" and writes:
+        out = Path(cfg.run.output_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        save_config(cfg, out / "config.yaml")  # as run: engine.kind decided (the key is never saved)
     with clock.phase("tokenizer"):
         tokenizer, stop_ids = load_tokenizer(cfg.model)
     return Started(cfg, tokenizer, stop_ids, previous)
-
-
-def _claim_output_dir(cfg: Config, command: Command, writes: bool) -> Path | None:
-    """The latest checkpoint of ``run.output_dir``, refused unless ``run.resume``; the settled
-    config saved there."""
-    from arbor.run import checkpoint
-
-    out = Path(cfg.run.output_dir)
-    previous = checkpoint.check_output_dir(out, cfg.run.resume, command)  # before anything is written
-    if writes:
-        out.mkdir(parents=True, exist_ok=True)
-        save_config(cfg, out / "config.yaml")  # as run: engine.kind decided (the key is never saved)
-    return previous
 
 
 def check_device(cfg: Config) -> None:
