@@ -54,6 +54,8 @@ _EXPORTS: dict[str, str] = {
     "SampleStats": "arbor.rollout.sample_stats",
     "Agent": "arbor.rollout.agents",
     "Message": "arbor.rollout.agents",
+    "Env": "arbor.rollout.environments",
+    "Step": "arbor.rollout.environments",
     "ToolPool": "arbor.rollout.tools",
     "ToolResult": "arbor.rollout.tools",
     "RewardFn": "arbor.rollout.rewards",
@@ -123,6 +125,7 @@ if TYPE_CHECKING:  # type checkers and IDEs see the names without the lazy table
     from arbor.errors import ConfigError
     from arbor.rollout.agents import Agent, Message
     from arbor.rollout.answers import final_boxes, last_boxed
+    from arbor.rollout.environments import Env, Step
     from arbor.rollout.rewards import (
         RewardError,
         RewardFn,

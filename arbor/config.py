@@ -105,6 +105,18 @@ class RolloutConfig:
     # Wall-clock seconds one agent.step call may take; past it the episode ends there
     # ("agent_timeout", counted in agent/timeouts). The step's thread cannot be killed.
     agent_timeout_s: float = 60.0
+    # module:attr of an environment (a class built with rollout.env_args, or a factory): state,
+    # side effects and a reward of its own, one instance per episode and branch
+    # (docs/environments.md). Replaces rollout.agent: set one of the two.
+    env: str | None = None
+    # Keyword arguments for rollout.env's class or factory.
+    env_args: dict[str, Any] = field(default_factory=dict)
+    # Wall-clock seconds one environment call (reset, step, copy, reward, close) may take; past
+    # it that branch ends truncated ("env_timeout", counted in env/timeouts), its siblings go on.
+    env_timeout_s: float = 60.0
+    # Environment instances open at once while a step samples; 0: no cap. A branch that needs
+    # one more waits for another to close.
+    max_live_envs: int = 0
     # Where paths fork. segment: TreePO's segment boundaries; entropy: TreeRL's EPTree, at the
     # highest-entropy tokens of whole paths already sampled (docs/fork-policies.md).
     fork_at: Literal["segment", "entropy"] = "segment"
@@ -171,7 +183,10 @@ class RewardTermConfig:
 @dataclass
 class RewardConfig:
     # Reward terms ({fn, weight}); the first one also decides reward/accuracy and eval correctness.
+    # May be empty when rollout.env gives the reward.
     functions: list[RewardTermConfig] = field(default_factory=lambda: [RewardTermConfig()])
+    # An episode's reward is env_weight × the environment's reward() (rollout.env) + the terms.
+    env_weight: float = 1.0
     timeout_s: float = 5.0  # a check past this is killed, scores 0, and is counted
     # Processes that run reward checks in parallel.
     workers: int = 2
@@ -289,7 +304,9 @@ class RayConfig:
     # GPUs a local Ray instance offers; None: Ray detects them.
     num_gpus: int | None = None
     # Engines and learners share GPUs; the engines release their memory (KV cache, and on
-    # GPUs the weights) while the learners train. On CPU only the release applies.
+    # GPUs the weights) while the learners train. On CPU only the release applies. With
+    # algorithm.max_staleness ≥ 1 the engines sample while the learners train, so they keep
+    # their memory: engine and learner must fit on one GPU together.
     colocate: bool = False
     # Ray placement-group strategy for learner ranks and engines (STRICT_SPREAD: one bundle per node).
     placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"

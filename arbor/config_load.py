@@ -11,6 +11,7 @@ type checks, :mod:`arbor.config_parse`.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from pathlib import Path
 
@@ -81,6 +82,13 @@ def validate(cfg: Config, where: Callable[[str], str] | None = None) -> None:
     need(r.repetition_count >= 2, "rollout.repetition_count", "must be ≥ 2")
     need(r.agent is None or ":" in r.agent, "rollout.agent", f"must be 'module:attr', got {r.agent!r}")
     need(r.agent_timeout_s > 0, "rollout.agent_timeout_s", f"must be > 0, got {r.agent_timeout_s}")
+    need(r.env is None or ":" in r.env, "rollout.env", f"must be 'module:attr', got {r.env!r}")
+    need(r.env is None or r.agent is None, "rollout.env",
+         "and rollout.agent are both set: an environment replaces the agent (a stateless agent is an "
+         "environment); keep one")
+    need(r.env is not None or not r.env_args, "rollout.env_args", "needs rollout.env (the class it builds)")
+    need(r.env_timeout_s > 0, "rollout.env_timeout_s", f"must be > 0, got {r.env_timeout_s}")
+    need(r.max_live_envs >= 0, "rollout.max_live_envs", f"must be ≥ 0 (0: no cap), got {r.max_live_envs}")
     if r.fork_at == "entropy":
         need(r.mode == "tree", "rollout.fork_at", "entropy forks a tree: it needs rollout.mode: tree")
         need(r.agent is None, "rollout.fork_at", "entropy does not fork multi-turn episodes (rollout.agent)")
@@ -102,9 +110,11 @@ def validate(cfg: Config, where: Callable[[str], str] | None = None) -> None:
          f"must be 1 with ray.colocate (a colocated engine gets one learner GPU), got {e.tp_size}")
     need(e.max_restarts >= 0, "engine.max_restarts", f"must be ≥ 0 (0: a dead engine stops the run), got {e.max_restarts}")
 
-    need(bool(cfg.reward.functions), "reward.functions", "must name at least one reward function")
+    need(bool(cfg.reward.functions) or r.env is not None, "reward.functions",
+         "must name at least one reward function (it may be empty only when rollout.env gives the reward)")
     for i, term in enumerate(cfg.reward.functions):
         need(":" in term.fn, f"reward.functions[{i}].fn", f"must be 'module:attr', got {term.fn!r}")
+    need(math.isfinite(cfg.reward.env_weight), "reward.env_weight", f"must be a finite number, got {cfg.reward.env_weight}")
     need(cfg.reward.timeout_s > 0, "reward.timeout_s", "must be > 0")
     need(cfg.reward.workers >= 1, "reward.workers", "must be ≥ 1")
     need(0 <= cfg.reward.max_failure_fraction <= 1, "reward.max_failure_fraction",
@@ -121,10 +131,6 @@ def validate(cfg: Config, where: Callable[[str], str] | None = None) -> None:
     bounds = lo.rollout_mask_bounds
     need(len(bounds) == 2 and 0 <= bounds[0] <= 1 <= bounds[1], "loss.rollout_mask_bounds",
          f"must be [lo, hi] with 0 ≤ lo ≤ 1 ≤ hi (a weight of 1, no mismatch, is never masked), got {bounds}")
-    # The engines keep sampling while the learners train: they cannot give their memory up.
-    need(not (a.max_staleness and cfg.ray.colocate), "algorithm.max_staleness",
-         "must be 0 with ray.colocate (colocated engines release their memory while the learners train, "
-         "so they cannot sample meanwhile)")
     # The decoupled objective's proximal policy is the one before each tree's single update.
     need(not (a.max_staleness and a.ppo_epochs > 1), "algorithm.max_staleness",
          f"must be 0 with algorithm.ppo_epochs > 1 (got {a.ppo_epochs}): the off-policy objective takes "

@@ -35,7 +35,7 @@ MEANINGS: dict[str, dict[str, str]] = {
         "Config": "The whole run configuration: one field per section below.",
         "ModelConfig": "`model:` the policy checkpoint, dtype, chat template.",
         "DataConfig": "`data:` problem files, prompt columns, prompts per step.",
-        "RolloutConfig": "`rollout:` TreePO sampling (width, branch, segment tokens, depth) and the agent.",
+        "RolloutConfig": "`rollout:` TreePO sampling (width, branch, segment tokens, depth), the agent or environment.",
         "EngineConfig": "`engine:` which inference servers, how many, their timeouts and key.",
         "RewardConfig": "`reward:` the reward functions, their workers and timeout.",
         "RewardTermConfig": "One weighted reward function of `reward.functions` (`module:attr` or `file.py:attr`).",
@@ -57,9 +57,11 @@ MEANINGS: dict[str, dict[str, str]] = {
         "sample_trees_sync": "`sample_trees` from synchronous code.",
         "SampleStats": "What sampling one tree cost (requests, tokens, cache hits) and why it stopped short.",
     },
-    "Agents and tools": {
+    "Agents, environments and tools": {
         "Agent": "The agent protocol: `start(problem)` gives the first messages, `step(problem, history)` the next.",
-        "Message": "A chat message an agent returns (`role`, `content`, optional `error`).",
+        "Message": "A chat message an agent or environment returns (`role`, `content`, optional `error`).",
+        "Env": "The environment protocol: `reset(problem, seed)`, `step(history) -> Step`, `reward()`, `fork`, `copy()`, `close()` (docs/environments.md).",
+        "Step": "What an environment answers after a model turn: `Step(messages, done=False)`.",
         "ToolPool": "Runs sandboxed tool calls (Python) concurrently with time, memory and output limits.",
         "ToolResult": "The outcome of one tool call: output, time, and why it failed if it did.",
     },
@@ -133,6 +135,9 @@ def signature(name: str, obj: Any) -> str:
         lines = [f"class {name}(Protocol):"]
         for m in methods:
             fn = obj.__dict__[m]
+            if not callable(fn):  # a class attribute with its default (Env.fork)
+                lines.append(f"    {m}: {_annotation(obj.__annotations__.get(m, type(fn).__name__))} = {fn!r}")
+                continue
             sig = inspect.signature(fn)
             lines.append(f"    {'async def' if inspect.iscoroutinefunction(fn) else 'def'} {m}({_parameters(sig)}){_returns(sig)}")
         return "\n".join(lines)

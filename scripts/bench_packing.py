@@ -18,7 +18,7 @@ Cases:
   (a) 16 leaves sharing a 512-token prefix, 64-token branches (ideal 6×)
   (b) a TreePO-shaped binary tree: depth 4, 64-token segments, 16 leaves
   (c) no sharing: 16 single-leaf trees of 64 + 256 tokens
-  (d) uneven: 4 TreePO trees with early stops (width ≤ 16, binary forks, segments of
+  (d) uneven: 4 TreePO trees (``--uneven-trees``) with early stops (width ≤ 16, binary forks, segments of
       16–32 tokens, up to 6 deep; a path stops after a segment with probability 1/4, so
       leaves run 16–190 response tokens) — a chain-of-thought task's shapes
 
@@ -51,6 +51,7 @@ nosharing_ratio_packed=<c: tree/packed>``.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import random
 import resource
@@ -76,7 +77,7 @@ MODES = ("tree", "packed", "padded")
 # tokens, 151,936] — 11.5 GiB in bf16 for case (a), plus float32 copies — out of memory on an
 # 80 GB H100; the fair baseline ("packed") runs the learner's chunked LM head as "tree" does.
 REAL_MODES = ("tree", "packed")
-PACK_TOKENS = 1 << 15  # every case in one pack: one varlen batch, as the linear frameworks run it
+PACK_TOKENS = 1 << 16  # every case in one pack: one varlen batch, as the linear frameworks run it
 
 
 @dataclass
@@ -88,6 +89,7 @@ class Shape:
     vocab: int = 4096
     prefix: int = 512
     branch: int = 64
+    uneven_trees: int = 4  # case (d)'s trees (--uneven-trees; a quickstart step has 32)
 
     def __call__(self, n: int) -> int:
         return max(2, n // self.shrink)
@@ -150,7 +152,8 @@ def case_no_sharing(rng: random.Random, size: Shape) -> list[RolloutTree]:
 
 
 def case_uneven(rng: random.Random, size: Shape, width: int = 16, max_depth: int = 6) -> list[RolloutTree]:
-    """(d) 4 TreePO trees with early stops: leaves of 1 to ``max_depth`` segments of 16–32 tokens.
+    """(d) ``size.uneven_trees`` (4) TreePO trees with early stops: leaves of 1 to ``max_depth``
+    segments of 16–32 tokens.
 
     Grown as TreePO samples: the root forks in two; after every segment each live path
     stops (EOS) with probability 1/4, and the survivors fork in two while the tree has
@@ -158,7 +161,7 @@ def case_uneven(rng: random.Random, size: Shape, width: int = 16, max_depth: int
     the budget of the paths that stopped goes to the survivors.
     """
     trees = []
-    for i in range(4):
+    for i in range(size.uneven_trees):
         tree = RolloutTree(tokens(rng, size(48), size.vocab), problem={"id": f"d{i}"})
         live = [segment(tree, tree.root, rng, size(rng.randint(16, 32)), size.vocab) for _ in range(2)]
         stopped = 0
@@ -240,14 +243,14 @@ def rss_mib() -> float:
         return int(f.read().split()[1]) * resource.getpagesize() / 2**20
 
 
-def measure_memory(case: str, mode: str, attention: str) -> None:
+def measure_memory(case: str, mode: str, attention: str, uneven_trees: int) -> None:
     """In a fresh process: peak RSS growth of one step over the RSS before it (MiB).
 
     RSS is sampled every millisecond by a thread: ru_maxrss cannot be used, Linux carries
     it over from the parent across fork + exec.
     """
     model = build_model()
-    trees = CASES[case](random.Random(0), Shape())
+    trees = CASES[case](random.Random(0), Shape(uneven_trees=uneven_trees))
     batch = batch_for(mode, trees, [[1.0] * len(t.leaves()) for t in trees])
     before = rss_mib()
     peak = [before]
@@ -266,9 +269,10 @@ def measure_memory(case: str, mode: str, attention: str) -> None:
     print(f"{max(peak[0], rss_mib()) - before:.1f}")
 
 
-def peak_memory(case: str, mode: str, attention: str) -> float:
+def peak_memory(case: str, mode: str, attention: str, uneven_trees: int) -> float:
     out = subprocess.run(
-        [sys.executable, __file__, "--memory", case, mode, "--attention", attention],
+        [sys.executable, __file__, "--memory", case, mode, "--attention", attention,
+         "--uneven-trees", str(uneven_trees)],
         capture_output=True, text=True, check=True,
     )
     return float(out.stdout.strip().splitlines()[-1])
@@ -349,11 +353,14 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true", help="tiny model and cases, 1 repeat, no memory runs")
     parser.add_argument("--real", action="store_true",
                         help="CUDA: a Qwen2.5-0.5B-shaped model in bf16, case (a) at 16 × (2,048 + 512)")
+    parser.add_argument("--uneven-trees", type=int, default=4,
+                        help="trees in case (d): 4 by default; 32 is a quickstart step's batch, which a GPU "
+                             "needs to be fed enough tokens per forward")
     parser.add_argument("--memory", nargs=2, metavar=("CASE", "MODE"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if args.memory:
-        return measure_memory(*args.memory, args.attention)
+        return measure_memory(*args.memory, args.attention, args.uneven_trees)
     if args.real:
         if not torch.cuda.is_available():
             parser.error("--real runs on a CUDA GPU (a 0.5B model over 40k tokens: hours on a CPU)")
@@ -363,12 +370,13 @@ def main() -> None:
         model = build_model(args.smoke)
         size, reps = (Shape(8), 1) if args.smoke else (Shape(), args.reps)
         chunk = 0
+    size = dataclasses.replace(size, uneven_trees=args.uneven_trees)
     results = {}
     for name in CASES:
         results[name] = run_case(model, name, size, reps, args.attention, chunk, REAL_MODES if args.real else MODES)
         memory = results[name].memory
         if memory is None and not args.smoke:
-            memory = {m: peak_memory(name, m, args.attention) for m in MODES}
+            memory = {m: peak_memory(name, m, args.attention, args.uneven_trees) for m in MODES}
         print(describe(name, results[name], memory), flush=True)
     a, c, d = results["a"], results["c"], results["d"]
     if args.real:

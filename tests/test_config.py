@@ -175,8 +175,8 @@ def test_max_staleness_refuses_what_cannot_overlap():
     """Asynchronous runs: the error names both keys of each impossible combination."""
     assert load_config(None, []).algorithm.max_staleness == 0  # on-policy by default
     assert load_config(None, ["algorithm.max_staleness=2", "engine.partial_rollouts=true"]).engine.partial_rollouts
-    with pytest.raises(ConfigError, match=r"algorithm.max_staleness must be 0 with ray.colocate"):
-        load_config(None, ["algorithm.max_staleness=1", "ray.colocate=true"])
+    # Colocated engines keep their memory in asynchronous runs (context.engines_released).
+    assert load_config(None, ["algorithm.max_staleness=1", "ray.colocate=true"]).ray.colocate
     with pytest.raises(ConfigError, match=r"algorithm.max_staleness must be 0 with algorithm.ppo_epochs > 1 \(got 2\)"):
         load_config(None, ["algorithm.max_staleness=1", "algorithm.ppo_epochs=2"])
     with pytest.raises(ConfigError, match=r"algorithm.max_staleness must be ≥ 0 \(0: on-policy\), got -1"):

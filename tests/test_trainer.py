@@ -258,6 +258,18 @@ def test_plain_torch_learner_linear_loss_and_disk_sync(run_inputs, tmp_path):
     assert (tmp_path / "c" / "weight-sync" / "model.safetensors").exists()
 
 
+def test_colocated_asynchronous_run_keeps_the_engine_serving(run_inputs, tmp_path):
+    """ray.colocate with algorithm.max_staleness=1 (one GPU, sampling while training): the engine
+    keeps its memory, since a released embedded engine refuses requests (EngineReleased), and
+    the producer samples step 2's trees while step 1 trains."""
+    root, model, data = run_inputs
+    cfg = config(root, model, data, tmp_path / "ca", "learner.backend=torch", "learner.zero_stage=0",
+                 "learner.weight_sync=disk", "ray.colocate=true", "algorithm.max_staleness=1", "run.steps=2")
+    history = train(cfg)
+    assert [m["rollout/trees"] for m in history] == [2, 2]
+    assert all(m["sync/logprob_gap"] <= 1e-4 for m in history) and "async/staleness_mean" in history[-1]
+
+
 def test_external_engines_serve_a_run(run_inputs, tmp_path):
     """engine.kind: external: the run adopts a server it did not start (and leaves it running)."""
     from arbor.engines.launch import launch_engines

@@ -66,8 +66,9 @@ class RunContext:
 
     @contextmanager
     def engines_released(self) -> Iterator[None]:
-        """With ``ray.colocate``, the engines free their memory while the learners train."""
-        if not self.cfg.ray.colocate:
+        """With ``ray.colocate``, the engines free their memory while the learners train; an
+        asynchronous run's engines keep sampling meanwhile, so they keep it (both must fit)."""
+        if not self.cfg.ray.colocate or self.cfg.algorithm.max_staleness:
             yield
             return
         self.run_async(self.client.release_memory_occupation())

@@ -1,0 +1,146 @@
+"""Environments: the protocol checked once at load, errors naming the keys, the agent adapter."""
+
+from __future__ import annotations
+
+import pytest
+
+from arbor import Env, Step
+from arbor.config import RewardConfig, RolloutConfig
+from arbor.config_load import load_config
+from arbor.errors import ConfigError
+from arbor.rollout.environments import AgentEnv, load_env, require_reward, rollout_env
+
+ENVS = '''
+import copy
+from arbor import Env, Step
+
+class Counter:                      # no base class: the protocol is structural
+    fork = "copy"
+    closed = []
+    def __init__(self, start=0):
+        self.n = start
+    def reset(self, problem, seed):
+        return [{"role": "user", "content": problem["prompt"]}]
+    def step(self, history):
+        self.n += 1
+        return Step([{"role": "tool", "content": str(self.n)}], done=self.n >= 3)
+    def reward(self):
+        return float(self.n)
+    def copy(self):
+        return copy.deepcopy(self)
+    def close(self):
+        Counter.closed.append(self.n)
+
+class Defaults(Env):                # subclassing inherits fork="replay", reward None, close
+    def reset(self, problem, seed):
+        return []
+    def step(self, history):
+        return Step([])
+
+class AsyncClose(Env):
+    closed = 0
+    def reset(self, problem, seed):
+        return []
+    def step(self, history):
+        return Step([])
+    async def close(self):
+        AsyncClose.closed += 1
+
+def make_counter(start=5):          # a factory works like a class
+    return Counter(start)
+
+class NoStep:
+    def reset(self, problem, seed):
+        return []
+
+class BadFork(Defaults):
+    fork = "snapshot"
+
+class CopyWithoutCopy:
+    fork = "copy"
+    def reset(self, problem, seed):
+        return []
+    def step(self, history):
+        return Step([])
+
+class NeedsArgs(Defaults):
+    def __init__(self, size):
+        self.size = size
+
+instance = Counter()
+'''
+
+
+@pytest.fixture()
+def envs(tmp_path):
+    (tmp_path / "envs.py").write_text(ENVS)
+    return [str(tmp_path)]
+
+
+def test_a_class_or_a_factory_loads_checked_and_the_probe_is_closed(envs):
+    source = load_env("envs.py:Counter", search_dirs=envs, kwargs={"start": 1})
+    module = type(source.make()).__module__
+    import sys
+
+    assert sys.modules[module].Counter.closed == [1]  # the start-up probe was built with env_args, then closed
+    env = source.make()
+    assert env.n == 1 and source.gives_reward and not source.is_agent and source.key == "rollout.env"
+    assert load_env("envs.py:make_counter", search_dirs=envs).make().n == 5
+    defaults = load_env("envs.py:Defaults", search_dirs=envs)
+    instance = defaults.make()
+    assert instance.fork == "replay" and instance.reward() is None and instance.close() is None
+    assert not defaults.gives_reward and isinstance(instance.copy(), type(instance))
+    load_env("envs.py:AsyncClose", search_dirs=envs)
+    assert sys.modules[module].AsyncClose.closed == 1  # an async close is awaited too
+
+
+@pytest.mark.parametrize(("spec", "kwargs", "message"), [
+    ("envs.py:NoStep", None, "rollout.env: 'envs.py:NoStep' builds a NoStep, which is not an environment: it has no step method"),
+    ("envs.py:BadFork", None, "rollout.env: BadFork.fork must be one of copy, replay, none, got 'snapshot'"),
+    ("envs.py:CopyWithoutCopy", None, "rollout.env: CopyWithoutCopy.fork is 'copy' but it has no copy() method"),
+    ("envs.py:NeedsArgs", None, "rollout.env: 'envs.py:NeedsArgs' cannot be built without arguments"),
+    ("envs.py:Counter", {"size": 2}, "rollout.env: 'envs.py:Counter' cannot be built with rollout.env_args {'size': 2}"),
+    ("envs.py:instance", None, "rollout.env: 'envs.py:instance' must name a class or a factory"),
+    ("envs.py:Nothing", None, "rollout.env: module 'envs.py' has no attribute 'Nothing'"),
+])
+def test_what_is_not_an_environment_fails_naming_the_key(envs, spec, kwargs, message):
+    with pytest.raises(ConfigError) as info:
+        load_env(spec, search_dirs=envs, kwargs=kwargs)
+    assert message in str(info.value)
+
+
+def test_a_stateless_agent_is_an_environment_that_never_needs_a_real_fork():
+    class Echo:
+        def start(self, problem):
+            return [{"role": "user", "content": problem["prompt"]}]
+
+        def step(self, problem, history):
+            return None if len(history) > 2 else [{"role": "tool", "content": problem["prompt"]}]
+
+    env = AgentEnv(Echo())
+    assert env.reset({"prompt": "q"}, seed=3) == [{"role": "user", "content": "q"}]
+    twin = env.copy()
+    assert twin is not env and twin.agent is env.agent and env.fork == "copy"
+    assert twin.step([{}, {}]) == Step([{"role": "tool", "content": "q"}], done=False)
+    assert twin.step([{}, {}, {}]) == Step([], done=True) and twin.reward() is None
+
+
+def test_env_and_agent_together_and_a_missing_reward_are_config_errors(envs):
+    with pytest.raises(ConfigError, match=r"rollout.env and rollout.agent are both set"):
+        load_config(None, ["rollout.env=envs.py:Counter", "rollout.agent=agents/single_turn.py:SingleTurn"])
+    with pytest.raises(ConfigError, match=r"rollout.env and rollout.agent are both set"):
+        rollout_env(RolloutConfig(env="envs.py:Counter", agent="agents/single_turn.py:SingleTurn"), envs)
+    with pytest.raises(ConfigError, match=r"reward.functions must name at least one reward function \(it may be "
+                                          r"empty only when rollout.env gives the reward\)"):
+        load_config(None, ["reward.functions=[]"])
+    cfg = load_config(None, ["reward.functions=[]", "rollout.env=envs.py:Defaults"])
+    with pytest.raises(ConfigError, match=r"reward.functions is empty but rollout.env 'envs.py:Defaults' defines "
+                                          r"no reward\(\)"):
+        require_reward(rollout_env(cfg.rollout, envs), cfg.reward)
+    require_reward(rollout_env(RolloutConfig(env="envs.py:Counter"), envs), RewardConfig(functions=[]))
+    with pytest.raises(ConfigError, match="reward.env_weight is 0"):
+        require_reward(rollout_env(RolloutConfig(env="envs.py:Counter"), envs), RewardConfig(functions=[], env_weight=0))
+    with pytest.raises(ConfigError, match="rollout.env_args needs rollout.env"):
+        load_config(None, ["rollout.env_args={a: 1}"])
+    with pytest.raises(ConfigError, match="rollout.max_live_envs must be ≥ 0"):
+        load_config(None, ["rollout.max_live_envs=-1"])
