@@ -13,16 +13,16 @@ from __future__ import annotations
 import os
 import random
 
-os.environ.setdefault("FASTMCP_LOG_LEVEL", "WARNING")  # mcp 1.x logs every request at INFO
-
-from mcp.types import ToolAnnotations  # noqa: E402
+from mcp.types import ToolAnnotations
 
 try:
-    from mcp.server.mcpserver import MCPServer as Server  # mcp 2.x
-except ImportError:
-    from mcp.server.fastmcp import FastMCP as Server  # mcp 1.x
+    from mcp.server.mcpserver import MCPServer  # mcp 2.x
 
-server = Server("notes")
+    server = MCPServer("notes")
+except ImportError:
+    from mcp.server.fastmcp import FastMCP  # mcp 1.x (it logs every request at INFO)
+
+    server = FastMCP("notes", log_level="WARNING")
 READ_ONLY = ToolAnnotations.model_validate({"readOnlyHint": True})  # the wire name, in 1.x and 2.x
 NOTES: list[str] = []
 CALLS = [0]  # calls of the note tools this process answered

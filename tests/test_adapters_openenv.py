@@ -1,23 +1,27 @@
 """An OpenEnv environment server driven through its client (arbor.rollout.adapters.openenv),
-against the real package and tests/openenv_keypad.py served by uvicorn on this machine
+against the real package and envs/keypad_openenv.py served by uvicorn on this machine
 (no Docker): sessions per episode, the observation and reward it returns, replays that
 agree (or visibly do not)."""
 
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
 from adapter_packages import require
 
+REPO = Path(__file__).resolve().parents[1]
+
 require("openenv", "openenv")
-from openenv_keypad import Keypad  # noqa: E402 (needs openenv)
+sys.path.insert(0, str(REPO / "envs"))
+from keypad_openenv import Keypad  # noqa: E402 (needs openenv)
 
 from arbor.rollout.adapters.openenv import OpenEnvClient, _served  # noqa: E402
 from arbor.rollout.environments import Step, load_env  # noqa: E402
 
-APP = f"{Path(__file__).with_name('openenv_keypad.py')}:app"
+APP = f"{REPO / 'envs' / 'keypad_openenv.py'}:app"
 ARGS = {"app": APP, "action_field": "guess", "observation_field": "feedback"}
 
 
@@ -48,7 +52,7 @@ def test_an_episode_through_the_servers_client(envs):
     env = envs()
     start = env.reset({"id": "p", "prompt": "Open the keypad.", "seed": 4}, seed=0)
     assert start == [{"role": "user", "content": "Open the keypad.\n\nFind the 2-digit code. Guess like 12."}]
-    assert env.reward() is None  # no step, no reward yet
+    assert env.reward() == 0.0  # no step, no reward from the server: unfinished_reward
     secret = code(4)
     wrong = secret[0] + str((int(secret[1]) + 1) % 10)
     assert env.step(guess(wrong)) == Step([{"role": "user", "content": "1 right in place."}])
@@ -66,8 +70,9 @@ def test_sessions_are_apart_and_a_running_server_is_reached_by_url(envs):
 
 
 def test_the_observation_as_json_and_the_last_reward(envs):
-    env = envs(observation_field=None, reward="last")
+    env = envs(observation_field=None, reward="last", unfinished_reward=None)
     (start,) = env.reset({"prompt": "", "seed": 3}, 0)
+    assert env.reward() is None
     assert json.loads(start["content"]) == {"feedback": "Find the 2-digit code. Guess like 12."}
     env.step(guess("00"))
     env.step(guess(code(3)))

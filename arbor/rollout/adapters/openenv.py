@@ -17,7 +17,8 @@ call). ``reset(seed=...)`` gets the problem's ``seed`` column (else arbor's) and
 observation. Each model turn becomes the action ``{action_field: text}``; the next
 observation is the next user message (``observation_field`` of it, else the observation as
 JSON), and the episode ends when the server says ``done``. The reward is the sum of the
-step rewards (``reward: last``: the last one given); None when the server gave none.
+step rewards (``reward: last``: the last one given); ``unfinished_reward`` when the server
+gave none (an episode arbor ended before any step; None: none, the reward functions judge).
 
 The server must allow as many concurrent sessions as arbor keeps instances open
 (``create_app(..., max_concurrent_envs=N)`` and ``SUPPORTS_CONCURRENT_SESSIONS = True`` on
@@ -60,6 +61,7 @@ class OpenEnvClient:
         action_field: str = "message",
         observation_field: str | None = None,
         reward: Literal["sum", "last"] = "sum",
+        unfinished_reward: float | None = 0.0,
         message_timeout_s: float = 60.0,
         startup_timeout_s: float = 120.0,
     ) -> None:
@@ -70,6 +72,7 @@ class OpenEnvClient:
             raise ValueError(f"reward must be 'sum' or 'last', got {reward!r}")
         self.url, self.app = url, app
         self.action_field, self.observation_field, self.reward_of = action_field, observation_field, reward
+        self.unfinished_reward = unfinished_reward
         self.message_timeout_s, self.startup_timeout_s = float(message_timeout_s), float(startup_timeout_s)
         self._client: Any = None
         self._rewards: list[float] = []
@@ -96,7 +99,7 @@ class OpenEnvClient:
 
     def reward(self) -> float | None:
         if not self._rewards:
-            return None
+            return self.unfinished_reward
         return sum(self._rewards) if self.reward_of == "sum" else self._rewards[-1]
 
     def close(self) -> None:

@@ -1,6 +1,10 @@
-"""A small OpenEnv environment server for tests/test_adapters_openenv.py, on the real package.
+"""An OpenEnv environment: a keypad whose code the model guesses (configs/env_openenv.yaml).
 
-    python3 -m uvicorn openenv_keypad:app --app-dir tests --port 8000
+    python3 -m uvicorn keypad_openenv:app --app-dir envs --port 8000   # or let arbor serve it:
+
+    rollout:
+      env: arbor.rollout.adapters.openenv:OpenEnvClient
+      env_args: {app: envs/keypad_openenv.py:app, action_field: guess, observation_field: feedback}
 
 A keypad hides a code of ``length`` digits drawn from ``reset``'s seed. An action
 ``{"guess": "..."}`` is answered with how many digits are right in place; the reward is 1
