@@ -200,9 +200,15 @@ def _id_set(ids: int | list[int] | None) -> set[int]:
     return set() if ids is None else {int(i) for i in (ids if isinstance(ids, list) else [ids])}
 
 
-def chat_template_ids(tokenizer: Any, messages: Sequence[Mapping[str, Any]], generation_prompt: bool) -> list[int]:
-    """Token ids of ``messages`` rendered by the tokenizer's chat template."""
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=True)
+def chat_template_ids(
+    tokenizer: Any, messages: Sequence[Mapping[str, Any]], generation_prompt: bool,
+    tools: Sequence[Mapping[str, Any]] | None = None,
+) -> list[int]:
+    """Token ids of ``messages`` rendered by the tokenizer's chat template; ``tools`` (OpenAI
+    function format) are rendered the template's way, where it has one (an environment's
+    ``tools``, :mod:`arbor.rollout.adapters.tool_calls`)."""
+    extra = {"tools": list(tools)} if tools else {}
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=True, **extra)
     if isinstance(ids, dict) or hasattr(ids, "input_ids"):  # BatchEncoding in newer transformers
         ids = ids["input_ids"]
     return [int(t) for t in ids]
