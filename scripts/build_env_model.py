@@ -192,7 +192,7 @@ def train(episodes: list[Episode], tokenizer: Any, steps: int, batch: int, lr: f
             group["lr"] = lr * min(1.0, step / 50)
         optimizer.step()
         loss_value = float(loss.detach())
-        if step % 100 == 0 or step == steps:
+        if step % 50 == 0 or step == steps:
             print(f"step {step}/{steps} loss {loss_value:.4f}", flush=True)
     return model, loss_value
 
@@ -201,9 +201,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=REPO / "models" / "tiny-env")
     parser.add_argument("--data", type=Path, default=REPO / "data" / "env")
-    parser.add_argument("--steps", type=int, default=1500)
-    parser.add_argument("--batch", type=int, default=16)
-    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--steps", type=int, default=600)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--lr", type=float, default=5e-3)
     parser.add_argument("--episodes", type=int, default=200, help="warm-up episodes per task")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()

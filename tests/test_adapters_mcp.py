@@ -133,3 +133,24 @@ def test_it_loads_as_rollout_env_and_may_refuse_forks_after_a_step():
     env = source.make()
     assert env.fork == "none"
     env.close()
+
+
+def test_two_rl_steps_of_arbor_train_with_the_servers_tools(tmp_path):
+    """configs/env_mcp.yaml for two steps (envs/lookup_tools.py's server): the prompt shows the
+    tool in the template's format, every tool turn in the trees is what a fresh server answers
+    to the same calls, every reward the reward function's; the trees fork after tool turns."""
+    from adapter_runs import REPO, check_episodes, train_steps
+    from transformers import AutoTokenizer
+
+    server = [sys.executable, str(REPO / "envs" / "lookup_tools.py")]
+    history, trees = train_steps(tmp_path, "configs/env_mcp.yaml", "rollout.width=4",
+                                 f"rollout.env_args={{command: {json.dumps(server)}, max_tool_turns: 2}}")
+    tokenizer = AutoTokenizer.from_pretrained(REPO / "models" / "tiny-env")
+    sys.path.insert(0, str(REPO / "envs"))
+    from lookup_tools import boxed_value
+
+    tree = trees[1][0]
+    assert '"name": "lookup"' in tokenizer.decode(tree.prompt_ids)  # the tool, as the template lists tools
+    turns, forks = check_episodes(trees, lambda: MCPTools(server, max_tool_turns=2), tokenizer, boxed_value)
+    assert turns > 0 and forks > 0
+    assert len(history) == 2 and history[-1]["env/live"] == 0

@@ -105,3 +105,18 @@ def test_bad_arguments_and_servers_are_clear_errors(envs, tmp_path):
 def test_it_loads_as_rollout_env_forked_by_replay():
     source = load_env("arbor.rollout.adapters.openenv:OpenEnvClient", kwargs=ARGS)
     assert source.gives_reward and source.make().fork == "replay"
+
+
+def test_two_rl_steps_of_arbor_train_replay_to_the_trees_and_rewards(tmp_path):
+    """configs/env_openenv.yaml for two steps (the keypad served by uvicorn): every server turn
+    in the trees is what a new session answers to the same guesses, every reward the server's;
+    the trees fork after server turns (by replay)."""
+    from adapter_runs import check_episodes, train_steps
+    from transformers import AutoTokenizer
+
+    history, trees = train_steps(tmp_path, "configs/env_openenv.yaml", "rollout.width=4",
+                                 f"rollout.env_args={{app: '{APP}', action_field: guess, observation_field: feedback}}")
+    tokenizer = AutoTokenizer.from_pretrained(REPO / "models" / "tiny-env")
+    turns, forks = check_episodes(trees, lambda: OpenEnvClient(**ARGS), tokenizer)
+    assert turns > 0 and forks > 0
+    assert len(history) == 2 and history[-1]["env/live"] == 0

@@ -4,6 +4,7 @@ and the dataset's own scorer (arbor.rollout.adapters.reasoning_gym), against the
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 from adapter_packages import require
@@ -13,6 +14,7 @@ from arbor.data import load_problems
 from arbor.dataset_files import DataError
 from arbor.dataset_sources import parse_spec
 
+REPO = Path(__file__).resolve().parents[1]
 rg = require("reasoning_gym", "reasoning-gym")
 from arbor.rollout.adapters.reasoning_gym import score, score_boxed  # noqa: E402 (needs reasoning_gym)
 
@@ -62,3 +64,23 @@ def test_a_row_whose_question_reasoning_gym_no_longer_generates_is_an_error():
 def test_bad_specs_are_data_errors_naming_the_problem(spec, message):
     with pytest.raises(DataError, match=message):
         load_problems(spec, DataConfig())
+
+
+def test_two_rl_steps_of_arbor_train_on_a_generated_set_scored_by_its_dataset(tmp_path):
+    """configs/env_reasoning_gym.yaml's set and scorer: every tree's prompt is a chain_sum
+    question, every leaf's reward is chain_sum's score of its \\boxed{} answer."""
+    from adapter_runs import train_steps
+    from transformers import AutoTokenizer
+
+    history, trees = train_steps(tmp_path, "configs/env_reasoning_gym.yaml", "rollout.width=4")
+    assert len(history) == 2 and all("reward/mean" in m for m in history)
+    tokenizer = AutoTokenizer.from_pretrained(REPO / "models" / "tiny-arith")
+    scored = 0
+    for tree in (t for step in trees.values() for t in step):
+        item = rg.create_dataset("chain_sum", **tree.problem["reasoning_gym"]["config"])[tree.problem["reasoning_gym"]["index"]]
+        assert item["question"] in tokenizer.decode(tree.prompt_ids)
+        for leaf in tree.leaves():
+            completion = tokenizer.decode(tree.response_ids(leaf), skip_special_tokens=True)
+            assert leaf.reward == pytest.approx(score_boxed(tree.problem, completion))
+            scored += 1
+    assert scored >= 2 * 4 * 4

@@ -88,3 +88,17 @@ def test_it_loads_as_rollout_env_with_its_reward():
     assert "Mastermind" in prompt["content"]
     assert "peg" in game.step(move("[1 2 3 4]")).messages[0]["content"]
     game.close()
+
+
+def test_two_rl_steps_of_arbor_train_replay_to_the_trees_and_rewards(tmp_path):
+    """configs/env_textarena.yaml for two steps: every game turn in the trees is what the game
+    answered (replayed move by move on a fresh game) and every reward is the game's; the trees
+    fork after game turns (copies of the game, its random state carried)."""
+    from adapter_runs import REPO, check_episodes, train_steps
+    from transformers import AutoTokenizer
+
+    history, trees = train_steps(tmp_path, "configs/env_textarena.yaml", "rollout.width=4")
+    tokenizer = AutoTokenizer.from_pretrained(REPO / "models" / "tiny-env")
+    turns, forks = check_episodes(trees, lambda: TextArenaGame("GuessTheNumber-v0-raw"), tokenizer)
+    assert turns > 0 and forks > 0
+    assert len(history) == 2 and history[-1]["env/live"] == 0

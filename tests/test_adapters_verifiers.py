@@ -107,3 +107,20 @@ def test_environments_load_once_and_must_be_verifiers_environments():
         VerifiersEnv("verifiers_envs:TABLE")
     source = load_env("arbor.rollout.adapters.verifiers:VerifiersEnv", kwargs={"environment": LOOKUP})
     assert source.gives_reward and source.make().fork == "replay"
+
+
+def test_two_rl_steps_of_arbor_train_run_the_environments_loop(tmp_path):
+    """configs/env_verifiers.yaml for two steps (envs/lookup_tools.py's ToolEnv): the prompt
+    shows its tool_defs, every environment turn in the trees is what the environment's own loop
+    answers to the same turns (replayed), every reward its rubric's; forks by replay after them."""
+    from adapter_runs import REPO, check_episodes, train_steps
+    from transformers import AutoTokenizer
+
+    environment = f"{REPO / 'envs' / 'lookup_tools.py'}:load_environment"
+    history, trees = train_steps(tmp_path, "configs/env_verifiers.yaml", "rollout.width=4",
+                                 f"rollout.env_args={{environment: '{environment}', args: {{max_turns: 3}}}}")
+    tokenizer = AutoTokenizer.from_pretrained(REPO / "models" / "tiny-env")
+    assert '"name": "lookup"' in tokenizer.decode(trees[1][0].prompt_ids)
+    turns, forks = check_episodes(trees, lambda: VerifiersEnv(environment, {"max_turns": 3}), tokenizer)
+    assert turns > 0 and forks > 0
+    assert len(history) == 2 and history[-1]["env/live"] == 0
