@@ -7,11 +7,13 @@ Needs every adapter's package (``pip install -e '.[envs]'``): the warm-up conver
 played against the real environments, through arbor's adapters, and rendered exactly as
 ``arbor train`` renders their episodes (``arbor.data.chat_template_ids`` with the
 environment's ``tools`` for the prompt, the model's turn as its own ids + EOS, what the
-environment answers as ``continuation_ids``). Four tasks, one model:
+environment answers as ``continuation_ids``). Five tasks, one model:
 
 - ``guess``: TextArena's GuessTheNumber (configs/env_textarena.yaml): moves ``[N]`` that
   halve the range the hints leave, one move in four a random number in 1..20.
 - ``keypad``: envs/keypad_openenv.py through OpenEnv (configs/env_openenv.yaml): two-digit guesses.
+- ``sums``: reasoning-gym's chain_sum, one-digit terms (configs/env_reasoning_gym.yaml): the
+  answer in reasoning-gym's ``<answer>...</answer>``, off by one or two in a third of them.
 - ``lookup``: envs/lookup_tools.py's ``lookup`` tool, once as an MCP server's tool
   (configs/env_mcp.yaml) and once as a verifiers ToolEnv's (configs/env_verifiers.yaml):
   ``<tool_call>{"name": "lookup", "arguments": {"key": "k3"}}</tool_call>``, then the
@@ -121,6 +123,24 @@ def keypad_episodes(render: Renderer, rng: random.Random, n: int) -> list[Episod
     return out
 
 
+SUMS = "reasoning_gym:chain_sum?size={size}&seed={seed}&min_terms=2&max_terms=2&min_digits=1&max_digits=1"
+SUMS_SYSTEM = "Give only the final answer, as <answer>answer here</answer>."
+
+
+def sum_episodes(render: Renderer, rng: random.Random, n: int) -> list[Episode]:
+    from arbor.config import DataConfig
+    from arbor.data import load_problems
+
+    out = []
+    for problem in load_problems(SUMS.format(size=n, seed=1000), DataConfig()):
+        answer = int(problem["answer"])
+        if rng.random() < 1 / 3:
+            answer += rng.choice([-2, -1, 1, 2])
+        start = [{"role": "system", "content": SUMS_SYSTEM}, {"role": "user", "content": problem["prompt"]}]
+        out.append(render.episode(start, [], [(f"<answer>{answer}</answer>", [])]))
+    return out
+
+
 def lookup_episodes(render: Renderer, rng: random.Random, n: int) -> list[Episode]:
     """Half with the MCP server's listing of the tool, half with the verifiers ToolEnv's."""
     from lookup_tools import TABLE, lookup, questions
@@ -201,7 +221,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=REPO / "models" / "tiny-env")
     parser.add_argument("--data", type=Path, default=REPO / "data" / "env")
-    parser.add_argument("--steps", type=int, default=600)
+    parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--lr", type=float, default=5e-3)
     parser.add_argument("--episodes", type=int, default=200, help="warm-up episodes per task")
@@ -218,7 +238,7 @@ def main() -> None:
     tokenizer = AutoTokenizer.from_pretrained(args.out)
     render, rng = Renderer(tokenizer), random.Random(args.seed)
     episodes = (guess_episodes(render, rng, args.episodes) + keypad_episodes(render, rng, args.episodes)
-                + lookup_episodes(render, rng, args.episodes))
+                + sum_episodes(render, rng, args.episodes) + lookup_episodes(render, rng, args.episodes))
     print(f"{len(episodes)} warm-up episodes, {max(len(i) for i, _ in episodes)} tokens at most", flush=True)
     model, loss = train(episodes, tokenizer, args.steps, args.batch, args.lr, args.seed)
     model.generation_config.eos_token_id = tokenizer.eos_token_id

@@ -68,19 +68,19 @@ def test_bad_specs_are_data_errors_naming_the_problem(spec, message):
 
 def test_two_rl_steps_of_arbor_train_on_a_generated_set_scored_by_its_dataset(tmp_path):
     """configs/env_reasoning_gym.yaml's set and scorer: every tree's prompt is a chain_sum
-    question, every leaf's reward is chain_sum's score of its \\boxed{} answer."""
+    question, every leaf's reward is chain_sum's score of its <answer>."""
     from adapter_runs import train_steps
     from transformers import AutoTokenizer
 
     history, trees = train_steps(tmp_path, "configs/env_reasoning_gym.yaml", "rollout.width=4")
     assert len(history) == 2 and all("reward/mean" in m for m in history)
-    tokenizer = AutoTokenizer.from_pretrained(REPO / "models" / "tiny-arith")
+    tokenizer = AutoTokenizer.from_pretrained(REPO / "models" / "tiny-env")
     scored = 0
     for tree in (t for step in trees.values() for t in step):
         item = rg.create_dataset("chain_sum", **tree.problem["reasoning_gym"]["config"])[tree.problem["reasoning_gym"]["index"]]
         assert item["question"] in tokenizer.decode(tree.prompt_ids)
         for leaf in tree.leaves():
             completion = tokenizer.decode(tree.response_ids(leaf), skip_special_tokens=True)
-            assert leaf.reward == pytest.approx(score_boxed(tree.problem, completion))
+            assert leaf.reward == pytest.approx(score(tree.problem, completion))
             scored += 1
     assert scored >= 2 * 4 * 4
