@@ -42,11 +42,12 @@ def check_extensions(cfg: Config) -> None:
     )
 
     terms = [RewardTerm(t.fn, t.weight) for t in cfg.reward.functions]
-    load_reward_terms(terms, search_dirs=default_search_dirs(cfg.source))
-    if cfg.rollout.agent is not None:
-        from arbor.rollout.agents import rollout_agent
+    if terms:  # none: the environment gives the reward (require_reward below)
+        load_reward_terms(terms, search_dirs=default_search_dirs(cfg.source))
+    if cfg.rollout.agent is not None or cfg.rollout.env is not None:
+        from arbor.rollout.environments import require_reward, rollout_env
 
-        rollout_agent(cfg.rollout, default_search_dirs(cfg.source))
+        require_reward(rollout_env(cfg.rollout, default_search_dirs(cfg.source)), cfg.reward)
 
 
 def check_model_context(cfg: Config, command: str) -> None:

@@ -91,7 +91,6 @@ def validate(cfg: Config, where: Callable[[str], str] | None = None) -> None:
     need(r.max_live_envs >= 0, "rollout.max_live_envs", f"must be ≥ 0 (0: no cap), got {r.max_live_envs}")
     if r.fork_at == "entropy":
         need(r.mode == "tree", "rollout.fork_at", "entropy forks a tree: it needs rollout.mode: tree")
-        need(r.agent is None, "rollout.fork_at", "entropy does not fork multi-turn episodes (rollout.agent)")
         need(1 <= r.entropy_init <= r.width, "rollout.entropy_init",
              f"must be in [1, rollout.width ({r.width})], got {r.entropy_init}")
         need(r.entropy_forks >= 1, "rollout.entropy_forks", f"must be ≥ 1, got {r.entropy_forks}")

@@ -52,7 +52,7 @@ TESTS: dict[str, list[str]] = {
     "train.logprobs": ["tests/test_loss.py", "tests/test_logprobs.py", "tests/test_lm_head.py",
                  "tests/test_tree_vs_linear.py"],
     "rollout.sampler": ["tests/test_sampler.py", "tests/test_sampler_agents.py",
-                # partial rollouts (_resample_stale) on the embedded engine
+                # partial rollouts (RoundBatcher.generate_fresh) on the embedded engine
                 "tests/test_async_rollouts.py::test_without_partial_rollouts_in_flight_segments_keep_the_old_version",
                 "tests/test_async_rollouts.py::test_partial_rollouts_sample_overtaken_segments_again_under_the_new_weights",
                 "tests/test_async_rollouts.py::test_partial_rollouts_count_every_time_a_segment_is_overtaken"],

@@ -199,13 +199,12 @@ class FloodingAgent(ScriptedAgent):
 
 
 @pytest.mark.parametrize("mode", ["independent", "tree"])
-def test_a_tool_turn_is_cut_at_the_response_budget(tokenizer, mode):
-    trees, stats, _, _ = sample(tokenizer, mode=mode, agent=FloodingAgent())
-    budget = RolloutConfig(segment_tokens=64, max_depth=12).max_response_tokens
-    assert stats[0].tool_turns > 0
-    for tree in trees:
-        for leaf in tree.leaves():
-            assert leaf.end <= budget
-            if leaf.loss_mask and not any(leaf.loss_mask):  # an episode cut inside a tool turn
-                assert leaf.end == budget and leaf.finish_reason == "max_length"
-        assert any(leaf.end == budget and leaf.finish_reason == "max_length" for leaf in tree.leaves())
+def test_a_tool_turn_over_the_response_budget_drops_its_branch(tokenizer, mode, caplog):
+    """A traceback longer than what is left of the budget is never cut into a training sample:
+    the branch ends with an error naming the budget's keys, counted, and is dropped."""
+    trees, stats, agent, _ = sample(tokenizer, mode=mode, agent=FloodingAgent())
+    assert agent.histories  # the model's turns were answered, by messages that cannot fit
+    for tree, s in zip(trees, stats):
+        assert tree.leaves() == [] and s.tool_turns == 0
+        assert s.env_errors == s.env_dropped == 4  # every branch (the tree fell back to the root once)
+    assert "rollout.segment_tokens × rollout.max_depth = 768" in caplog.text

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from arbor import Env, Step
+from arbor import Step
 from arbor.config import RewardConfig, RolloutConfig
 from arbor.config_load import load_config
 from arbor.errors import ConfigError

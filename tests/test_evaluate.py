@@ -18,6 +18,7 @@ from arbor.config_load import load_config
 from arbor.engines.types import GenerateOutput, GenerateRequest
 from arbor.errors import ConfigError
 from arbor.rollout.agents import episode_inputs
+from arbor.rollout.environments import agent_source
 from arbor.rollout.rewards import RewardPool, RewardTerm
 from arbor.run import phases
 from arbor.run.evaluate import majority_vote, normalise_answer, pass_at_k, run_eval
@@ -194,7 +195,8 @@ def test_eval_with_an_agent_runs_one_episode_per_sample(rewards):
     cfg = load_config(None, ["eval.samples=3", "eval.temperature=1.0", "eval.max_response_tokens=200",
                              "data.system_prompt=Be brief.", "rollout.agent_timeout_s=0.3"])
     agent, engine = HangingAgent(), EpisodeEngine(tokenizer)
-    sampling = phases.Sampling(engine, tokenizer, agent, [tokenizer.eos_token_id], cfg.data, cfg.model.chat_template)
+    sampling = phases.Sampling(engine, tokenizer, agent_source(agent), [tokenizer.eos_token_id], cfg.data,
+                               cfg.model.chat_template)
     try:
         metrics = phases.evaluate(sampling, rewards, EPISODE_PROBLEMS, cfg.eval, cfg.rollout, cfg.run.seed,
                                   lambda text: None)

@@ -22,7 +22,8 @@ from typing import Any, TypeVar
 from arbor.config import Config, save_config
 from arbor.data import ProblemStream, load_problems
 from arbor.engines.client import SGLangClient
-from arbor.rollout.agents import Agent, fitting_problems, rollout_agent
+from arbor.rollout.agents import Agent, fitting_problems
+from arbor.rollout.environments import require_reward, rollout_env
 from arbor.rollout.rewards import RewardPool, reward_pool
 from arbor.run import checkpoint
 from arbor.run.engine_group import EngineGroup
@@ -41,7 +42,7 @@ class RunContext:
     """Everything one run holds: config, data, engines, learners, rewards, metrics."""
 
     cfg: Config
-    sampling: Sampling  # the engine client with the tokenizer, agent and prompt format
+    sampling: Sampling  # the engine client with the tokenizer, environment and prompt format
     stream: ProblemStream  # training problems, batch after batch (its cursor is checkpointed)
     eval_problems: list[dict]  # eval.path (or data.eval_path) when run.eval_every; else empty
     data_metrics: dict[str, float]  # problems skipped at start-up (data/skipped_long_prompts, ...)
@@ -155,9 +156,11 @@ def _start(cfg: Config, closers: list[Callable[[], Any]], clock: StartupClock) -
     search = default_search_dirs(cfg.source)  # where rewards/ and agents/ specs resolve
     with clock.phase("tokenizer"):
         tokenizer, eos_token_ids = load_tokenizer(cfg.model)
-    agent = rollout_agent(cfg.rollout, search)  # multi-turn episodes, or None
+    env = rollout_env(cfg.rollout, search)  # multi-turn episodes (rollout.env, or rollout.agent), or None
+    require_reward(env, cfg.reward)
     with clock.phase("data"):
-        stream, eval_problems, data_metrics = _load_problems(cfg, agent, tokenizer)
+        stream, eval_problems, data_metrics = _load_problems(cfg, None if env is None else env.agent, tokenizer,
+                                                             skip_check=env is not None and env.agent is None)
     with clock.phase("metrics"):
         log = MetricsLog(cfg.run, cfg.run.steps)
         closers.append(log.close)
@@ -188,7 +191,8 @@ def _start(cfg: Config, closers: list[Callable[[], Any]], clock: StartupClock) -
     # again. The recovery owns the driver's client for that.
     recovery = EngineRecovery(engines, learners, cfg.engine, cfg.learner.weight_sync, cfg.run.output_dir)
     ctx = RunContext(
-        cfg=cfg, sampling=Sampling(recovery.client, tokenizer, agent, eos_token_ids, cfg.data, cfg.model.chat_template),
+        cfg=cfg, sampling=Sampling(recovery.client, tokenizer, env, eos_token_ids, cfg.data, cfg.model.chat_template,
+                                   env_weight=cfg.reward.env_weight, env_reward_only=not cfg.reward.functions),
         stream=stream, eval_problems=eval_problems, data_metrics=data_metrics, log=log, rewards=rewards,
         placement=placement, engines=engines, learners=learners, recovery=recovery, schedule_steps=schedule_steps,
         startup=clock,
@@ -209,13 +213,18 @@ def _start(cfg: Config, closers: list[Callable[[], Any]], clock: StartupClock) -
     return ctx
 
 
-def _load_problems(cfg: Config, agent: Agent | None, tokenizer: Any) -> tuple[ProblemStream, list[dict], dict[str, float]]:
+def _load_problems(
+    cfg: Config, agent: Agent | None, tokenizer: Any, skip_check: bool = False,
+) -> tuple[ProblemStream, list[dict], dict[str, float]]:
     """The training stream, the eval problems (``eval.path`` or ``data.eval_path``, when
     ``run.eval_every``) and the start-up's data metrics: problems whose prompt does not fit
-    ``data.max_prompt_tokens`` are skipped, never cut, and counted."""
+    ``data.max_prompt_tokens`` are skipped, never cut, and counted. ``skip_check``: an
+    environment's prompts are its reset's, known only when an episode starts (checked then)."""
     data_metrics: dict[str, float] = {}
 
     def fitting(problems: list[dict], source: str, metric: str) -> list[dict]:
+        if skip_check:
+            return problems
         kept, skipped = fitting_problems(problems, agent, tokenizer, cfg.data, cfg.model.chat_template, source)
         data_metrics[metric] = float(len(skipped))
         return kept

@@ -24,11 +24,13 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Protocol, TypeVar
 
 from arbor.config import AlgorithmConfig, Config, DataConfig, EvalConfig, LossConfig, RolloutConfig
-from arbor.data import ProblemStream
+from arbor.data import ProblemStream, format_prompt
 from arbor.engines.client import SGLangClient
 from arbor.engines.connect import closing
-from arbor.rollout.agents import Agent, Render, episode_inputs, tool_turns
+from arbor.rollout.agents import tool_turns
 from arbor.rollout.answers import has_final_answer
+from arbor.rollout.environments import FORK_MODES, EnvSource
+from arbor.rollout.episodes import EpisodeSetup, run_episodes
 from arbor.rollout.rewards import RewardPool, check_failure_fraction, failed_checks
 from arbor.rollout.sample_stats import SampleStats
 from arbor.rollout.sampler import sample_trees
@@ -65,22 +67,31 @@ class Batch:
     rounds: int = 0
     requests: int = 0  # /generate calls the rollouts sent (batched: one per round of all trees)
     unsandboxed_tool_calls: int = 0  # tool calls run without bubblewrap while sampling this step
+    episodes: bool = False  # multi-turn episodes (rollout.env, or rollout.agent): env/* metrics
 
 
 @dataclass
 class Sampling:
     """What rollouts, evals and the weight-sync probe need of the engines: the client, and the
-    tokenizer, agent and prompt format that turn problems into token ids and back."""
+    tokenizer, environment and prompt format that turn problems into token ids and back."""
 
     client: SGLangClient
     tokenizer: Any  # the policy's transformers tokenizer
-    agent: Agent | None  # rollout.agent's multi-turn episodes; None: one prompt, one answer
+    # rollout.env's (or rollout.agent's) multi-turn episodes; None: one prompt, one answer.
+    env: EnvSource | None
     eos_token_ids: list[int]  # every id that ends a model turn (arbor.data.stop_token_ids)
     data_cfg: DataConfig  # the prompt format: system prompt, suffix, max_prompt_tokens
     chat_template: bool  # model.chat_template
     # engine.partial_rollouts: is a segment of this weight version overtaken by an update
     # (sampled again)? None: segments finish under the weights they started with.
     is_stale: Callable[[str], bool] | None = None
+    env_weight: float = 1.0  # reward.env_weight: an episode's reward adds env_weight × its environment's
+    # reward.functions is empty: the environment's reward is the whole reward (an episode it
+    # gives none is dropped, never scored 0).
+    env_reward_only: bool = False
+    # Whether the run has warned that most episodes end at the response budget (warn_budget):
+    # shared by the copies the asynchronous producer makes of this record.
+    budget_warned: list[bool] = field(default_factory=lambda: [False])
 
     def run(self, coroutine: Coroutine[Any, Any, T]) -> T:
         """Run a coroutine on the engine client from the synchronous loop."""
@@ -89,9 +100,17 @@ class Sampling:
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
-    def episode_inputs(self, problems: list[dict]) -> tuple[list[list[int]], Render | None]:
-        """The first prompt of each problem's episode and the agent's render (:func:`~arbor.rollout.agents.episode_inputs`)."""
-        return episode_inputs(problems, self.agent, self.tokenizer, self.data_cfg, self.chat_template)
+    def prompts(self, problems: list[dict]) -> list[list[int]] | None:
+        """Each problem's prompt ids; None with an environment (each tree's prompt is its reset's)."""
+        if self.env is not None:
+            return None
+        return [format_prompt(p, self.data_cfg, self.tokenizer, self.chat_template) for p in problems]
+
+    def episodes(self) -> EpisodeSetup | None:
+        """How multi-turn episodes start and render (:func:`~arbor.rollout.episodes.run_episodes`)."""
+        if self.env is None:
+            return None
+        return run_episodes(self.env, self.tokenizer, self.data_cfg, self.env_reward_only)
 
 
 def step_seed(seed: int, step: int, round_: int = 0) -> int:
@@ -127,18 +146,21 @@ def collect_rollouts(
         with log.phase("rollout"):
             trees, stats = sample(sampling, problems, cfg.rollout, step_seed(cfg.run.seed, step, round_), log.status)
         with log.phase("reward"):
-            correct = score_trees(rewards, sampling.decode, trees, batch, log.status)
+            correct = score_trees(rewards, sampling.decode, trees, batch, log.status, sampling.env_weight)
         batch.sampled += trees
         batch.stats += stats
         batch.requests += sampling.client.generate_calls - calls
         batch.unsandboxed_tool_calls += unsandboxed_calls() - unsandboxed
         batch.correct += correct
         batch.rounds = round_ + 1
+        batch.episodes = sampling.env is not None
+        trees = [t for t in trees if t.leaves()]  # every branch dropped (an environment's errors): nothing to train
         batch.trees += dynamic_sampling_filter(trees) if cfg.algorithm.dynamic_sampling else trees
         if len(batch.trees) >= target:
             break
     check_failure_fraction(batch.reward_timeouts + batch.reward_crashed, len(batch.correct),
                            cfg.reward.max_failure_fraction, batch.reward_failures)
+    warn_budget(batch, cfg.rollout, step, sampling.budget_warned)
     return batch
 
 
@@ -146,8 +168,6 @@ def sample(
     sampling: Sampling, problems: list[dict], rollout_cfg: RolloutConfig, seed: int, status: Status
 ) -> tuple[list[RolloutTree], list[SampleStats]]:
     """Trees for ``problems`` from the engines (progress on the console)."""
-    # With rollout.agent, multi-turn episodes from the agent's start; else one prompt each.
-    prompts, render = sampling.episode_inputs(problems)
     done = [0]
 
     def progress(*_: Any) -> None:
@@ -155,16 +175,19 @@ def sample(
         status(f"rollout: {done[0]}/{len(problems)} trees")
 
     return sampling.run(sample_trees(
-        sampling.client, problems, prompts, rollout_cfg, eos_token_ids=sampling.eos_token_ids, seed=seed,
-        is_final_answer=lambda ids: has_final_answer(sampling.decode(ids)), decode=sampling.decode,
-        on_progress=progress, agent=sampling.agent, render=render, is_stale=sampling.is_stale,
+        sampling.client, problems, sampling.prompts(problems), rollout_cfg, eos_token_ids=sampling.eos_token_ids,
+        seed=seed, is_final_answer=lambda ids: has_final_answer(sampling.decode(ids)), decode=sampling.decode,
+        on_progress=progress, env=sampling.episodes(), is_stale=sampling.is_stale,
     ))
 
 
 def score_trees(
-    rewards: RewardPool, decode: Callable[[list[int]], str], trees: list[RolloutTree], batch: Batch, status: Status
+    rewards: RewardPool, decode: Callable[[list[int]], str], trees: list[RolloutTree], batch: Batch, status: Status,
+    env_weight: float = 1.0,
 ) -> list[bool]:
-    """Set every leaf's reward; returns per-leaf correctness (first reward term > 0).
+    """Set every leaf's reward: the reward functions' + ``env_weight`` × its environment's reward
+    (``reward.env_weight``; none without an environment). Returns per-leaf correctness: the first
+    reward term > 0, or with no reward functions the reward > 0.
 
     Timed-out and crashed checks (scored 0) are counted in ``batch`` and warned about by problem id.
     """
@@ -172,14 +195,14 @@ def score_trees(
     items = [(tree.problem or {}, decode(tree.response_ids(leaf))) for tree, leaf in leaves]
     result = rewards.score(items, lambda d, n: status(f"rewards: {d}/{n}"))
     for (_, leaf), score in zip(leaves, result.scores):
-        leaf.reward = score
+        leaf.reward = score + (0.0 if leaf.env_reward is None else env_weight * leaf.env_reward)
     failures = failed_checks(result, items)
     for line in failures:
         log.warning("%s", line)
     batch.reward_timeouts += len(result.timed_out)
     batch.reward_crashed += len(result.crashed)
     batch.reward_failures += failures
-    first = next(iter(result.term_scores.values()), result.scores)
+    first = next(iter(result.term_scores.values()), [leaf.reward or 0.0 for _, leaf in leaves])
     return [v > 0 for v in first]
 
 
@@ -287,11 +310,10 @@ def evaluate(
     from arbor.run.evaluate import run_eval
 
     problems = problems[: eval_cfg.max_problems or None]
-    prompts, render = sampling.episode_inputs(problems)
     report = run_eval(
-        sampling.client, rewards, problems, prompts, eval_cfg, rollout_cfg, decode=sampling.decode,
+        sampling.client, rewards, problems, sampling.prompts(problems), eval_cfg, rollout_cfg, decode=sampling.decode,
         eos_token_ids=sampling.eos_token_ids, seed=seed, run_async=sampling.run, status=status,
-        agent=sampling.agent, render=render,
+        env=sampling.episodes(), env_weight=sampling.env_weight,
     )
     # As after the probe: the next step starts from the cache state a resumed run has.
     sampling.run(sampling.client.flush_cache())
@@ -361,4 +383,37 @@ def rollout_metrics(batch: Batch) -> dict[str, float]:
         "agent/timeouts": float(sum(s.agent_timeouts for s in batch.stats)),  # steps past rollout.agent_timeout_s
         # Tool calls run without bubblewrap (agent_args.allow_unsandboxed) in this step's rollouts.
         "agent/unsandboxed_tool_calls": float(batch.unsandboxed_tool_calls),
-    }
+        # Episodes that ran out of the response budget (agent and environment messages count).
+        "response/max_length": sum(leaf.finish_reason == "max_length" for leaf in leaves) / n,
+    } | (env_metrics(batch) if batch.episodes else {})
+
+
+def env_metrics(batch: Batch) -> dict[str, float]:
+    """``env/*``: environments' rewards, steps, forks by mode, replays, failures, instances left open."""
+    stats = batch.stats
+    rewards = [leaf.env_reward for tree in batch.sampled for leaf in tree.leaves() if leaf.env_reward is not None]
+    forks = {mode: float(sum(s.env_forks.get(mode, 0) for s in stats)) for mode in FORK_MODES}
+    return {
+        "env/steps_per_episode": sum(s.env_episode_steps for s in stats) / max(sum(s.env_episodes for s in stats), 1),
+        "env/forks": sum(forks.values()),
+        **{f"env/forks/{mode}": count for mode, count in forks.items()},
+        "env/replayed_steps": float(sum(s.env_replayed_steps for s in stats)),
+        "env/timeouts": float(sum(s.env_timeouts for s in stats)),
+        "env/errors": float(sum(s.env_errors for s in stats)),
+        "env/dropped": float(sum(s.env_dropped for s in stats)),  # leaves never trained on
+        "env/live": float(sum(s.env_live for s in stats)),  # 0: every instance was closed
+    } | ({"env/reward_mean": sum(rewards) / len(rewards)} if rewards else {})
+
+
+def warn_budget(batch: Batch, rollout_cfg: RolloutConfig, step: int, warned: list[bool]) -> None:
+    """Warn once (``warned`` holds whether it has) when most of a step's episodes ended at the
+    response budget: their answers were cut, and nothing else says why (``response/max_length``)."""
+    leaves = [leaf for tree in batch.sampled for leaf in tree.leaves()]
+    cut = sum(leaf.finish_reason == "max_length" for leaf in leaves) / max(len(leaves), 1)
+    if cut <= 0.5 or warned[0]:
+        return
+    warned[0] = True
+    log.warning("step %d: %.0f%% of the episodes ended at the response budget, rollout.segment_tokens × "
+                "rollout.max_depth = %d × %d = %d tokens (agent and environment messages count against it): "
+                "their answers were cut. Raise rollout.segment_tokens or rollout.max_depth (response/max_length)",
+                step, 100 * cut, rollout_cfg.segment_tokens, rollout_cfg.max_depth, rollout_cfg.max_response_tokens)
