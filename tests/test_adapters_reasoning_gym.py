@@ -16,7 +16,8 @@ from arbor.dataset_sources import parse_spec
 
 REPO = Path(__file__).resolve().parents[1]
 rg = require("reasoning_gym", "reasoning-gym")
-from arbor.rollout.adapters.reasoning_gym import score, score_boxed  # noqa: E402 (needs reasoning_gym)
+from arbor.rollout.adapters.reasoning_gym import reasoning_gym_score as score  # noqa: E402 (needs reasoning_gym)
+from arbor.rollout.adapters.reasoning_gym import reasoning_gym_score_boxed as score_boxed  # noqa: E402
 
 
 def test_a_spec_names_the_dataset_and_its_options_as_yaml():

@@ -1,7 +1,7 @@
 """The tools of any stdio MCP server as an arbor environment (``pip install 'arbor[mcp]'``).
 
     rollout:
-      env: arbor.rollout.adapters.mcp:MCPTools
+      env: arbor:MCPTools
       env_args: {command: [python3, -m, my_server], env: {API_ROOT: /data}}
 
 Each episode starts its own server process (``command``; the MCP SDK's ``stdio_client``) and

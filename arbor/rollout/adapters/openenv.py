@@ -1,7 +1,7 @@
 """An OpenEnv environment server, driven through its client (``pip install 'arbor[openenv]'``).
 
     rollout:
-      env: arbor.rollout.adapters.openenv:OpenEnvClient
+      env: arbor:OpenEnvClient
       env_args: {app: my_env.server.app:app, action_field: message, observation_field: text}
 
 The server is either one running already (``url``, e.g. ``http://127.0.0.1:8000`` or a

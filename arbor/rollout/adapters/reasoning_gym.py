@@ -5,13 +5,13 @@
       system_prompt: "... Give the answer as <answer>answer here</answer>."
     reward:
       functions:
-        - fn: arbor.rollout.adapters.reasoning_gym:score
+        - fn: arbor:reasoning_gym_score
 
 Each problem of a ``reasoning_gym:NAME`` set remembers the item it came from; the reward
 regenerates that item (metadata included: many scorers need it, e.g. every valid
 solution of a puzzle) and returns the dataset's ``score_answer(answer, item)``, 0 to 1.
-:func:`score` reads the answer the way reasoning-gym's prompts ask for it, from the last
-``<answer>...</answer>`` (``reasoning_gym.utils.extract_answer``); :func:`score_boxed` from the last ``\\boxed{...}`` (arbor's math
+:func:`reasoning_gym_score` reads the answer the way reasoning-gym's prompts ask for it, from the last
+``<answer>...</answer>`` (``reasoning_gym.utils.extract_answer``); :func:`reasoning_gym_score_boxed` from the last ``\\boxed{...}`` (arbor's math
 convention, :mod:`arbor.rollout.answers`). A completion without one is scored as the
 dataset scores no answer (``score_answer(None, item)``: 0 for most, 0.01 for countdown).
 """
@@ -24,12 +24,12 @@ from arbor.dataset_sources import regenerate
 from arbor.rollout.answers import last_boxed
 
 
-def score(problem: dict, completion: str) -> float:
+def reasoning_gym_score(problem: dict, completion: str) -> float:
     """The dataset's score of the completion's last ``<answer>...</answer>``."""
     return _score(problem, extract_answer(completion, tag_name="answer"))
 
 
-def score_boxed(problem: dict, completion: str) -> float:
+def reasoning_gym_score_boxed(problem: dict, completion: str) -> float:
     """The dataset's score of the completion's last ``\\boxed{...}``."""
     return _score(problem, last_boxed(completion))
 

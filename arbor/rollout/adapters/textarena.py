@@ -1,7 +1,7 @@
 """TextArena's single-player games as arbor environments (``pip install 'arbor[textarena]'``).
 
     rollout:
-      env: arbor.rollout.adapters.textarena:TextArenaGame
+      env: arbor:TextArenaGame
       env_args: {game: GuessTheNumber-v0-raw}
     reward:
       functions: []              # the game's own reward (reward.env_weight x env.reward())

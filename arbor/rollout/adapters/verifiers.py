@@ -1,7 +1,7 @@
 """A verifiers environment's rollouts, arbor sampling every model turn (``pip install 'arbor[verifiers]'``).
 
     rollout:
-      env: arbor.rollout.adapters.verifiers:VerifiersEnv
+      env: arbor:VerifiersEnv
       env_args: {environment: my_env, args: {max_turns: 4}}   # vf.load_environment("my_env", max_turns=4)
     reward:
       functions: []              # the environment's rubric is the reward
