@@ -40,13 +40,14 @@ log = logging.getLogger(__name__)
 Message = dict[str, Any]  # {"role": "system" | "user" | "assistant" | "tool", "content": str, ...}
 
 
-def load_problems(path: str | Path, data_cfg: DataConfig) -> list[dict[str, Any]]:
+def load_problems(path: str | Path, data_cfg: DataConfig, key: str = "data.train_path") -> list[dict[str, Any]]:
     """Read every row, normalised to the keys ``id``, ``prompt``, ``answer`` (+ the rest);
-    ``path`` may also name a generated set (``reasoning_gym:NAME``, :mod:`arbor.dataset_sources`)."""
+    ``path`` may also name a generated set (``reasoning_gym:NAME``, :mod:`arbor.dataset_sources`).
+    ``key`` is the config key that named ``path``, for the error when it does not exist."""
     if is_source(str(path)):
         rows = source_rows(str(path))
     elif not Path(path).exists():
-        raise DataError(f"{path}: no such file or directory (data.train_path / data.eval_path)")
+        raise DataError(f"{key}: {path}: no such file or directory")
     else:
         rows = read_rows(Path(path))
     problems: list[dict[str, Any]] = []

@@ -60,6 +60,11 @@ TESTS: dict[str, list[str]] = {
     # arbor/rollout/agent_thread.py: where agent steps run (their time limit, a raising step).
     "rollout.agent_thread": ["tests/test_sampler_agents.py"],
     "rollout.rewards": ["tests/test_rewards.py"],
+    # Environments: the protocol, time-limited calls and the live cap, forks, episodes.
+    "rollout.environments": ["tests/test_environments.py", "tests/test_env_forks.py"],
+    "rollout.env_calls": ["tests/test_env_forks.py"],
+    "rollout.env_forks": ["tests/test_env_forks.py"],
+    "rollout.episodes": ["tests/test_env_forks.py", "tests/test_sampler_agents.py"],
 }
 
 # Mutant name -> why it cannot be told apart from the original by any test.

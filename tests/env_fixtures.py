@@ -166,7 +166,7 @@ class AsyncNotebook(Notebook):
 class Recheck(Env):
     """A chat-level environment for runs on the quickstart model: the first answer is noted and
     answered "Check your answer." (a side effect: a note), the second ends the episode; the
-    reward is 1 when the last answer holds the gold one."""
+    reward is 1 when an answer boxes the gold one."""
 
     def __init__(self) -> None:
         self.answers: list[str] = []
@@ -182,4 +182,23 @@ class Recheck(Env):
         return Step([{"role": "user", "content": "Check your answer."}])
 
     def reward(self):
-        return 1.0 if self.answers and f"\\boxed{{{self.gold}}}" in self.answers[-1] else 0.0
+        return float(any(f"\\boxed{{{self.gold}}}" in answer for answer in self.answers))
+
+
+class Silent(Env):
+    """An environment that gives no reward (Env's default)."""
+
+    def reset(self, problem, seed):
+        return [{"role": "user", "content": problem["prompt"]}]
+
+    def step(self, history):
+        return Step([], done=True)
+
+
+class Broken(Notebook):
+    """Its second step raises (a bug in the environment)."""
+
+    def step(self, history):
+        if len(self.notes) == 1:
+            raise KeyError("no such account")
+        return super().step(history)

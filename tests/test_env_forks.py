@@ -30,6 +30,7 @@ from env_fixtures import (
 )
 from test_sampler import EOS, PROMPT, ScriptedEngine, cfg_of, fresh
 
+from arbor import Env
 from arbor.rollout.env_calls import LiveEnvsError
 from arbor.rollout.environments import EnvSource, gives_reward
 from arbor.rollout.episodes import EpisodeSetup
@@ -46,11 +47,11 @@ def later_turns_score_higher(request, j, depth):
     return -3.0 if TOOL in request.input_ids else -0.1
 
 
-def sample(cls, problems=1, logprob=None, **cfg):
+def sample(cls, problems=1, logprob=None, script=turn, **cfg):
     Registry.reset()
     source = EnvSource(cls, "rollout.env", cls.__name__, gives_reward(cls()))
     Registry.reset()
-    engine = ScriptedEngine(8, turn, logprob)
+    engine = ScriptedEngine(8, script, logprob)
     setup = EpisodeSetup(source, render, prompt=lambda messages: list(PROMPT))
     config = cfg_of(**{"width": 8, "segment_tokens": 8, "max_depth": 12, **cfg})
     trees, stats = asyncio.run(sample_trees(engine, [{"id": i} for i in range(problems)], None, config,
@@ -209,3 +210,26 @@ def test_entropy_forks_inside_later_turns_get_the_environment_of_that_turn(cls):
         assert inside and all(not is_env_turn(c) for n in inside for c in n.children)
         assert all(leaf.env_reward == 3.0 for leaf in tree.leaves())
     assert len(Registry.closed) == len(Registry.opened)
+
+
+def test_an_environment_that_raises_stops_sampling_naming_the_problem_and_every_instance_is_closed():
+    from env_fixtures import Broken
+
+    from arbor.rollout.env_forks import EnvCallError
+
+    with pytest.raises(EnvCallError, match=r"^problem [01]: env.step \(turn 2\) raised KeyError: 'no such account'$"):
+        sample(Broken, problems=2, width=4)
+    assert Registry.opened and len(Registry.closed) == len(Registry.opened)  # also the other trees'
+
+
+def test_forks_that_never_step_an_environment_without_a_reward_build_no_instance():
+    class Unrewarded(Notebook):
+        reward = Env.reward  # gives none
+
+    def rambles(request, j, depth):  # never ends a turn: every path runs to the response budget
+        return fresh(request, j), "length"
+
+    (tree,), (s,) = sample(Unrewarded, script=rambles, max_depth=3)
+    assert len(tree.leaves()) == 8 and all(leaf.finish_reason == "max_length" for leaf in tree.leaves())
+    assert len(Registry.opened) == 1 and s.env_forks == {} and s.env_episodes == 8  # only the tree's reset instance
+    assert Registry.closed == Registry.opened

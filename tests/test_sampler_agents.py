@@ -80,7 +80,7 @@ def test_agent_messages_that_do_not_fit_the_budget_drop_the_branch(caplog) -> No
     assert stats.shortfall_reason.startswith("environment failures stopped branches (1 dropped")
     assert ("problem 0: the agent's messages of turn 1 are 10 tokens, but the episode has 8 left of its response "
             "budget (rollout.segment_tokens × rollout.max_depth = 12; agent and environment messages count "
-            "against it): the branch is dropped (message_too_long, env/errors)") in caplog.text
+            "against it): the branch is dropped (message_too_long; every such branch is counted in env/errors)") in caplog.text
     # Messages that fill the room exactly leave the model no token to answer with: the same error.
     agent = TokenAgent(turns=1, tool_len=8)
     tree, stats, _ = run_episode(agent, [([11, 12, 13, EOS], "stop")], max_depth=3)

@@ -21,6 +21,7 @@ waits for a slot and none can free one, waiting would never end: :class:`LiveEnv
 from __future__ import annotations
 
 import asyncio
+import functools
 import inspect
 import logging
 import threading
@@ -62,6 +63,7 @@ class EnvCalls:
         self.timeout_s, self.max_live = timeout_s, max_live
         self.live = 0  # instances built (or being built) and not closed
         self.close_failures = 0  # close() calls that raised or timed out
+        self.warned: set[str] = set()  # warnings given once per sampling run (every tree may hit them)
         self._lock = threading.Lock()  # ``live`` also drops in abandoned calls' threads
         self._loop: asyncio.AbstractEventLoop | None = None
         self._changed: asyncio.Condition | None = None
@@ -93,6 +95,8 @@ class EnvCalls:
         """A new instance from ``make()``, once a slot is free; :class:`EnvTimeout` past the limit
         (an instance built after it is closed then)."""
         await self._slot(tree)
+        if _agents_own(make):  # an AgentEnv (or its copy): arbor's adapter, nothing to wait for
+            return make()
         try:
             return await self._run(tree, make, (), on_late=lambda env: self._close_late(tree, env))
         except EnvTimeout as timeout:
@@ -223,7 +227,7 @@ class EnvCalls:
     def _notify(self) -> None:
         """Wake the waiters for a slot (they re-check); callable from any thread."""
         loop = self._loop
-        if self._changed is None or loop is None or loop.is_closed():
+        if not self.max_live or self._changed is None or loop is None or loop.is_closed():
             return
         if _on_loop(loop):
             asyncio.ensure_future(self._wake())
@@ -275,6 +279,12 @@ class _Late:
         if self._error is not None:
             raise self._error
         return self._result
+
+
+def _agents_own(make: Callable[[], Any]) -> bool:
+    """Whether ``make`` builds an :class:`AgentEnv` (the class, a partial of it, or a copy method)."""
+    target: Any = make.func if isinstance(make, functools.partial) else make
+    return target is AgentEnv or isinstance(getattr(target, "__self__", None), AgentEnv)
 
 
 def _on_loop(loop: asyncio.AbstractEventLoop) -> bool:

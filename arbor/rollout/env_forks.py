@@ -4,14 +4,17 @@ The state a new branch starts from is its node's **state node**: the nearest env
 above it, or the root (model tokens never change an environment). How it gets an instance in
 that state is the environment's ``fork``:
 
-- ``copy``: ``env.copy()`` of an instance in that state. Forks at a past state (a TreePO
-  fallback cut, an entropy fork inside an earlier turn) copy a pristine copy kept of every state
-  of the tree (the root's and each environment turn's) until the tree is sampled.
+- ``copy``: ``env.copy()`` of an instance in that state, made when the copies are requested.
+  Forks at a past state (a TreePO fallback cut, an entropy fork inside an earlier turn) copy a
+  pristine copy kept of every state of the tree (the root's and each environment turn's) until
+  the tree is sampled.
 - ``replay``: a fresh instance, ``reset`` with the same problem and seed, then the steps recorded
-  on the path replayed, each returned ``Step`` compared with the recorded one. A replay that
-  diverges (hidden non-determinism: a global RNG, a clock) or raises stops that branch before
-  it samples anything: warned about with the problem id and the turn, counted (``env/errors``),
-  never trained on.
+  on the path replayed, each returned ``Step`` compared with the recorded one; built when the
+  branch first needs it (its first step, or its end for the reward), so a tree holds few
+  instances and any idle one can be closed for a slot (``rollout.max_live_envs``) and rebuilt.
+  A replay that diverges (hidden non-determinism: a global RNG, a clock) or raises stops that
+  branch: warned about with the problem id and the turn, counted (``env/errors``), dropped from
+  the tree (never trained on).
 - ``none``: a fresh instance reset the same way, for branches that start before the first step
   only (the sampler gives a path one copy once its episode has stepped).
 
@@ -71,6 +74,9 @@ class Forks:
         self.source, self.calls, self.key, self.stats = source, calls, key, stats
         self.turns = turns  # environment-turn node ids (the episodes' messages by node)
         self.keep_states = snapshots  # copy mode: keep every state for forks at past states
+        # A stateless agent's instances (AgentEnv) are alike in every state: one kept copy serves
+        # every fork, and none of them is a real fork (env/forks).
+        self.stateless = source.is_agent
         self.mode: Fork = "replay"
         self.owned: dict[int, Any] = {}  # node id -> the instance of the branch whose tip it is
         self.pending: dict[int, list[Any]] = {}  # node id -> instances prepared for its next copies
@@ -115,12 +121,13 @@ class Forks:
             self.pending[node.id] = have
             return n
         state = self.state(node)
-        source = self.snapshots.get(state.id, have[0] if have else None)
+        source = self.snapshots.get(0 if self.stateless else state.id, have[0] if have else None)
         if source is None:
             raise RuntimeError(f"no instance of the environment in the state of node {state.id} to copy")
         made = [await self._copy(source) for _ in range(n - len(have))]  # one source: one call at a time
         have += [env for env in made if env is not None]
-        self.stats.env_forks["copy"] = self.stats.env_forks.get("copy", 0) + sum(e is not None for e in made)
+        if not self.stateless:
+            self.stats.env_forks["copy"] = self.stats.env_forks.get("copy", 0) + sum(e is not None for e in made)
         self.pending[node.id] = have
         return len(have)
 
@@ -150,7 +157,7 @@ class Forks:
         replays), keep a copy of the state (copy mode), and the branch goes on with ``env``.
         False: that copy timed out (``env`` stays with the caller)."""
         self.recorded[tip.id] = (history, step)
-        if self.keep_states:
+        if self.keep_states and not self.stateless:
             snapshot = await self._copy(env)
             if snapshot is None:
                 return False

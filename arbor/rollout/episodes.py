@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from arbor.config import DataConfig, RolloutConfig
+from arbor.errors import ConfigError
 from arbor.rollout.agents import Agent, Message, Render, continuation_ids, episode_prompt
 from arbor.rollout.budget import request_seed
 from arbor.rollout.env_calls import EnvCalls, EnvTimeout
@@ -133,11 +134,14 @@ class TreeEpisodes:
             env = await self.calls.open(self.key, self.setup.source.make)
         except EnvTimeout:
             raise self._error("building", 0, "ran past " + self.timeout_key) from None
-        mode = fork_mode(env, self.setup.source.key)
         try:
+            mode = fork_mode(env, self.setup.source.key)  # a factory may build other classes than the probe's
             messages = await self.calls.call(self.key, env, "reset", problem, seed)
         except EnvTimeout:
             raise self._error("reset", 0, f"ran past {self.timeout_key}: the tree has no prompt") from None
+        except ConfigError:
+            await self.calls.close(self.key, env)
+            raise
         except Exception as e:
             await self.calls.close(self.key, env)
             raise self._error("reset", 0, f"raised {type(e).__name__}: {e}") from e
@@ -181,8 +185,8 @@ class TreeEpisodes:
         return self.forks.may_fork(node)
 
     async def prepare(self, tree: RolloutTree, node: Node, n: int) -> int:
-        """Instances for ``n`` copies sampled from ``node``; returns how many it has (a diverged
-        replay or a timed-out fork stops that branch before it starts)."""
+        """Instances for ``n`` copies sampled from ``node``; returns how many may be sampled (fewer
+        when a ``copy()`` timed out: that branch does not start)."""
         return await self.forks.prepare(tree, node, n)
 
     def hand_over(self, node: Node, children: list[Node]) -> None:
@@ -199,7 +203,7 @@ class TreeEpisodes:
         """Step the branch's environment after the model turn ending at ``node``; returns the
         environment-turn node the episode goes on from, or None when it ended at ``node``."""
         env = await self.forks.instance(tree, node)
-        if env is None:  # rebuilt after its slot was taken, and the replay diverged
+        if env is None:  # the replay that built it (a fork, or a rebuild after its slot was taken) diverged
             self._drop(node)
             return None
         turn = self.turns_before(tree, node) + 1
@@ -233,13 +237,17 @@ class TreeEpisodes:
             # A per-branch error, not a run-stopping one: one long observation (a tool's traceback)
             # must not end a run that is otherwise fine, and a cut message is not what the
             # environment said, so the branch is dropped (never trained on), counted and warned about.
+            # Warned about once per sampling run (every branch of a step may hit it); all are counted.
             self.stats.env_errors += 1
+            self.stats.dropped_too_long += 1
             node.finish_reason = TOO_LONG
-            log.warning("problem %s: the %s's messages of turn %d are %d tokens, but the episode has %d left of "
-                        "its response budget (rollout.segment_tokens × rollout.max_depth = %d; agent and "
-                        "environment messages count against it): the branch is dropped (%s, env/errors)",
-                        self._problem_id, "agent" if self.agent else "environment", turn, len(ids), max(room, 0),
-                        self.cfg.max_response_tokens, TOO_LONG)
+            if TOO_LONG not in self.calls.warned:
+                self.calls.warned.add(TOO_LONG)
+                log.warning("problem %s: the %s's messages of turn %d are %d tokens, but the episode has %d left "
+                            "of its response budget (rollout.segment_tokens × rollout.max_depth = %d; agent and "
+                            "environment messages count against it): the branch is dropped (%s; every such branch "
+                            "is counted in env/errors)", self._problem_id, "agent" if self.agent else "environment",
+                            turn, len(ids), max(room, 0), self.cfg.max_response_tokens, TOO_LONG)
             await self.calls.close(self.key, env)
             self._drop(node)
             return None
@@ -257,6 +265,11 @@ class TreeEpisodes:
 
     async def end(self, tree: RolloutTree, node: Node) -> None:
         """The episode ended at ``node`` without a step (length, repetition, abort): its reward."""
+        if not self.setup.source.gives_reward and node.id not in self.forks.owned:
+            # A fork that never needed its instance: no reward to read, nothing to build just to close.
+            self.stats.env_episodes += 1
+            self.stats.env_episode_steps += self.turns_before(tree, node)
+            return
         env = await self.forks.instance(tree, node)
         if env is None:
             self._drop(node)

@@ -31,6 +31,7 @@ class SampleStats:
     env_episodes: int = 0  # episodes ended (reward read, instance closed), dropped ones aside
     env_episode_steps: int = 0  # Σ over those episodes of the steps on their path
     env_dropped: int = 0  # leaves removed from the tree: never trained on
+    dropped_too_long: int = 0  # of which: an agent's or environment's messages did not fit the budget
     env_live: int = 0  # instances still open when the tree was done (an abandoned call runs on)
     finish_reasons: dict[str, int] = field(default_factory=dict)  # leaf reason → count
     shortfall_reason: str | None = None

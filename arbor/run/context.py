@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-from arbor.config import Config, save_config
+from arbor.config import Config, config_to_dict, save_config
 from arbor.data import ProblemStream, load_problems
 from arbor.engines.client import SGLangClient
 from arbor.rollout.agents import Agent, fitting_problems
@@ -32,7 +32,7 @@ from arbor.run.metrics import MetricsLog
 from arbor.run.orchestration import Placement, ray_cpus, start_groups, start_ray
 from arbor.run.phases import Sampling
 from arbor.run.recovery import EngineRecovery
-from arbor.run.startup import StartupClock, load_tokenizer, settled
+from arbor.run.startup import StartupClock, load_tokenizer, problem_files, settled
 
 T = TypeVar("T")
 
@@ -144,12 +144,7 @@ def _start(cfg: Config, closers: list[Callable[[], Any]], clock: StartupClock) -
     from arbor.plugins import default_search_dirs
 
     out = Path(cfg.run.output_dir)
-    previous = checkpoint.latest_checkpoint(out)
-    if previous is not None and not cfg.run.resume:
-        raise SystemExit(
-            f"arbor train: {out} already holds a run (checkpoint {previous.name}); set "
-            "run.resume=true to continue it, or choose another run.output_dir"
-        )
+    previous = checkpoint.check_output_dir(out, cfg.run.resume, "train")  # before anything is written
     out.mkdir(parents=True, exist_ok=True)
     save_config(cfg, out / "config.yaml")  # as written: engine.kind auto stays auto on another machine
     cfg = settled(cfg)
@@ -162,7 +157,7 @@ def _start(cfg: Config, closers: list[Callable[[], Any]], clock: StartupClock) -
         stream, eval_problems, data_metrics = _load_problems(cfg, None if env is None else env.agent, tokenizer,
                                                              skip_check=env is not None and env.agent is None)
     with clock.phase("metrics"):
-        log = MetricsLog(cfg.run, cfg.run.steps)
+        log = MetricsLog(cfg.run, cfg.run.steps, config=config_to_dict(cfg))  # the settled config
         closers.append(log.close)
     with clock.phase("rewards"):
         rewards = reward_pool(cfg.reward, search)
@@ -229,13 +224,13 @@ def _load_problems(
         data_metrics[metric] = float(len(skipped))
         return kept
 
-    problems = fitting(load_problems(cfg.data.train_path, cfg.data), "data.train_path", "data/skipped_long_prompts")
+    files = problem_files(cfg, "train")  # data.train_path, and the eval set when the run evaluates
+    problems = fitting(load_problems(files.pop("data.train_path"), cfg.data, "data.train_path"), "data.train_path",
+                       "data/skipped_long_prompts")
     stream = ProblemStream(problems, cfg.run.seed, cfg.data.shuffle)
     eval_problems: list[dict] = []
-    eval_path = cfg.eval.path or cfg.data.eval_path
-    if eval_path and cfg.run.eval_every:
-        eval_problems = fitting(load_problems(eval_path, cfg.data),
-                                "eval.path" if cfg.eval.path else "data.eval_path", "data/skipped_long_eval_prompts")
+    for key, path in files.items():
+        eval_problems = fitting(load_problems(path, cfg.data, key), key, "data/skipped_long_eval_prompts")
     return stream, eval_problems, data_metrics
 
 

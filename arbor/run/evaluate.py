@@ -7,8 +7,9 @@
 It starts the engine(s) of ``engine``/``model`` (no Ray), samples ``eval.samples`` answers
 per problem of ``eval.path`` (default ``data.eval_path``), scores them with
 ``reward.functions``, prints a summary and writes ``<run.output_dir>/eval.json`` (metrics
-plus one record per problem) and TensorBoard scalars under
-``<run.output_dir>/tensorboard/eval``. The trainer calls :func:`run_eval` every
+plus one record per problem) and, with ``tensorboard`` in ``run.loggers``, TensorBoard
+scalars under ``<run.output_dir>/tensorboard/eval`` (W&B and MLflow get a training run's
+``eval/*`` metrics, not ``arbor eval``'s). The trainer calls :func:`run_eval` every
 ``run.eval_every`` steps (``arbor.run.phases.evaluate``) and logs the same ``eval/*`` metrics.
 
 In code, with any :class:`~arbor.engines.types.RolloutEngine` and a reward pool:
@@ -285,23 +286,20 @@ def main(cfg: Config) -> int:
     from arbor.rollout.rewards import reward_pool
     from arbor.run.engine_group import launch_options
     from arbor.run.orchestration import cpu_threads
-    from arbor.run.startup import engine_device, load_tokenizer, settled
+    from arbor.run.startup import engine_device, load_tokenizer, problem_files, settled
 
     e = cfg.eval
-    path = e.path or cfg.data.eval_path
-    if path is None:
-        print("arbor eval: no set to evaluate: set eval.path or data.eval_path", file=sys.stderr)
-        return 2
+    ((key, path),) = problem_files(cfg, "eval").items()  # eval.path, else data.eval_path
     cfg = settled(cfg)
     tokenizer, eos = load_tokenizer(cfg.model)
     search = default_search_dirs(cfg.source)
     env = rollout_env(cfg.rollout, search)  # the episodes the run trains on
     require_reward(env, cfg.reward)
-    problems, skipped = load_problems(path, cfg.data), list[str]()
+    problems, skipped = load_problems(path, cfg.data, key), list[str]()
     if env is None or env.agent is not None:  # an environment's prompts are only known at its reset
         # As arbor train does: prompts longer than data.max_prompt_tokens are skipped (and counted), never cut.
         problems, skipped = fitting_problems(problems, None if env is None else env.agent, tokenizer, cfg.data,
-                                             cfg.model.chat_template, "eval.path" if e.path else "data.eval_path")
+                                             cfg.model.chat_template, key)
     problems = problems[: e.max_problems or None]
     episodes = None if env is None else run_episodes(env, tokenizer, cfg.data, needs_reward=not cfg.reward.functions)
     prompts = None if env is not None else [format_prompt(p, cfg.data, tokenizer, cfg.model.chat_template)
@@ -332,7 +330,7 @@ def main(cfg: Config) -> int:
     report.metrics["eval/seconds"] = time.perf_counter() - t0
     report.metrics["eval/skipped_long_prompts"] = float(len(skipped))
     write_report(output, report, cfg, str(path))
-    if cfg.run.tensorboard:
+    if "tensorboard" in cfg.run.loggers:
         write_scalars(out_dir / "tensorboard" / "eval", report.metrics, e.step)
     m, k = report.metrics, report.k
     print(f"arbor eval: pass@{k} {m[f'eval/pass@{k}']:.3f}  maj@{k} {m[f'eval/maj@{k}']:.3f}  "

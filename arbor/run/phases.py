@@ -3,7 +3,8 @@
     batch = collect_rollouts(ctx.sampling, ctx.rewards, ctx.stream, ctx.log, cfg, step)
     advantages = batch_advantages(batch.trees, cfg.algorithm)
     train = train_on_batch(ctx.learners, batch.trees, advantages, step, cfg.algorithm, cfg.loss,
-                           pack_tokens=cfg.learner.pack_tokens, seed=cfg.run.seed)  # PPO epochs × minibatches
+                           pack_tokens=pack_budget(cfg.learner.tree_execution, cfg.learner.pack_tokens),
+                           seed=cfg.run.seed)  # PPO epochs × minibatches
     sync = sync_weights(ctx.learners, ctx.engines, ctx.recovery, ctx.sampling, cfg.rollout,
                         version=str(step), probe=batch.trees[:2])
 
@@ -31,7 +32,12 @@ from arbor.rollout.agents import tool_turns
 from arbor.rollout.answers import has_final_answer
 from arbor.rollout.environments import FORK_MODES, EnvSource
 from arbor.rollout.episodes import EpisodeSetup, run_episodes
-from arbor.rollout.rewards import RewardPool, check_failure_fraction, failed_checks
+from arbor.rollout.rewards import (
+    RewardFailureError,
+    RewardPool,
+    check_failure_fraction,
+    failed_checks,
+)
 from arbor.rollout.sample_stats import SampleStats
 from arbor.rollout.sampler import sample_trees
 from arbor.rollout.tools import unsandboxed_calls
@@ -40,7 +46,8 @@ from arbor.run.learner_group import LearnerGroup
 from arbor.run.recovery import EngineRecovery
 from arbor.train.advantage import compute_advantages, dynamic_sampling_filter
 from arbor.train.loss import LossStats
-from arbor.train.packing import assign_to_ranks, loss_denominator, pack_trees
+from arbor.train.packing import PackedBatch, loss_denominator
+from arbor.train.rank_balance import rank_imbalance, rank_packs
 from arbor.train.rollout_correction import (
     attach_learner_logprobs,
     correction_of,
@@ -51,6 +58,11 @@ from arbor.tree import RolloutTree
 T = TypeVar("T")
 Status = Callable[[str], None]  # a progress line for the console (MetricsLog.status)
 log = logging.getLogger(__name__)
+
+
+class EpisodesDroppedError(RewardFailureError):
+    """Every episode of a step was dropped (an environment's messages over the response budget,
+    diverged replays, unscored timeouts): nothing is left to score or train on."""
 
 
 @dataclass
@@ -161,6 +173,16 @@ def collect_rollouts(
     check_failure_fraction(batch.reward_timeouts + batch.reward_crashed, len(batch.correct),
                            cfg.reward.max_failure_fraction, batch.reward_failures)
     warn_budget(batch, cfg.rollout, step, sampling.budget_warned)
+    dropped = sum(s.env_dropped for s in batch.stats)
+    if dropped and not any(tree.leaves() for tree in batch.sampled):
+        too_long = sum(s.dropped_too_long for s in batch.stats)
+        rest = f"; {dropped - too_long} by diverged replays or unscored timeouts" if dropped > too_long else ""
+        raise EpisodesDroppedError(
+            f"step {step}: all {dropped} episodes were dropped, {too_long} of them because an agent's or "
+            f"environment's messages did not fit the response budget (rollout.segment_tokens × rollout.max_depth "
+            f"= {cfg.rollout.segment_tokens} × {cfg.rollout.max_depth} = {cfg.rollout.max_response_tokens} tokens; "
+            f"their messages count against it){rest} (env/errors, env/timeouts): nothing is left to train on"
+        )
     return batch
 
 
@@ -219,7 +241,8 @@ def train_on_batch(
 ) -> dict[str, float]:
     """``ppo_epochs`` × ``minibatches`` learner updates over the batch; loss metrics.
 
-    ``pack_tokens``: ``learner.pack_tokens``; ``seed``: ``run.seed`` (the epochs' shuffles);
+    ``pack_tokens``: a pack's budget (``learner.pack_tokens``; whole trees with
+    ``learner.tree_execution: dfs``, :func:`arbor.train.dfs.pack_budget`); ``seed``: ``run.seed`` (the epochs' shuffles);
     ``behaviour_cap``: ``loss.behaviour_cap`` for off-policy batches (the decoupled objective),
     None on-policy. With ``loss.rollout_correction`` tis/mis the learners first score the whole
     batch without an update (π_old, :func:`recompute_old_logprobs`); at sequence level each
@@ -230,6 +253,7 @@ def train_on_batch(
     if correction.recompute:
         recompute_old_logprobs(learners, trees, pack_tokens)
     stats, norms, lrs = LossStats(), [], []
+    rank_tokens = [0] * learners.world_size  # tokens each rank forwarded over the step's updates
     order = list(range(len(trees)))
     for epoch in range(algorithm.ppo_epochs):
         if epoch:
@@ -243,11 +267,12 @@ def train_on_batch(
 
                 sub_trees, sub_adv = linearise_trees(sub_trees, sub_adv)
             weights = leaf_correction_weights(sub_trees, correction)[0] if leaf_level else None
-            packs = pack_trees(sub_trees, sub_adv, pack_tokens=pack_tokens, normalize=loss_cfg.normalize,
-                               correction_weights=weights)
-            per_rank = [[packs[i] for i in r] for r in assign_to_ranks(packs, learners.world_size)]
+            # Each rank its share of the trees, balanced by the tokens it computes, packed there.
+            per_rank, tokens = rank_packs(sub_trees, sub_adv, learners.world_size, pack_tokens=pack_tokens,
+                                          normalize=loss_cfg.normalize, correction_weights=weights)
+            rank_tokens = [a + b for a, b in zip(rank_tokens, tokens)]
             denominator = loss_denominator(sub_trees, loss_cfg.normalize)
-            results = learners.step(per_rank, denominator, filler=packs[0], behaviour_cap=behaviour_cap)
+            results = learners.step(per_rank, denominator, filler=_filler(per_rank), behaviour_cap=behaviour_cap)
             stats = sum((r.stats for r in results), stats)
             norms.append(results[0].grad_norm)  # the same on every rank
             lrs.append(results[0].lr)
@@ -261,6 +286,7 @@ def train_on_batch(
     metrics["train/nonfinite_grad_norms"] = float(len(nonfinite))
     metrics["train/lr"] = lrs[-1]
     metrics["train/updates"] = float(len(norms))
+    metrics["train/rank_imbalance"] = rank_imbalance(rank_tokens)
     mismatch = stats.mismatch
     if leaf_level:  # the weights are the leaves' (per leaf); the KL stays per token
         mismatch = replace(leaf_correction_weights(trees, correction)[1], kl=mismatch.kl, tokens=mismatch.tokens)
@@ -271,13 +297,14 @@ def train_on_batch(
 def recompute_old_logprobs(learners: LearnerGroup, trees: list[RolloutTree], pack_tokens: int) -> None:
     """π_old for ``loss.rollout_correction``: the learners' log-probs of every trained token of
     ``trees`` under the weights before this batch's updates, into ``node.learner_logprobs``."""
-    packs = pack_trees(trees, None, pack_tokens=pack_tokens)
-    ranks = assign_to_ranks(packs, learners.world_size)
-    results = learners.old_logprobs([[packs[i] for i in r] for r in ranks], filler=packs[0])
-    by_pack: dict[int, Any] = {}
-    for indices, logps in zip(ranks, results):
-        by_pack.update(zip(indices, logps))
-    attach_learner_logprobs(trees, packs, [by_pack[i] for i in range(len(packs))])
+    per_rank, _ = rank_packs(trees, None, learners.world_size, pack_tokens=pack_tokens)
+    results = learners.old_logprobs(per_rank, filler=_filler(per_rank))
+    attach_learner_logprobs(trees, [p for packs in per_rank for p in packs], [lp for logps in results for lp in logps])
+
+
+def _filler(per_rank: list[list[PackedBatch]]) -> PackedBatch:
+    """A pack for the idle passes of ranks without one (ZeRO-3: every rank in every forward)."""
+    return next(pack for packs in per_rank for pack in packs)
 
 
 def sync_weights(
@@ -407,13 +434,16 @@ def env_metrics(batch: Batch) -> dict[str, float]:
 
 def warn_budget(batch: Batch, rollout_cfg: RolloutConfig, step: int, warned: list[bool]) -> None:
     """Warn once (``warned`` holds whether it has) when most of a step's episodes ended at the
-    response budget: their answers were cut, and nothing else says why (``response/max_length``)."""
+    response budget: their answers were cut, or dropped because an agent's or environment's
+    messages did not fit, and nothing else says why (``response/max_length``, ``env/errors``)."""
     leaves = [leaf for tree in batch.sampled for leaf in tree.leaves()]
-    cut = sum(leaf.finish_reason == "max_length" for leaf in leaves) / max(len(leaves), 1)
+    too_long = sum(s.dropped_too_long for s in batch.stats)  # dropped: their messages did not fit
+    cut = (sum(leaf.finish_reason == "max_length" for leaf in leaves) + too_long) / max(len(leaves) + too_long, 1)
     if cut <= 0.5 or warned[0]:
         return
     warned[0] = True
     log.warning("step %d: %.0f%% of the episodes ended at the response budget, rollout.segment_tokens × "
                 "rollout.max_depth = %d × %d = %d tokens (agent and environment messages count against it): "
-                "their answers were cut. Raise rollout.segment_tokens or rollout.max_depth (response/max_length)",
+                "their answers were cut, or their agent's messages did not fit. Raise rollout.segment_tokens or "
+                "rollout.max_depth (response/max_length)",
                 step, 100 * cut, rollout_cfg.segment_tokens, rollout_cfg.max_depth, rollout_cfg.max_response_tokens)
