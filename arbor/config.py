@@ -45,7 +45,8 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    train_path: str = "data/math/train.jsonl"  # jsonl / parquet / HF dataset directory
+    # jsonl / parquet / HF dataset directory, or a generated set: reasoning_gym:NAME?options
+    train_path: str = "data/math/train.jsonl"
     # Held-out problems for the periodic eval (run.eval_every) and `arbor eval`; None: no eval set.
     eval_path: str | None = None
     # Column (or dotted path into a nested one) holding a problem's id; absent: its place, file:line.
