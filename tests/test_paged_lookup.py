@@ -12,7 +12,7 @@ sys.path.insert(0, str(REPO / "scripts"))
 
 import paged_lookup_task as task  # noqa: E402
 
-from arbor.plugins import load_object  # noqa: E402
+from arbor.rollout.environments import load_env  # noqa: E402
 from envs.paged_lookup import KEYS, PagedLookup, page_text  # noqa: E402
 
 # A book of two pages: page 1 holds 0 1 2 ... 9 0 1 ... in key order, page 2 all 7s.
@@ -34,7 +34,10 @@ def play(env: PagedLookup, turns: list[str], problem: dict = PROBLEM) -> list[di
 
 
 def test_an_episode_opens_the_page_reads_it_and_is_judged_by_the_environment():
-    env = load_object("envs/paged_lookup.py:PagedLookup", "rollout.env", [str(REPO)])()
+    # As a config names it: arbor checks it against the protocol once (forks by copy, gives a reward).
+    source = load_env("envs/paged_lookup.py:PagedLookup", search_dirs=[str(REPO)], kwargs={"max_opens": 2})
+    assert source.gives_reward and source.make().fork == "copy"
+    env = source.make()
     history = play(env, ["open page 1", "read K6, d3, 6+3=9 \\boxed{9}"])  # K is key 36, d key 3
     assert history[0]["content"] == ('The book has 2 pages; to read one, write "open page" and its number. '
                                      "Open page 1, then answer the question about it.")
