@@ -130,7 +130,7 @@ def test_the_shipped_data_is_the_generators_and_plays_in_the_environment():
     assert rows["train"] == [{k: p[k] for k in fields} for p in problems[300:1300]]
     for row in rows["train"][:100]:
         env = PagedLookup()
-        page = play(env, [task.open_call(row["page"])], row)[-1]["content"]
+        page = play(env, [task.open_call(row["page"])], row)[2]["content"]  # the tool message
         reads = [f"{k}{page.split(f'- {k}')[1][0]}" for k in row["keys"]]  # read off the page
         env.step([{"role": "assistant", "content": f"read {', '.join(reads)} \\boxed{{{row['answer']}}}"}])
         assert env.reward() == 1.0
