@@ -13,6 +13,7 @@ sys.path.insert(0, str(REPO / "scripts"))
 import paged_lookup_task as task  # noqa: E402
 
 from arbor.rollout.environments import load_env  # noqa: E402
+from arbor.tree import RolloutTree  # noqa: E402
 from envs.paged_lookup import KEYS, PagedLookup, page_text  # noqa: E402
 
 # A book of two pages: page 1 holds 0 1 2 ... 9 0 1 ... in key order, page 2 all 7s.
@@ -134,3 +135,30 @@ def test_the_shipped_data_is_the_generators_and_plays_in_the_environment():
         reads = [f"{k}{page.split(f'- {k}')[1][0]}" for k in row["keys"]]  # read off the page
         env.step([{"role": "assistant", "content": f"read {', '.join(reads)} \\boxed{{{row['answer']}}}"}])
         assert env.reward() == 1.0
+
+
+def test_the_config_forks_after_the_page_and_the_environment_gives_the_reward(tmp_path):
+    """One step of configs/paged_lookup.yaml on 4 problems: each tree is one path to the end
+    of the page and the question, then 8 answers; the reward is the environment's."""
+    from arbor.config_load import load_config
+    from arbor.run.trainer import train
+
+    out = tmp_path / "out"
+    cfg = load_config(REPO / "configs/paged_lookup.yaml", [
+        f"run.output_dir={out}", "run.steps=1", "run.eval_every=0", "data.prompts_per_step=4",
+        "learner.backend=torch", "learner.zero_stage=0", "algorithm.dynamic_sampling=false", "run.save_trees_every=1",
+    ])  # the trees of the step are saved: their shape is checked below
+    (metrics,) = train(cfg)
+    assert metrics["tree/leaves"] == 8 and metrics["env/steps_per_episode"] == 2  # the call, the answer
+    assert metrics["env/reward_mean"] == metrics["reward/mean"] and metrics["env/live"] == 0
+    assert metrics["env/errors"] == 0 and metrics["env/forks/copy"] > 0
+    # ~270 of an episode's ~310 tokens come before the fork: the tree holds them once.
+    assert metrics["tree/sharing_ratio"] > 4, metrics["tree/sharing_ratio"]
+    assert metrics["response/max_length"] == 0  # every episode fits rollout's response budget
+    (saved,) = (out / "trees").glob("step-*.jsonl")
+    for line in saved.read_text().splitlines():
+        tree = RolloutTree.from_json(line)
+        (call,) = tree.root.children  # root_fork 1: one path makes the call ...
+        (page,) = call.children  # ... and gets the page and the question (untrained) ...
+        assert call.loss_mask is None and not any(page.loss_mask)  # sampled; the environment's
+        assert len(page.children) == 8 and all(child.is_leaf for child in page.children)  # ... then 8 answers
