@@ -57,7 +57,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "scripts"))
 
-from build_tiny_model import CHAT_TEMPLATE, build_tokenizer, tiny_qwen2  # noqa: E402
+from build_tiny_model import CHAT_TEMPLATE, build_tokenizer, save_model, tiny_qwen2  # noqa: E402
 from paged_lookup_task import PAGES, make_problems, neighbour, open_call  # noqa: E402
 
 from arbor.config import DataConfig, LearnerConfig, LossConfig, ModelConfig, OptimConfig  # noqa: E402
@@ -229,11 +229,7 @@ def main() -> None:
                   f"val {describe(teacher_forced(model, tokenizer, valid))}  {time.monotonic() - t0:.0f} s", flush=True)
     print(f"loss: first {first_loss:.3f} last {last_loss:.3f}", flush=True)
 
-    model.eval()
-    model.generation_config.eos_token_id = tokenizer.eos_token_id
-    model.generation_config.pad_token_id = tokenizer.pad_token_id
-    model.save_pretrained(out)
-    model.generation_config.save_pretrained(out)
+    save_model(model, tokenizer, out)
     test = teacher_forced(model, tokenizer, splits["test"][: args.eval_problems])
     size = sum(f.stat().st_size for f in out.iterdir()) / 2**20
     print(f"{min(args.eval_problems, len(splits['test']))} test problems: {describe(test)}")

@@ -129,6 +129,15 @@ def tiny_qwen2(tokenizer: Any, hidden: int, layers: int, max_positions: int = 25
     return Qwen2ForCausalLM(config)
 
 
+def save_model(model: Any, tokenizer: Any, out: Path) -> None:
+    """The warmed-up model in eval mode, saved with a generation config that stops on the EOS."""
+    model.eval()
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.save_pretrained(out)
+    model.generation_config.save_pretrained(out)
+
+
 def prompt_ids(tokenizer: Any, problem: dict[str, str]) -> list[int]:
     """Exactly what ``arbor train`` feeds the policy for this problem."""
     return format_prompt(problem, DATA_CFG, tokenizer, chat_template=True)
@@ -305,11 +314,7 @@ def main() -> None:
                 break
     print(f"loss: first {first_loss:.3f} last {last_loss:.3f}", flush=True)
 
-    model.eval()
-    model.generation_config.eos_token_id = tokenizer.eos_token_id
-    model.generation_config.pad_token_id = tokenizer.pad_token_id
-    model.save_pretrained(out)
-    model.generation_config.save_pretrained(out)
+    save_model(model, tokenizer, out)
     evaluated = test[: args.eval_problems]
     sampled = evaluate(model, tokenizer, evaluated, samples=args.eval_samples, seed=args.seed + 1,
                        max_new_tokens=max_new_tokens)
