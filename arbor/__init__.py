@@ -72,6 +72,7 @@ _EXPORTS: dict[str, str] = {
     "pack_trees": "arbor.train.packing",
     "PackedBatch": "arbor.train.packing",
     "policy_loss": "arbor.train.packed_loss",
+    "policy_backward": "arbor.train.packed_loss",
     "WeightSync": "arbor.train.weight_sync",
     # engines
     "SamplingParams": "arbor.engines.types",
@@ -139,7 +140,7 @@ if TYPE_CHECKING:  # type checkers and IDEs see the names without the lazy table
     from arbor.rollout.sampler import sample_trees, sample_trees_sync
     from arbor.rollout.tools import ToolPool, ToolResult
     from arbor.train.advantage import compute_advantages
-    from arbor.train.packed_loss import policy_loss
+    from arbor.train.packed_loss import policy_backward, policy_loss
     from arbor.train.packing import PackedBatch, pack_trees
     from arbor.train.weight_sync import WeightSync
     from arbor.tree import Node, RolloutTree, TreeStats

@@ -2,22 +2,26 @@
 
     arbor train configs/math.yaml [section.key=value ...]   # RL with tree rollouts
     arbor config configs/math.yaml loss.clip_high=0.3       # validate, print the resolved config
+    arbor train configs/math.yaml --dry-run                 # check what can be checked here, start nothing
     arbor serve --model PATH [--host H] [--port P]          # embedded engine, SGLang's native API
     arbor export RUN/hf --merge OUT                         # a LoRA adapter merged into its base
 
 Every command that takes a config validates it (and its overrides) before any work
-starts; a bad key exits with status 2 and a message naming it.
+starts; a bad key, or a data file that is missing or malformed, exits with status 2 and one
+line naming the key.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib
 import sys
 from collections.abc import Callable
 
 from arbor.config import Config, dump_config
 from arbor.config_load import check_context_length, load_config
+from arbor.dataset_files import DataError
 from arbor.errors import ConfigError
 from arbor.plugins import default_search_dirs
 
@@ -42,11 +46,12 @@ def check_extensions(cfg: Config) -> None:
     )
 
     terms = [RewardTerm(t.fn, t.weight) for t in cfg.reward.functions]
-    load_reward_terms(terms, search_dirs=default_search_dirs(cfg.source))
-    if cfg.rollout.agent is not None:
-        from arbor.rollout.agents import rollout_agent
+    if terms:  # none: the environment gives the reward (require_reward below)
+        load_reward_terms(terms, search_dirs=default_search_dirs(cfg.source))
+    if cfg.rollout.agent is not None or cfg.rollout.env is not None:
+        from arbor.rollout.environments import require_reward, rollout_env
 
-        rollout_agent(cfg.rollout, default_search_dirs(cfg.source))
+        require_reward(rollout_env(cfg.rollout, default_search_dirs(cfg.source)), cfg.reward)
 
 
 def check_model_context(cfg: Config, command: str) -> None:
@@ -92,7 +97,8 @@ def _parser() -> argparse.ArgumentParser:
             p.add_argument(
                 "--dry-run",
                 action="store_true",
-                help="validate the config, print its resolved form and stop",
+                help="check the config and what can be checked here (extensions, data files, device, "
+                "engine kind, model context), print a verdict and stop (arbor config: the resolved form)",
             )
     return parser
 
@@ -127,19 +133,103 @@ def main(argv: list[str] | None = None) -> int:
     args.overrides += extra
     try:
         cfg = load_config(args.config, args.overrides)
-        if args.command == "train" and not args.dry_run:
-            from arbor.run.orchestration import start_ray_early
-
-            start_ray_early(cfg)  # Ray comes up while the checks, imports and data load run
-        check_extensions(cfg)
-        if args.command in ("train", "eval") and not args.dry_run:  # --dry-run reads no model
-            check_model_context(cfg, args.command)
     except ConfigError as e:
         print(f"arbor {args.command}: config error: {e}", file=sys.stderr)
         return 2
     if args.dry_run:
-        return print_config(cfg)
-    return _resolve(args.command)(cfg)
+        return print_config(cfg) if args.command == "config" else dry_run(cfg, args.command)
+    try:
+        if args.command in ("train", "eval", "sft"):
+            from arbor.run.startup import check_problem_files
+
+            check_problem_files(cfg, args.command)  # a missing file stops the run before Ray starts
+        if args.command == "train":
+            from arbor.run.orchestration import start_ray_early
+
+            start_ray_early(cfg)  # Ray comes up while the checks, imports and data load run
+        check_extensions(cfg)
+        if args.command in ("train", "eval"):
+            check_model_context(cfg, args.command)
+        return _resolve(args.command)(cfg)
+    except (ConfigError, DataError) as e:  # also from the command's start-up: one line, no traceback
+        kind = "config" if isinstance(e, ConfigError) else "data"
+        print(f"arbor {args.command}: {kind} error: {e}", file=sys.stderr)
+        return 2
+
+
+def dry_run(cfg: Config, command: str) -> int:
+    """``arbor train|eval|sft CONFIG --dry-run``: run every check that needs no engine, learner or
+    Ray (the extensions, the data files and their rows, the device, the engine kind, the model's
+    context), print one line per check and a verdict; 0 when all pass, else 2. Starts nothing."""
+    from arbor.engines.launch import resolve_kind
+    from arbor.run.startup import check_device, engine_device, problem_files
+
+    checks: list[tuple[str, Callable[[], str]]] = [
+        ("reward.functions" + (", rollout.agent" if cfg.rollout.agent else ""),
+         _passes(lambda: check_extensions(cfg), "import and match their protocols")),
+    ]
+    try:
+        files = problem_files(cfg, command)
+    except ConfigError as e:  # arbor eval without a set
+        files = {}
+        checks.append(("eval.path", functools.partial(_raise, e)))
+    for key, path in files.items():
+        checks.append((key, functools.partial(_read_data, cfg, command, key, path)))
+    checks.append(("learner.device", _passes(lambda: check_device(cfg), cfg.learner.device)))
+    if command != "sft":  # arbor sft starts no engine
+        # resolve_kind, as the run's start-up settles it: SGLang must import in engine.python.
+        checks.append(("engine.kind", lambda: _engine_kind(
+            cfg, resolve_kind(cfg.engine.kind, device=engine_device(cfg), python=cfg.engine.python))))
+        checks.append(("model context", _passes(lambda: check_model_context(cfg, command),
+                                                f"prompts and responses fit the context of {cfg.model.path}")))
+    failed = 0
+    for name, check in checks:
+        try:
+            detail = check()
+        except (ConfigError, DataError) as e:
+            failed += 1
+            print(f"FAIL  {' '.join(str(e).split())}")  # the message names the key
+        else:
+            print(f"ok    {name}: {detail}")
+    where = cfg.source or "the defaults"
+    if failed:
+        print(f"arbor {command} --dry-run: NOT READY: {failed} of {len(checks)} checks failed (FAIL above); "
+              "nothing was started")
+        return 2
+    print(f"arbor {command} --dry-run: READY: {where} passes all {len(checks)} checks on this machine; "
+          "nothing was started (`arbor config` prints the resolved config)")
+    return 0
+
+
+def _read_data(cfg: Config, command: str, key: str, path: str) -> str:
+    """Every row of a problem file parses (sft: the file exists): what the run would load."""
+    from arbor.data import load_problems
+
+    if command == "sft":
+        from arbor.run.startup import check_problem_files
+
+        check_problem_files(cfg, command)
+        return f"{path} exists"
+    return f"{path}: {len(load_problems(path, cfg.data, key))} problems"
+
+
+def _engine_kind(cfg: Config, kind: str) -> str:
+    if kind == "external":
+        return f"external: {', '.join(cfg.engine.urls)} (not contacted by --dry-run)"
+    return kind if kind == cfg.engine.kind else f"{kind} (engine.kind: {cfg.engine.kind} on this machine)"
+
+
+def _passes(check: Callable[[], None], detail: str) -> Callable[[], str]:
+    """``check`` as a dry run's check: it raises, or passes with ``detail``."""
+
+    def run() -> str:
+        check()
+        return detail
+    return run
+
+
+def _raise(error: Exception) -> str:
+    raise error
 
 
 if __name__ == "__main__":

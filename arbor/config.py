@@ -278,13 +278,21 @@ class LearnerConfig:
     # auto: cuda when a GPU is visible, else cpu.
     device: Literal["auto", "cpu", "cuda"] = "auto"
     dtype: Dtype = "auto"  # training dtype: auto = bfloat16 on CUDA, float32 on CPU
-    pack_tokens: int = 16384  # token budget of one tree pack (one forward/backward)
+    # Token budget of one tree pack (one forward/backward); tree_execution dfs walks whole trees.
+    pack_tokens: int = 16384
     # Tokens per LM-head chunk for log-probs/entropy: [tokens, vocab] logits are never
     # materialised whole (exact gradients, one extra head matmul); 0: whole logits.
     logit_chunk_tokens: int = 1024
     # Tree attention: auto = flex (FlexAttention) on CUDA, blocks (ancestor blocks) on CPU;
     # dense = an N x N mask with SDPA, the reference.
     attention: Literal["auto", "blocks", "dense", "flex"] = "auto"
+    # How a pack is forwarded: packed = all its tokens in one forward and backward (tree
+    # attention); dfs = depth first, a group of sibling branches at a time with their
+    # ancestors' keys and values as the KV cache: one root-to-leaf path in memory.
+    tree_execution: Literal["packed", "dfs"] = "packed"
+    # tree_execution dfs: the most tokens (padding included) of sibling branches forwarded
+    # together; lower holds less memory, higher makes fewer, larger forwards.
+    dfs_group_tokens: int = 2048
     # DeepSpeed: keep the optimizer state in CPU memory.
     offload_optimizer: bool = False
     # DeepSpeed ZeRO-3: keep parameter shards in CPU memory.
@@ -298,7 +306,7 @@ class LearnerConfig:
 
 @dataclass
 class RayConfig:
-    address: str | None = None  # None: start a local instance; "auto": join a cluster
+    address: str | None = None  # None: start a local instance (never joins a running one); "auto": join a cluster
     # CPUs a local Ray instance offers; None: the machine's (at least what the run needs).
     num_cpus: int | None = None
     # GPUs a local Ray instance offers; None: Ray detects them.
@@ -316,7 +324,9 @@ class RayConfig:
 class SftConfig:
     """``arbor sft``: supervised fine-tuning on conversations or trees of branches (jsonl)."""
 
-    train_path: str = "data/sft/train.jsonl"  # jsonl: {"messages": [...]} or {"prompt": ..., "branches": [...]}
+    # jsonl: {"messages": [...]} or {"prompt": ..., "branches": [...]}; the default is the tool-use
+    # conversations configs/sft.yaml trains on.
+    train_path: str = "data/arith-tool/sft.jsonl"
     # Passes over sft.train_path.
     epochs: int = 1
     batch_size: int = 32  # examples (conversations or trees) per optimizer step, over all ranks
@@ -360,8 +370,11 @@ class RunConfig:
     save_trees_every: int = 10  # trees written for `arbor view`; 0: never
     # Continue from output_dir's latest checkpoint (a new run refuses a used output_dir).
     resume: bool = False
-    # Write TensorBoard event files under output_dir/tensorboard.
-    tensorboard: bool = True
+    # Where every step's metrics and the resolved config go beside metrics.jsonl: tensorboard
+    # (output_dir/tensorboard), wandb (W&B: WANDB_PROJECT, WANDB_MODE), mlflow (MLflow:
+    # MLFLOW_TRACKING_URI, MLFLOW_EXPERIMENT_NAME); [] for none. wandb and mlflow are the
+    # extras arbor[wandb] and arbor[mlflow] (docs/metrics.md, Where metrics go).
+    loggers: list[Literal["tensorboard", "wandb", "mlflow"]] = field(default_factory=lambda: ["tensorboard"])
     # torch threads of each CPU process (the engine server, each learner rank); 0: the machine's
     # cores (the engine all of them, each learner rank its share). Set 1 where other jobs share
     # the cores: OpenMP threads waiting for a busy core slowed SmolLM2 decoding over 10x here.

@@ -11,23 +11,32 @@ type checks, :mod:`arbor.config_parse`.
 
 from __future__ import annotations
 
+import importlib.util
 import math
 from collections.abc import Callable
 from pathlib import Path
 
 from arbor.config import Config
-from arbor.config_parse import apply_override, build, read_yaml
+from arbor.config_override import apply_override
+from arbor.config_parse import build, read_yaml
 from arbor.errors import ConfigError
 
 # -- loading (the YAML reading and type checks: arbor.config_parse) ----------------
 
+# Keys of earlier releases: a config that sets one is told what to write instead.
+REPLACED_KEYS = {"run.tensorboard": "run.loggers: [tensorboard] (the default), or [] for none"}
+
 
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
-    """Read ``path`` (YAML), apply ``section.key=value`` overrides, check everything."""
+    """Read ``path`` (YAML), apply ``section.key=value`` overrides (list items as
+    ``section.key[0].field=value``: :mod:`arbor.config_override`), check everything."""
     raw, where = read_yaml(path)
     for item in overrides:
-        key = apply_override(raw, item)
-        where.overrides[key] = item
+        where.add_override(apply_override(raw, item, Config), item)
+    for key, instead in REPLACED_KEYS.items():
+        section, _, name = key.partition(".")
+        if isinstance(raw.get(section), dict) and name in raw[section]:
+            raise ConfigError(f"{where(key)}: {key} was replaced by {instead}")
     cfg = build(Config, raw, "", where)
     cfg.source = str(Path(path).resolve()) if path is not None else None
     validate(cfg, where)
@@ -91,7 +100,6 @@ def validate(cfg: Config, where: Callable[[str], str] | None = None) -> None:
     need(r.max_live_envs >= 0, "rollout.max_live_envs", f"must be ≥ 0 (0: no cap), got {r.max_live_envs}")
     if r.fork_at == "entropy":
         need(r.mode == "tree", "rollout.fork_at", "entropy forks a tree: it needs rollout.mode: tree")
-        need(r.agent is None, "rollout.fork_at", "entropy does not fork multi-turn episodes (rollout.agent)")
         need(1 <= r.entropy_init <= r.width, "rollout.entropy_init",
              f"must be in [1, rollout.width ({r.width})], got {r.entropy_init}")
         need(r.entropy_forks >= 1, "rollout.entropy_forks", f"must be ≥ 1, got {r.entropy_forks}")
@@ -163,6 +171,10 @@ def validate(cfg: Config, where: Callable[[str], str] | None = None) -> None:
     )
     need(not le.offload_params or le.zero_stage == 3, "learner.offload_params", "needs learner.zero_stage: 3")
     need(le.sync_bucket_mb > 0, "learner.sync_bucket_mb", f"must be > 0, got {le.sync_bucket_mb}")
+    need(le.dfs_group_tokens >= 1, "learner.dfs_group_tokens", f"must be ≥ 1, got {le.dfs_group_tokens}")
+    # transformers turns the KV cache off in checkpointed layers: the walk's forwards need it.
+    need(not (le.tree_execution == "dfs" and m.gradient_checkpointing), "learner.tree_execution",
+         "dfs needs model.gradient_checkpointing: false (transformers drops the KV cache under checkpointing)")
     need(le.logit_chunk_tokens >= 0, "learner.logit_chunk_tokens", f"must be ≥ 0 (0: off), got {le.logit_chunk_tokens}")
     need(
         le.pack_tokens >= cfg.data.max_prompt_tokens + r.segment_tokens,
@@ -203,6 +215,10 @@ def validate(cfg: Config, where: Callable[[str], str] | None = None) -> None:
     need(cfg.run.log_every >= 1, "run.log_every", f"must be ≥ 1, got {cfg.run.log_every}")
     need(cfg.run.keep_checkpoints >= 1, "run.keep_checkpoints", f"must be ≥ 1, got {cfg.run.keep_checkpoints}")
     need(cfg.run.cpu_threads >= 0, "run.cpu_threads", f"must be ≥ 0 (0: all cores), got {cfg.run.cpu_threads}")
+    need(len(set(cfg.run.loggers)) == len(cfg.run.loggers), "run.loggers", f"names a logger twice: {cfg.run.loggers}")
+    for logger in cfg.run.loggers:  # the optional extras: a missing package fails here, not after start-up
+        need(logger == "tensorboard" or importlib.util.find_spec(logger) is not None, "run.loggers",
+             f"{logger} needs its package: pip install 'arbor[{logger}]'")
     for name in ("eval_every", "save_every", "save_trees_every"):
         need(getattr(cfg.run, name) >= 0, f"run.{name}", "must be ≥ 0")
     need(cfg.run.eval_every == 0 or (cfg.eval.path or cfg.data.eval_path) is not None, "run.eval_every",

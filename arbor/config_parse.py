@@ -2,7 +2,7 @@
 overrides, and a type check of every value against its field's annotation.
 
     raw, where = read_yaml("configs/math.yaml")      # where("loss.clip_high") -> "configs/math.yaml:41"
-    where.overrides[apply_override(raw, "run.steps=10")] = "run.steps=10"
+    where.add_override(apply_override(raw, "run.steps=10", Config), "run.steps=10")  # arbor.config_override
     cfg = build(Config, raw, "", where)               # arbor.config_load.load_config does these, then validates
 
 Errors are :class:`~arbor.errors.ConfigError` naming the key and ``file:line`` (or the
@@ -22,26 +22,52 @@ from typing import Any, Literal
 
 import yaml
 
+from arbor.config_override import override_syntax
 from arbor.errors import ConfigError
 
 _FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
 
 
 class KeySources:
-    """Where each key came from, for error messages: ``file:line`` or the override."""
+    """Where each key came from, for error messages: ``file:line`` or the override.
+
+    A key an override set, or that lies inside one (``reward.functions[0].fn`` inside
+    ``reward.functions=[...]``), is the override's; else the line of the key or of the
+    nearest enclosing key the file holds.
+    """
 
     def __init__(self, path: str | None) -> None:
         self.path = path or "<defaults>"
         self.lines: dict[str, int] = {}
         self.overrides: dict[str, str] = {}
 
+    def add_override(self, key: str, item: str) -> None:
+        """``item`` set ``key``: it replaces what earlier overrides set inside it."""
+        for inner in [k for k in self.overrides if key in _enclosing(k)]:
+            del self.overrides[inner]
+        self.overrides[key] = item
+
+    def override_of(self, key: str) -> str | None:
+        """The override that set ``key`` or a key enclosing it (None: none did)."""
+        return next((self.overrides[k] for k in _enclosing(key) if k in self.overrides), None)
+
     def __call__(self, key: str) -> str:
-        key = key.split("[")[0] if key not in self.lines else key
-        if key in self.overrides:
-            return f"override {self.overrides[key]!r}"
-        if key in self.lines:
-            return f"{self.path}:{self.lines[key]}"
-        return self.path
+        item = self.override_of(key)
+        if item is not None:
+            return f"override {item!r}"
+        line = next((self.lines[k] for k in _enclosing(key) if k in self.lines), None)
+        return self.path if line is None else f"{self.path}:{line}"
+
+
+def _enclosing(key: str) -> list[str]:
+    """``reward.functions[0].fn`` -> itself, ``reward.functions[0]``, ``reward.functions``, ``reward``."""
+    out = [key]
+    while True:
+        cut = max(key.rfind("."), key.rfind("["))
+        if cut <= 0:
+            return out
+        key = key[:cut]
+        out.append(key)
 
 
 def key_lines(node: yaml.Node, prefix: str, out: dict[str, int]) -> None:
@@ -78,30 +104,13 @@ def read_yaml(path: str | Path | None) -> tuple[dict[str, Any], KeySources]:
     return raw, where
 
 
-def apply_override(raw: dict[str, Any], item: str) -> str:
-    key, sep, value = item.partition("=")
-    if not sep or not key or key.startswith(".") or key.endswith("."):
-        raise ConfigError(f"override {item!r}: expected section.key=value")
-    try:
-        parsed = yaml.safe_load(value) if value.strip() else ""
-    except yaml.YAMLError:
-        parsed = value  # not YAML: keep the string, the type check decides
-    parts = key.split(".")
-    node = raw
-    for i, part in enumerate(parts[:-1]):
-        child = node.setdefault(part, {})
-        if not isinstance(child, dict):
-            raise ConfigError(f"override {item!r}: {'.'.join(parts[: i + 1])} is not a section")
-        node = child
-    node[parts[-1]] = parsed
-    return key
-
-
 def build(cls: type, raw: Any, prefix: str, where: KeySources) -> Any:
     if not isinstance(raw, dict):
-        raise ConfigError(
-            f"{where(prefix.rstrip('.'))}: {prefix.rstrip('.') or 'config'} must be a mapping, got {_show(raw)}"
-        )
+        key = prefix.rstrip(".")
+        # A list's item (reward.functions[0]): show the list's syntax, else the section's.
+        owner, tp = (key.rpartition("[")[0], list[cls]) if key.endswith("]") else (key, cls)  # type: ignore[valid-type]
+        raise ConfigError(f"{where(key)}: {key or 'config'} must be a mapping, got {_show(raw)}"
+                          + _syntax_hint(owner, tp, where, raw))
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls) if f.name != "source"}
     unknown = [k for k in raw if k not in fields]
@@ -144,7 +153,8 @@ def coerce(value: Any, tp: Any, key: str, where: KeySources) -> Any:
         return dict(value)  # values are the consumer's to check (e.g. a class's arguments)
     if origin is list:
         if not isinstance(value, list):
-            raise ConfigError(f"{where(key)}: {key} must be a list, got {_show(value)}")
+            raise ConfigError(f"{where(key)}: {key} must be a list, got {_show(value)}"
+                              + _syntax_hint(key, tp, where, value))
         (item_tp,) = typing.get_args(tp)
         return [coerce(v, item_tp, f"{key}[{i}]", where) for i, v in enumerate(value)]
     if tp is bool:
@@ -167,6 +177,11 @@ def coerce(value: Any, tp: Any, key: str, where: KeySources) -> Any:
             raise ConfigError(f"{where(key)}: {key} must be a string, got {_show(value)}")
         return value
     raise TypeError(f"config field {key} has an unsupported annotation {tp!r}")  # our bug
+
+
+def _syntax_hint(key: str, tp: Any, where: KeySources, given: Any) -> str:
+    """For a value an override gave: how to write it on the command line (with ``given`` in it)."""
+    return f"; on the command line: {override_syntax(key, tp, given)}" if where.override_of(key) else ""
 
 
 def _show(value: Any) -> str:

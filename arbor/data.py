@@ -38,11 +38,12 @@ log = logging.getLogger(__name__)
 Message = dict[str, Any]  # {"role": "system" | "user" | "assistant" | "tool", "content": str, ...}
 
 
-def load_problems(path: str | Path, data_cfg: DataConfig) -> list[dict[str, Any]]:
-    """Read every row, normalised to the keys ``id``, ``prompt``, ``answer`` (+ the rest)."""
+def load_problems(path: str | Path, data_cfg: DataConfig, key: str = "data.train_path") -> list[dict[str, Any]]:
+    """Read every row, normalised to the keys ``id``, ``prompt``, ``answer`` (+ the rest).
+    ``key`` is the config key that named ``path``, for the error when it does not exist."""
     path = Path(path)
     if not path.exists():
-        raise DataError(f"{path}: no such file or directory (data.train_path / data.eval_path)")
+        raise DataError(f"{key}: {path}: no such file or directory")
     problems: list[dict[str, Any]] = []
     seen: dict[str, str] = {}
     for where, row in read_rows(path):

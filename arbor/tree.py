@@ -44,6 +44,7 @@ class Node:
         "learner_logprobs",
         "loss_mask",
         "reward",
+        "env_reward",
         "finish_reason",
         "weight_version",
     )
@@ -69,6 +70,9 @@ class Node:
         self.learner_logprobs: list[float] | None = None
         self.loss_mask = loss_mask
         self.reward: float | None = None
+        # A leaf's environment reward (rollout.env's reward(), read when its episode ended);
+        # None: no environment, or it gave none. ``reward`` adds it, weighted (reward.env_weight).
+        self.env_reward: float | None = None
         self.finish_reason: str | None = None
         self.weight_version: str | None = None  # engine weights that sampled it
 
@@ -189,6 +193,27 @@ class RolloutTree:
         upper = self._split(node, n)
         upper.weight_version = node.weight_version
         return upper
+
+    def drop_leaves(self, leaves: Sequence[Node]) -> int:
+        """Remove the trajectories ending at ``leaves``: each leaf and the ancestors no other
+        leaf passes through (a branch that must never be trained on). Node ids are renumbered
+        in creation order, so call it once the tree is complete. Returns the nodes removed.
+
+        ``a → [b1, b2]``, dropping ``b2``: ``a → [b1]``; dropping both: the tree is empty.
+        """
+        gone: set[int] = set()
+        for leaf in leaves:
+            if leaf.id >= len(self._nodes) or self._nodes[leaf.id] is not leaf or not leaf.is_leaf:
+                raise ValueError(f"drop_leaves: node {leaf.id} is not a leaf of this tree")
+            node = leaf
+            while node.parent is not None and not node.children:
+                node.parent.children.remove(node)
+                gone.add(node.id)
+                node = node.parent
+        self._nodes = [n for n in self._nodes if n.id not in gone]
+        for new_id, node in enumerate(self._nodes):
+            node.id = new_id
+        return len(gone)
 
     # -- traversal ----------------------------------------------------------------------
 
@@ -417,6 +442,7 @@ class RolloutTree:
                     "logprobs": n.logprobs,
                     "loss_mask": n.loss_mask,
                     "reward": n.reward,
+                    "env_reward": n.env_reward,
                     "finish_reason": n.finish_reason,
                     "weight_version": n.weight_version,
                 }
@@ -434,6 +460,7 @@ class RolloutTree:
                 raise ValueError(f"tree JSON: node {d['id']} comes before its parent {d['parent']}")
             node = tree._new_node(by_id[d["parent"]], d["token_ids"], d["logprobs"], d["loss_mask"])
             node.reward = d["reward"]
+            node.env_reward = d.get("env_reward")
             node.finish_reason = d["finish_reason"]
             node.weight_version = d.get("weight_version")
             by_id[d["id"]] = node

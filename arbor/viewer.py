@@ -7,7 +7,9 @@
 PATH holds one ``RolloutTree.to_json()`` per line (what ``arbor train`` writes every
 ``run.save_trees_every`` steps) or a single tree as JSON. The page needs no network: the
 tree is laid out here, in Python, and drawn as inline SVG; a little inline JS shows a
-node's text on hover and its whole root-to-node path on click.
+node's text on hover and its whole root-to-node path on click. Text is decoded with the
+tokenizer of the run that wrote PATH (``model.path`` in its ``config.yaml``, else its
+``hf/``), or ``--tokenizer``'s; ``--token-ids`` shows the ids.
 
 Layout, left to right: the prompt, then each segment as a box whose width grows with its
 token count; every leaf has a row of its own (depth-first order, so edges never cross)
@@ -98,11 +100,7 @@ def leaf_advantages(trees: list[RolloutTree]) -> list[list[float] | None]:
     """
     from arbor.train.advantage import compute_advantages
 
-    scored = [
-        i
-        for i, t in enumerate(trees)
-        if t.leaves() and all(leaf.reward is not None for leaf in t.leaves())
-    ]
+    scored = [i for i, t in enumerate(trees) if t.leaves() and all(leaf.reward is not None for leaf in t.leaves())]
     out: list[list[float] | None] = [None] * len(trees)
     if scored:
         values = compute_advantages([trees[i] for i in scored], "treepo")
@@ -350,24 +348,14 @@ def render_html(
     """The page for ``trees`` (numbered by ``indices``); ``advantages`` per tree, per leaf."""
     advantages = advantages or [None] * len(trees)
     if color == "reward":
-        scale_values = [
-            leaf.reward for t in trees for leaf in t.leaves() if leaf.reward is not None
-        ]
+        scale_values = [leaf.reward for t in trees for leaf in t.leaves() if leaf.reward is not None]
     else:
         scale_values = [a for adv in advantages for a in adv or []]
     scale = value_range(scale_values, color)
     sections, data = [], {}
     for k, (tree, index, adv) in enumerate(zip(trees, indices, advantages)):
-        section, data[index] = render_section(
-            tree,
-            index,
-            node_texts(tree, tokenizer),
-            adv,
-            color,
-            scale,
-            visible=k == 0,
-            decoded=tokenizer is not None,
-        )
+        section, data[index] = render_section(tree, index, node_texts(tree, tokenizer), adv, color, scale,
+                                              visible=k == 0, decoded=tokenizer is not None)
         sections.append(section)
     selector = ""
     if len(trees) > 1:
@@ -406,40 +394,55 @@ def render_html(
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        prog="arbor view", description="Render saved rollout trees as a self-contained HTML page."
-    )
-    parser.add_argument(
-        "path",
-        type=Path,
-        help="trees as JSON lines (arbor train's trees/*.jsonl) or one tree as JSON",
-    )
+    parser = argparse.ArgumentParser(prog="arbor view",
+                                     description="Render saved rollout trees as a self-contained HTML page.")
+    parser.add_argument("path", type=Path, help="trees as JSON lines (arbor train's trees/*.jsonl) or one tree as JSON")
     parser.add_argument("--out", type=Path, help="HTML file to write (default: PATH with .html)")
     parser.add_argument(
         "--tokenizer",
-        help="model directory whose tokenizer decodes the tokens (default: show token ids)",
+        help="model directory whose tokenizer decodes the tokens (default: the run's, named by "
+        "model.path in the config.yaml of the run that wrote PATH, else its hf/)",
     )
-    parser.add_argument(
-        "--index",
-        type=int,
-        help="render only the tree on this line (0-based; default: all, with a selector)",
-    )
-    parser.add_argument(
-        "--color",
-        choices=("reward", "advantage"),
-        default="reward",
-        help="colour boxes by leaf reward or TreePO advantage",
-    )
+    parser.add_argument("--token-ids", action="store_true", help="show token ids instead of text")
+    parser.add_argument("--index", type=int,
+                        help="render only the tree on this line (0-based; default: all, with a selector)")
+    parser.add_argument("--color", choices=("reward", "advantage"), default="reward",
+                        help="colour boxes by leaf reward or TreePO advantage")
     return parser.parse_args(argv)
 
 
-def load_tokenizer(model_dir: str) -> Any:
+def load_tokenizer(model_dir: str, **kwargs: Any) -> Any:
     from transformers import AutoTokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(model_dir)
+        return AutoTokenizer.from_pretrained(model_dir, **kwargs)
     except (OSError, ValueError) as e:
         raise ViewError(f"--tokenizer {model_dir}: cannot load a tokenizer ({e})") from None
+
+
+def run_tokenizer(path: Path) -> tuple[Any | None, str]:
+    """The tokenizer of the run that wrote ``path`` (``RUN/trees/step-N.jsonl``): ``model.path``
+    of ``RUN/config.yaml``, else the exported ``RUN/hf``; and a line saying which, or why none."""
+    import yaml
+
+    run = next((d for d in (path.parent.parent, path.parent) if (d / "config.yaml").is_file()), None)
+    if run is None:
+        return None, f"showing token ids: no run's config.yaml next to {path}; pass --tokenizer MODEL_DIR"
+    try:
+        model = yaml.safe_load((run / "config.yaml").read_text())["model"]
+        name, remote = str(model["path"]), bool(model.get("trust_remote_code", False))
+    except (OSError, yaml.YAMLError, KeyError, TypeError) as e:
+        return None, f"showing token ids: cannot read model.path from {run / 'config.yaml'} ({e!r})"
+    reasons = []
+    for candidate in (name, str(run / "hf")):
+        try:  # a hub id is taken from the local cache only: no network wait
+            tokenizer = load_tokenizer(candidate, trust_remote_code=remote,
+                                       local_files_only=not Path(candidate).is_dir())
+        except ViewError as e:
+            reasons.append(str(e).removeprefix("--tokenizer "))
+            continue
+        return tokenizer, f"decoded with the tokenizer of {candidate} (the run's, {run / 'config.yaml'})"
+    return None, f"showing token ids: {'; '.join(reasons)}; pass --tokenizer MODEL_DIR"
 
 
 def main(argv: list[str]) -> int:
@@ -450,21 +453,19 @@ def main(argv: list[str]) -> int:
         indices = list(range(len(trees)))
         if args.index is not None:
             if not 0 <= args.index < len(trees):
-                raise ViewError(
-                    f"--index {args.index} is out of range: {args.path} holds {len(trees)} tree(s)"
-                )
+                raise ViewError(f"--index {args.index} is out of range: {args.path} holds {len(trees)} tree(s)")
             indices = [args.index]
         if args.color == "advantage" and all(advantages[i] is None for i in indices):
             raise ViewError("--color advantage needs trees whose leaves all have rewards")
-        tokenizer = load_tokenizer(args.tokenizer) if args.tokenizer else None
-        page = render_html(
-            [trees[i] for i in indices],
-            indices,
-            f"arbor view: {args.path.name}",
-            tokenizer=tokenizer,
-            color=args.color,
-            advantages=[advantages[i] for i in indices],
-        )
+        note = ""
+        if args.token_ids:
+            tokenizer = None
+        elif args.tokenizer:
+            tokenizer = load_tokenizer(args.tokenizer)
+        else:
+            tokenizer, note = run_tokenizer(args.path)
+        page = render_html([trees[i] for i in indices], indices, f"arbor view: {args.path.name}", tokenizer=tokenizer,
+                           color=args.color, advantages=[advantages[i] for i in indices])
         suffix = "" if args.index is None else f"-{args.index}"
         out = args.out or args.path.with_name(f"{args.path.stem}{suffix}.html")
         try:
@@ -474,5 +475,7 @@ def main(argv: list[str]) -> int:
     except ViewError as e:
         print(f"arbor view: error: {e}", file=sys.stderr)
         return 2
+    if note:
+        print(f"arbor view: {note}", file=sys.stderr)
     print(out)
     return 0

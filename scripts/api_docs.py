@@ -81,6 +81,7 @@ MEANINGS: dict[str, dict[str, str]] = {
         "pack_trees": "Pack trees into token-budgeted batches, each shared prefix once, with exact loss weights.",
         "PackedBatch": "One forward/backward of packed tree tokens with the attention structure and loss columns.",
         "policy_loss": "The clipped policy loss of trees under a model (tree-packed, linear or padded).",
+        "policy_backward": "The policy loss and its gradients, each pack at once or walked depth first (dfs).",
         "WeightSync": "Pushes a learner's weights to every engine (torch.distributed broadcast or disk).",
     },
     "Engines": {

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import shutil
 import statistics
 import sys
 import time
@@ -67,10 +68,12 @@ def run_arm(config: str, arm: str, seed: int, steps: int, out: Path, overrides: 
     """Train one arm for ``steps`` steps; the eval runs every ``run.eval_every`` steps and after the last."""
     from arbor.run.trainer import train
 
+    output_dir = out / f"{arm}-seed{seed}"
+    shutil.rmtree(output_dir, ignore_errors=True)  # the last run of this arm and seed: run again, not resumed
     cfg = load_config(config, [
-        *overrides, *ARMS[arm], f"run.seed={seed}", f"run.output_dir={out / f'{arm}-seed{seed}'}",
+        *overrides, *ARMS[arm], f"run.seed={seed}", f"run.output_dir={output_dir}",
         f"run.name=bench-{arm}", f"run.steps={steps}", "run.save_every=0", "run.save_trees_every=0",
-        "run.tensorboard=false", "run.log_every=10",
+        "run.loggers=[]", "run.log_every=10",
     ])
     if cfg.run.eval_every and steps % cfg.run.eval_every:
         cfg.run.eval_every = steps  # the final accuracy is measured after the last step

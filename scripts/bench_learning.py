@@ -64,6 +64,7 @@ from __future__ import annotations
 import argparse
 import csv
 import math
+import shutil
 import sys
 import time
 from dataclasses import dataclass, field
@@ -153,10 +154,11 @@ def run_arm(config: str, arm: str, seed: int, budget_s: float, evals: int, out: 
     from arbor.run.trainer import train
 
     output_dir = out / f"{arm}-seed{seed}"
+    shutil.rmtree(output_dir, ignore_errors=True)  # the last run of this arm and seed: run again, not resumed
     cfg = load_config(config, [
         *overrides, *ARMS[arm], *arm_overrides, f"run.seed={seed}", f"run.output_dir={output_dir}", f"run.name=bench-{arm}",
         f"run.steps={NO_STEP_LIMIT}", f"run.eval_every={NO_STEP_LIMIT}",  # the trainer evaluates the start only
-        "run.save_every=0", "run.save_trees_every=0", "run.tensorboard=false", "run.log_every=10",
+        "run.save_every=0", "run.save_trees_every=0", "run.loggers=[]", "run.log_every=10",
     ])
     curve = Curve(arm, seed)
     tokens = [0.0]

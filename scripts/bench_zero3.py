@@ -77,7 +77,8 @@ def rank_main(mode: str, model_dir: str, url: str, bucket_mb: float, repeats: in
     import torch
 
     from arbor.config_load import load_config
-    from arbor.train.learner import Learner, deepspeed_config, init_distributed, load_policy
+    from arbor.train.deepspeed_setup import deepspeed_config, init_distributed
+    from arbor.train.learner import Learner, load_policy
     from arbor.train.zero3 import build_partitioned
 
     rank = int(os.environ["RANK"])

@@ -21,7 +21,7 @@ the synthetic corpus, the model (Qwen2 architecture, ~0.9M parameters, 3.4 MB) s
 from random weights and is supervised on problems like "What is 37+48?" answered
 "37+48=85 \\boxed{85}" by ``arbor sft``'s step (``arbor.run.sft.sft_step`` on a plain-torch
 learner, each problem a one-branch tree example). The prompts are exactly what
-``arbor train`` feeds the model with ``data.chat_template: true``,
+``arbor train`` feeds the model with ``model.chat_template: true``,
 ``data.prompt_suffix: PROMPT_SUFFIX`` and no system prompt (``arbor.data.format_prompt``).
 
 It stops early on purpose: the quickstart's RL run needs a policy that is right
@@ -65,7 +65,7 @@ CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
-# The quickstart's data.prompt_suffix (data.chat_template: true, data.system_prompt: null).
+# The quickstart's data.prompt_suffix (model.chat_template: true, data.system_prompt: null).
 PROMPT_SUFFIX = " Put the answer in \\boxed{}."
 DATA_CFG = DataConfig(prompt_suffix=PROMPT_SUFFIX, system_prompt=None)
 N_PROBLEMS = 4000  # at most; fewer when the operand range has fewer distinct problems

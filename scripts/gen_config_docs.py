@@ -31,10 +31,21 @@ CONFIG_SOURCE = REPO / "arbor" / "config.py"
 OUTPUT = REPO / "docs" / "configuration.md"
 COMMAND = "python3 scripts/gen_config_docs.py"
 
+# Overrides the page shows, each with what it sets; tests/test_config_docs.py loads every one.
+OVERRIDE_EXAMPLES = [
+    ("run.steps=10", "a value"),
+    ("'engine.extra_args=[--context-length, \"4096\"]'", "a whole list, in YAML flow syntax (`[]`: empty)"),
+    ("'reward.functions=[{fn: rewards/math.py:boxed_format, weight: 0.5}]'",
+     "a whole list of records, each item a `{key: value, ...}` mapping"),
+    ("'reward.functions[0].fn=rewards/math.py:boxed_format'",
+     "one key of one item: `[i]` counts from 0; the list's length adds an item"),
+    ("rollout.agent_args.max_tool_calls=2", "one key of a mapping"),
+]
+
 
 @dataclass(frozen=True)
 class Key:
-    name: str  # section.key, e.g. "loss.clip_high"; list items as "reward.functions[].fn"
+    name: str  # section.key, e.g. "loss.clip_high"; list items as "reward.functions[i].fn"
     type: str  # the annotation's source text
     default: Any
     meaning: str
@@ -113,7 +124,7 @@ def collect_keys(source: str, defaults: Any) -> tuple[list[tuple[str, str]], lis
             keys.append(Key(full, annotation, value, meaning))
             if item_cls is not None:  # a list of records (reward.functions): document their keys
                 item = value[0] if value else None
-                walk(item_cls, f"{full}[].", item if item is not None else _default_of(item_cls))
+                walk(item_cls, f"{full}[i].", item if item is not None else _default_of(item_cls))
 
     for node in fields["Config"]:
         section_cls = ast.unparse(node.annotation)
@@ -193,6 +204,15 @@ def render(sections: list[tuple[str, str]], keys: list[Key]) -> str:
         "keys, wrong types and invalid combinations are refused before any work starts, naming the",
         "key and the file line or override it came from. A documented full example:",
         "[`configs/math.yaml`](../configs/math.yaml).",
+        "",
+        "Values are YAML. Lists, their items and nested keys:",
+        "",
+        "| override | sets |",
+        "|---|---|",
+        *(f"| `{example}` | {what} |" for example, what in OVERRIDE_EXAMPLES),
+        "",
+        "Quote an override holding `[`, `{` or a space, as above, so that the shell passes it as it is.",
+        "Below, `reward.functions[i].fn` is the key `fn` of each item of the list `reward.functions`.",
         "",
         "Sections: " + ", ".join(f"[`{name}`](#{name})" for name, _ in sections) + ".",
     ]

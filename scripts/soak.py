@@ -122,7 +122,7 @@ def main() -> int:
     shutil.rmtree(out, ignore_errors=True)
     os.chdir(REPO)  # the quickstart's paths are relative to the repository
     overrides = [f"run.output_dir={out}", f"run.steps={args.steps}", "run.eval_every=0",
-                 f"run.save_every={max(1, args.steps // 2)}", "run.tensorboard=false"]
+                 f"run.save_every={max(1, args.steps // 2)}", "run.loggers=[]"]
     killer = Killer(args.engine_kills, args.reward_kills, args.seed)
 
     def after_step(ctx: Any, step: int, metrics: dict) -> None:

@@ -24,6 +24,7 @@ class ScriptedEngine:
         self.tokenizer = tokenizer
         self.outputs: list[list[int]] = []
         self.requests: list[GenerateRequest] = []
+        self.generate_calls = 0  # what the trainer's phases read of an engine client
 
     async def generate(self, request: GenerateRequest) -> list[GenerateOutput]:
         await asyncio.sleep(0)

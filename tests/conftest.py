@@ -1,6 +1,15 @@
-"""Test-session settings: the suite runs on 2 CPU cores, several processes at a time."""
+"""Test-session settings: the suite runs on 2 CPU cores, several processes at a time.
+
+The ``slow`` marker: tests that start Ray, DeepSpeed ranks, servers as subprocesses (SGLang,
+`arbor serve` for a whole run), train through the ``arbor`` command or run a benchmark
+script. ``pytest -m "not slow"`` leaves them out (docs/development.md); ``pytest`` runs
+everything. Marked here, by file or by test, rather than in each file: one list to read.
+"""
 
 import os
+from pathlib import Path
+
+import pytest
 
 # Before torch is imported anywhere: one thread per process, or ranks fight for 2 cores.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -9,3 +18,55 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+# Every test of these files is slow.
+SLOW_FILES = {
+    "test_trainer.py", "test_startup.py", "test_agent_math.py", "test_multinode.py", "test_zero3.py",
+    "test_tied_embeddings.py", "test_smollm2.py", "test_sglang_real.py", "test_sglang_runs.py",
+    "test_sglang_lora.py", "test_build_tiny_model.py", "test_profile_learner_step.py",
+    "test_bench_async.py", "test_bench_learning.py", "test_bench_lora_memory.py", "test_bench_loss_memory.py",
+    "test_bench_packing.py", "test_bench_rollout.py", "test_bench_train_step.py", "test_bench_vs_trl.py",
+    "test_bench_weight_sync.py", "test_ray_start.py",
+}
+# Slow tests of files whose other tests are fast: file -> test functions (all their parameters).
+SLOW_TESTS = {
+    "test_sft.py": {"test_two_zero3_ranks_lower_the_loss_and_export", "test_torch_backend_run_resumes",
+                    "test_the_sft_recipe_runs"},
+    "test_lora.py": {"test_zero3_two_ranks_train_the_adapter_as_one_process", "test_sft_trains_an_adapter_and_resumes"},
+    "test_learner.py": {"test_zero3_two_ranks_match_single_process",
+                        "test_a_deepspeed_rank_starts_without_compiling_deepspeeds_muon_kernels"},
+    "test_launch.py": {"test_auto_starts_embedded_servers_and_shuts_them_down",
+                       "test_a_server_that_dies_raises_with_its_log_tail",
+                       "test_every_flag_arbor_passes_is_one_sglang_parses",
+                       "test_a_killed_server_restarts_on_its_url_with_its_log_appended",
+                       "test_sglang_reads_the_engine_key_from_a_private_file_not_the_command_line"},
+    "test_engine_auth.py": {"test_decisions_equal_sglangs_own_on_every_combination", "test_run_key_and_the_bind_warning",
+                            "test_requests_without_the_key_are_refused_and_change_nothing",
+                            "test_the_key_holder_gets_through_and_the_client_sends_it",
+                            "test_the_key_is_in_no_command_line_and_no_log", "test_separate_admin_key_follows_sglang",
+                            "test_unkeyed_server_on_a_network_address_warns",
+                            "test_sglang_output_reaches_its_log_with_the_key_blanked",
+                            "test_a_run_keys_its_engines_and_writes_the_key_nowhere"},
+    "test_distributed.py": {"test_weight_sync_into_sglangs_own_group_code"},
+    "test_evaluate.py": {"test_arbor_eval_command_on_the_quickstart_model",
+                         "test_arbor_eval_runs_agent_episodes_on_the_quickstart_model",
+                         "test_arbor_eval_without_a_set_says_so"},
+    "test_rollout_correction.py": {"test_a_bf16_engine_shows_a_mismatch_the_float32_engine_does_not"},
+    "test_context_check.py": {"test_arbor_train_refuses_a_depth_far_beyond_the_tiny_models_context"},
+    "test_weight_sync.py": {"test_sync_to_arbor_serve", "test_version_mismatch_is_an_error"},
+    "test_lora_sync.py": {"test_lora_sync_to_arbor_serve", "test_a_lora_run_syncs_only_the_adapter",
+                          "test_a_restarted_engine_gets_the_adapters_back"},
+    "test_loggers.py": {"test_arbor_sft_logs_to_every_logger"},
+}
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "slow: starts Ray, DeepSpeed ranks, servers or whole runs "
+                                       "(left out by -m 'not slow'; tests/conftest.py lists them)")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        name = Path(str(item.fspath)).name
+        if name in SLOW_FILES or getattr(item, "originalname", item.name) in SLOW_TESTS.get(name, ()):
+            item.add_marker(pytest.mark.slow)

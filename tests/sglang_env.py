@@ -1,8 +1,7 @@
 """Where the tests find a real SGLang: the interpreter in ``$ARBOR_SGLANG_PYTHON``.
 
 ``.ci/run`` builds it with scripts/sglang_cpu_env.sh and exports the variable. Unset on a
-developer's machine, the real-SGLang tests skip; unset under CI (``CI`` set), they fail:
-a skip there would hide a broken install, which is how the SGLang path once went untested.
+developer's machine, the real-SGLang tests skip; unset under CI, they fail (tests/ci_rule.py).
 """
 
 from __future__ import annotations
@@ -10,7 +9,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-import pytest
+from ci_rule import unavailable
 
 SGLANG_PYTHON_ENV = "ARBOR_SGLANG_PYTHON"
 TINY_ARITH = Path(__file__).resolve().parents[1] / "models" / "tiny-arith"
@@ -21,8 +20,5 @@ def sglang_python() -> str:
     python = os.environ.get(SGLANG_PYTHON_ENV)
     if python:
         return python
-    why = (f"${SGLANG_PYTHON_ENV} is unset: build the SGLang venv with scripts/sglang_cpu_env.sh DIR "
-           f"and export {SGLANG_PYTHON_ENV}=DIR/bin/python")
-    if os.environ.get("CI"):
-        pytest.fail(f"CI must test against a real SGLang server, but {why}", pytrace=False)
-    pytest.skip(why)
+    unavailable(f"${SGLANG_PYTHON_ENV} is unset: build the SGLang venv with scripts/sglang_cpu_env.sh DIR "
+                f"and export {SGLANG_PYTHON_ENV}=DIR/bin/python")

@@ -57,6 +57,8 @@ def test_three_turn_episodes_branch_at_decision_points(tokenizer):
     for tree, s in zip(trees, stats):
         leaves = tree.leaves()
         assert len(leaves) == 4 and s.shortfall_reason is None and s.tool_turns >= TOOL_TURNS
+        # A stateless agent is an environment that never needs a real fork; nothing is left open.
+        assert s.env_forks == {} and s.env_replayed_steps == 0 and s.env_live == 0
         # Forks happen after tool results (decision points), not only at the root.
         assert any(len(n.children) > 1 and n.loss_mask is not None for n in tree.nodes())
         for leaf in leaves:
@@ -199,13 +201,35 @@ class FloodingAgent(ScriptedAgent):
 
 
 @pytest.mark.parametrize("mode", ["independent", "tree"])
-def test_a_tool_turn_is_cut_at_the_response_budget(tokenizer, mode):
-    trees, stats, _, _ = sample(tokenizer, mode=mode, agent=FloodingAgent())
-    budget = RolloutConfig(segment_tokens=64, max_depth=12).max_response_tokens
-    assert stats[0].tool_turns > 0
-    for tree in trees:
-        for leaf in tree.leaves():
-            assert leaf.end <= budget
-            if leaf.loss_mask and not any(leaf.loss_mask):  # an episode cut inside a tool turn
-                assert leaf.end == budget and leaf.finish_reason == "max_length"
-        assert any(leaf.end == budget and leaf.finish_reason == "max_length" for leaf in tree.leaves())
+def test_a_tool_turn_over_the_response_budget_drops_its_branch(tokenizer, mode, caplog):
+    """A traceback longer than what is left of the budget is never cut into a training sample:
+    the branch ends with an error naming the budget's keys, counted, and is dropped."""
+    trees, stats, agent, _ = sample(tokenizer, mode=mode, agent=FloodingAgent())
+    assert agent.histories  # the model's turns were answered, by messages that cannot fit
+    for tree, s in zip(trees, stats):
+        assert tree.leaves() == [] and s.tool_turns == 0
+        assert s.env_errors == s.env_dropped == 4  # every branch (the tree fell back to the root once)
+    assert "rollout.segment_tokens × rollout.max_depth = 768" in caplog.text
+
+
+def test_a_step_whose_every_episode_is_dropped_stops_the_run_naming_the_budget(tokenizer, caplog):
+    """Issue 47's run: an agent whose message never fits what the answer leaves of the budget. Each
+    branch is dropped (one warning per sampling run, all counted), the step warns that its episodes
+    ended at the budget, and with nothing left to train on the run stops, naming the keys."""
+    from arbor.data import ProblemStream
+    from arbor.rollout.environments import agent_source
+    from arbor.rollout.rewards import RewardPool
+    from arbor.run import phases
+    from arbor.run.async_rollouts import _ThreadLog
+
+    cfg = load_config(None, ["rollout.width=4", "rollout.segment_tokens=64", "rollout.max_depth=12",
+                             "data.prompts_per_step=2", "algorithm.max_refill_rounds=0"])
+    sampling = phases.Sampling(ScriptedEngine(tokenizer), tokenizer, agent_source(FloodingAgent()),
+                               [tokenizer.eos_token_id], cfg.data, chat_template=True)
+    with RewardPool([], workers=1, timeout_s=1) as pool, pytest.raises(
+            phases.EpisodesDroppedError, match=r"step 1: all 8 episodes were dropped, 8 of them because an agent's or "
+                                               r"environment's messages did not fit the response budget "
+                                               r"\(rollout.segment_tokens × rollout.max_depth = 64 × 12 = 768 tokens"):
+        phases.collect_rollouts(sampling, pool, ProblemStream(PROBLEMS, 0, False), _ThreadLog(), cfg, 1)
+    assert caplog.text.count("the branch is dropped (message_too_long") == 1
+    assert "step 1: 100% of the episodes ended at the response budget" in caplog.text

@@ -10,7 +10,8 @@ from tiny_model import build_tiny_model_dir
 from arbor.config import RolloutConfig
 from arbor.engines.embedded.engine import LocalEngine
 from arbor.engines.types import GenerateOutput, GenerateRequest
-from arbor.rollout.sampler import MAX_RESAMPLE_ROUNDS, ResampleLimitError, sample_trees_sync
+from arbor.rollout.batching import MAX_RESAMPLE_ROUNDS, ResampleLimitError
+from arbor.rollout.sampler import sample_trees_sync
 from arbor.run.async_rollouts import drop_stale, updates_since, version_number
 from arbor.train.logprobs import padded_token_logprobs
 from arbor.train.packed_loss import pack_loss, padded_token_fields

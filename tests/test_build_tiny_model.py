@@ -13,7 +13,7 @@ from arbor.config import DataConfig
 from arbor.data import format_prompt
 
 REPO = Path(__file__).resolve().parents[1]
-# What configs/quickstart.yaml sets: data.chat_template true, no system prompt, this suffix.
+# What configs/quickstart.yaml sets: model.chat_template true, no system prompt, this suffix.
 QUICKSTART_SUFFIX = " Put the answer in \\boxed{}."
 
 

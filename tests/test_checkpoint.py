@@ -1,6 +1,8 @@
 """Run checkpoints: `latest` is written last, run.keep_checkpoints bounds what stays, the
 learning-rate horizon travels with the driver state."""
 
+import pytest
+
 from arbor.run import checkpoint
 
 
@@ -40,3 +42,54 @@ def test_a_checkpoint_that_cannot_be_removed_is_warned_about_and_returned(tmp_pa
     assert f"checkpoint clean-up: could not remove {root / 'step-000001'}" in caplog.text
     assert sorted(p.name for p in root.glob("step-*")) == ["step-000001", "step-000002", "step-000003"]
     assert checkpoint.mark_latest(tmp_path / "run", 3, keep=3) == []  # nothing to remove: nothing failed
+
+
+def _files(root):
+    return {p.relative_to(root): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def test_a_used_output_directory_is_refused_unless_resumed(tmp_path):
+    """A checkpoint, or the metrics of a run that stopped before its first one: another
+    run's. Without run.resume the message says how to continue or start over."""
+    assert checkpoint.check_output_dir(tmp_path / "new", resume=False, command="train") is None
+    (tmp_path / "logs").mkdir()  # a run that failed at start-up (or `arbor eval`) left only these
+    (tmp_path / "config.yaml").write_text("run: {}\n")
+    assert checkpoint.check_output_dir(tmp_path, resume=False, command="train") is None
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n')
+    with pytest.raises(SystemExit, match=rf"arbor sft: {tmp_path} already holds a run that wrote no checkpoint "
+                                         rf"\(metrics.jsonl\): delete {tmp_path} or choose another run.output_dir"):
+        checkpoint.check_output_dir(tmp_path, resume=False, command="sft")
+    assert checkpoint.check_output_dir(tmp_path, resume=True, command="train") is None  # starts again at step 1
+    checkpoint.write_driver_state(checkpoint.step_dir(tmp_path, 4), {"step": 4})
+    checkpoint.mark_latest(tmp_path, 4)
+    with pytest.raises(SystemExit, match=r"already holds a run \(checkpoint step-000004\): continue it with "
+                                         r"run.resume=true .*, or delete"):
+        checkpoint.check_output_dir(tmp_path, resume=False, command="train")
+    assert checkpoint.check_output_dir(tmp_path, resume=True, command="train") == checkpoint.step_dir(tmp_path, 4)
+
+
+@pytest.mark.parametrize("command", ["train", "sft"])
+def test_a_second_run_is_refused_before_it_writes_anything(tmp_path, command):
+    """`arbor train` / `arbor sft` into the directory of a run that stopped before its first
+    checkpoint: refused, and every file there is as it was (no config.yaml rewritten, no
+    metrics appended, no TensorBoard file)."""
+    from arbor.config_load import load_config
+
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "config.yaml").write_text("the first run's\n")
+    (out / "metrics.jsonl").write_text('{"step": 0, "eval/accuracy": 0.4}\n')
+    before = _files(out)
+    # learner.backend torch: sft sets no distributed variables in this process
+    cfg = load_config(None, [f"run.output_dir={out}", "model.path=/nonexistent/model", "learner.backend=torch"])
+    with pytest.raises(SystemExit, match="already holds a run that wrote no checkpoint"):
+        if command == "train":
+            from arbor.run.context import start_run
+
+            with start_run(cfg):
+                pass
+        else:
+            from arbor.run.sft import run_sft
+
+            run_sft(cfg)
+    assert _files(out) == before

@@ -4,6 +4,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import yaml
 
 REPO = Path(__file__).resolve().parents[1]
@@ -13,6 +14,12 @@ def arbor(*args: str, cwd: Path = REPO) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "arbor", *args], cwd=cwd, capture_output=True, text=True, timeout=120
     )
+
+
+def torch_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def test_help_lists_subcommands():
@@ -33,18 +40,60 @@ def test_typo_exits_nonzero_naming_the_key(tmp_path):
 
 
 def test_good_config_prints_resolved_form():
-    out = arbor("train", "configs/math.yaml", "--dry-run", "loss.clip_high=0.3")
+    out = arbor("config", "configs/math.yaml", "loss.clip_high=0.3")
     assert out.returncode == 0, out.stderr
     resolved = yaml.safe_load(out.stdout)
     assert resolved["loss"]["clip_high"] == 0.3
     assert resolved["rollout"]["segment_tokens"] == 512
-    out = arbor("config", "configs/math.yaml")
-    assert out.returncode == 0 and yaml.safe_load(out.stdout)["learner"]["zero_stage"] == 3
+    assert resolved["learner"]["zero_stage"] == 3
     # What the deepspeed launcher appends is accepted (ranks read LOCAL_RANK); other flags are not.
-    out = arbor("sft", "configs/math.yaml", "--dry-run", "--local_rank=1")
+    out = arbor("config", "configs/math.yaml", "--dry-run", "--local_rank=1")
     assert out.returncode == 0, out.stderr
     out = arbor("sft", "configs/math.yaml", "--dry-run", "--verbose")
     assert out.returncode == 2 and "--verbose" in out.stderr
+
+
+def test_dry_run_passes_the_quickstart_with_one_verdict_line():
+    out = arbor("train", "configs/quickstart.yaml", "--dry-run")
+    assert out.returncode == 0, out.stdout + out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[-1].startswith("arbor train --dry-run: READY: ") and "nothing was started" in lines[-1]
+    checks = lines[:-1]
+    assert all(line.startswith("ok    ") for line in checks), checks
+    for key in ("reward.functions", "data.train_path: data/arith/train.jsonl: 426 problems",
+                "data.eval_path", "learner.device: cpu", "engine.kind: embedded", "model context"):
+        assert any(key in line for line in checks), (key, checks)
+
+
+@pytest.mark.skipif(torch_cuda(), reason="checks the refusal on a machine without CUDA")
+def test_dry_run_reports_what_cannot_run_here(tmp_path):
+    out_dir = tmp_path / "run"
+    out = arbor("train", "configs/quickstart.yaml", "--dry-run", "learner.device=cuda", "engine.kind=sglang",
+                f"engine.python={tmp_path / 'no-such-python'}", f"data.train_path={tmp_path / 'missing.jsonl'}",
+                "data.max_prompt_tokens=600", f"run.output_dir={out_dir}")
+    assert out.returncode == 2
+    lines = out.stdout.splitlines()
+    failed = [line for line in lines if line.startswith("FAIL  ")]
+    assert lines[-1] == "arbor train --dry-run: NOT READY: 4 of 6 checks failed (FAIL above); nothing was started"
+    assert any(f"data.train_path: {tmp_path / 'missing.jsonl'}: no such file" in line for line in failed), failed
+    assert any("learner.device is cuda, but no CUDA device is visible" in line for line in failed), failed
+    assert any("engine.python" in line and "cannot import sglang" in line for line in failed), failed
+    assert any("data.max_prompt_tokens + rollout.max_depth × rollout.segment_tokens" in line for line in failed), failed
+    assert not out_dir.exists()  # a dry run writes nothing
+
+
+def test_data_errors_are_one_line_naming_the_key(tmp_path):
+    missing = tmp_path / "missing.jsonl"
+    out = arbor("train", "configs/quickstart.yaml", f"data.train_path={missing}", f"run.output_dir={tmp_path / 'run'}")
+    assert out.returncode == 2
+    assert out.stderr.strip() == f"arbor train: config error: data.train_path: {missing}: no such file or directory"
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"id": "a", "prompt": "1+1?", "answer": "2"}\n{"id": "b", "question": "x"}\n')
+    out = arbor("train", "configs/quickstart.yaml", "--dry-run", f"data.train_path={bad}")
+    assert out.returncode == 2
+    assert f"FAIL  {bad}:2 (problem 'b'): row has no 'prompt' column (data.prompt_key)" in out.stdout
+    out = arbor("eval", "configs/quickstart.yaml", "--dry-run", "data.eval_path=null", "run.eval_every=0")
+    assert out.returncode == 2 and "FAIL  eval.path: arbor eval has no set to evaluate" in out.stdout
 
 
 def test_bad_reward_function_name_fails_naming_the_key():
@@ -61,6 +110,8 @@ def test_reward_specs_resolve_from_another_directory(tmp_path):
 
 def test_bad_agent_fails_at_start_naming_the_key(tmp_path):
     out = arbor("train", "configs/quickstart.yaml", "--dry-run", "rollout.agent=agents/single_turn.py:Nope")
+    assert out.returncode == 2 and "FAIL  rollout.agent" in out.stdout and "Nope" in out.stdout
+    out = arbor("train", "configs/quickstart.yaml", "rollout.agent=agents/single_turn.py:Nope")
     assert out.returncode == 2 and "rollout.agent" in out.stderr and "Nope" in out.stderr
     out = arbor("config", "configs/quickstart.yaml", "rollout.agent=agents/single_turn.py:SingleTurn")
     assert out.returncode == 0, out.stderr

@@ -77,10 +77,31 @@ def test_meaning_type_and_default_are_read_from_the_source():
     sections, keys = gen.collect_keys(source, config)
     assert [name for name, _ in sections] == ["part"]
     by_name = {k.name: k for k in keys}
-    assert list(by_name) == ["part.mode", "part.size", "part.terms", "part.terms[].fn",
-                            "part.terms[].weight"]
+    assert list(by_name) == ["part.mode", "part.size", "part.terms", "part.terms[i].fn",
+                            "part.terms[i].weight"]
     assert by_name["part.mode"].meaning == "a or b. how it runs; two lines."
     assert by_name["part.mode"].type == "Literal['a', 'b']"
-    assert by_name["part.terms[].weight"].meaning == "its weight."
+    assert by_name["part.terms[i].weight"].meaning == "its weight."
     assert gen.show_default(by_name["part.terms"].default) == "[{fn: 'x:y', weight: 1.0}]"
     assert gen.show_default(None) == "null"
+
+
+def test_override_examples_on_the_page_work():
+    """Each override the page shows loads (as the shell passes it: outer quotes removed) and
+    sets what its row says."""
+    import shlex
+
+    from arbor.config_load import load_config
+
+    text = gen.OUTPUT.read_text()
+    loaded = {}
+    for example, _ in gen.OVERRIDE_EXAMPLES:
+        assert f"| `{example}` |" in text
+        (override,) = shlex.split(example)
+        loaded[override.partition("=")[0]] = load_config(None, [override])
+    assert loaded["run.steps"].run.steps == 10
+    assert loaded["engine.extra_args"].engine.extra_args == ["--context-length", "4096"]
+    assert [(t.fn, t.weight) for t in loaded["reward.functions"].reward.functions] == [
+        ("rewards/math.py:boxed_format", 0.5)]
+    assert [t.fn for t in loaded["reward.functions[0].fn"].reward.functions] == ["rewards/math.py:boxed_format"]
+    assert loaded["rollout.agent_args.max_tool_calls"].rollout.agent_args == {"max_tool_calls": 2}

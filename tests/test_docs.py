@@ -1,6 +1,7 @@
 """The docs a user clones stand on their own: every relative link of the README, the
 changelog and docs/ reaches a file (and a heading, when it names one), no file points to
-notes outside the repository, and the README stays a front page."""
+notes outside the repository, the README and docs/ state facts rather than narrate work
+history, and the README stays a front page."""
 
 from __future__ import annotations
 
@@ -82,6 +83,32 @@ def test_no_issue_numbers_in_the_readme_and_docs():
     found = [f"{page.relative_to(REPO)}: {m.group(0)}" for page in PAGES if page.name != "CHANGELOG.md"
              for m in pattern.finditer(page.read_text())]
     assert found == []
+
+
+# Words that narrate how the work went rather than state what holds: history belongs in
+# CHANGELOG.md (and commit messages); a figure says the date it was measured instead.
+NARRATION = re.compile(
+    r"\b(this|previous|next|earlier) round\b|\bround's changes\b|\b(this|that|previous|last|one|the same) session\b|"
+    r"\b(the|this) (restructure|refactor(ing)?|rewrite)\b|\brestructur(e|ed|ing)\b|\bthis (PR|pull request|commit)\b|"
+    r"\b(in|before|after) this change\b|\bno longer\b|\bas of this\b",
+    re.I,
+)
+
+
+def test_narration_words_are_caught_by_hand():
+    caught = ["1.4 s before this round's changes", "The restructure left it alone", "one session had a GPU",
+              "it no longer skips", "measured in the previous session", "after this change"]
+    kept = ["The last round's copies go to the paths", "each round's path budget", "SGLang's session rules",
+            "a segment round", "rounds repeat until width"]
+    assert [t for t in caught if not NARRATION.search(t)] == []
+    assert [t for t in kept if NARRATION.search(t)] == []
+
+
+def test_readme_and_docs_do_not_narrate_work_history():
+    found = [f"{page.relative_to(REPO)}:{number}: {m.group(0)!r}" for page in PAGES if page.name != "CHANGELOG.md"
+             for number, line in enumerate(page.read_text().splitlines(), 1) for m in NARRATION.finditer(line)]
+    assert found == [], "history narration (say what holds, with dates; history goes in CHANGELOG.md):\n" + \
+        "\n".join(found)
 
 
 def test_readme_is_a_front_page():

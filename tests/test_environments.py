@@ -144,3 +144,6 @@ def test_env_and_agent_together_and_a_missing_reward_are_config_errors(envs):
         load_config(None, ["rollout.env_args={a: 1}"])
     with pytest.raises(ConfigError, match="rollout.max_live_envs must be ≥ 0"):
         load_config(None, ["rollout.max_live_envs=-1"])
+    # EPTree forks multi-turn episodes (at tokens of model turns): an agent or environment is allowed.
+    assert load_config(None, ["rollout.fork_at=entropy", "rollout.agent=agents/single_turn.py:SingleTurn"])
+    assert load_config(None, ["rollout.fork_at=entropy", "rollout.env=envs.py:Counter"]).rollout.env

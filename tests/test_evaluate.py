@@ -18,6 +18,7 @@ from arbor.config_load import load_config
 from arbor.engines.types import GenerateOutput, GenerateRequest
 from arbor.errors import ConfigError
 from arbor.rollout.agents import episode_inputs
+from arbor.rollout.environments import agent_source
 from arbor.rollout.rewards import RewardPool, RewardTerm
 from arbor.run import phases
 from arbor.run.evaluate import majority_vote, normalise_answer, pass_at_k, run_eval
@@ -194,7 +195,8 @@ def test_eval_with_an_agent_runs_one_episode_per_sample(rewards):
     cfg = load_config(None, ["eval.samples=3", "eval.temperature=1.0", "eval.max_response_tokens=200",
                              "data.system_prompt=Be brief.", "rollout.agent_timeout_s=0.3"])
     agent, engine = HangingAgent(), EpisodeEngine(tokenizer)
-    sampling = phases.Sampling(engine, tokenizer, agent, [tokenizer.eos_token_id], cfg.data, cfg.model.chat_template)
+    sampling = phases.Sampling(engine, tokenizer, agent_source(agent), [tokenizer.eos_token_id], cfg.data,
+                               cfg.model.chat_template)
     try:
         metrics = phases.evaluate(sampling, rewards, EPISODE_PROBLEMS, cfg.eval, cfg.rollout, cfg.run.seed,
                                   lambda text: None)
@@ -285,6 +287,25 @@ def test_arbor_eval_runs_agent_episodes_on_the_quickstart_model(tmp_path):
     assert m["eval/tool_errors"] == sum(s["tool_calls"] for s in samples)  # every check is marked an error
     assert m["eval/agent_timeouts"] == 0
     assert all("checked" in s["response"] for s in samples if s["tool_calls"])
+
+
+def test_arbor_eval_runs_environment_episodes_scored_by_the_environment(tmp_path):
+    """`arbor eval` with rollout.env and no reward function: the environment's prompts (its reset,
+    not checked at start-up), its steps, and its reward as the whole score."""
+    out, env = tmp_path / "ev", f"{REPO}/tests/env_fixtures.py:Recheck"
+    command = [sys.executable, "-m", "arbor", "eval", "configs/quickstart.yaml", "eval.max_problems=4",
+               "eval.samples=2", "eval.temperature=1.0", "eval.max_response_tokens=64", f"rollout.env={env}",
+               "reward.functions=[]", f"run.output_dir={out}"]
+    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert f"rollout.env {env}" in done.stdout
+    report = json.loads((out / "eval.json").read_text())
+    m, samples = report["metrics"], [s for p in report["problems"] for s in p["samples"]]
+    assert report["env"] == env and len(samples) == 8 and m["eval/env_errors"] == 0
+    assert 0.5 < m["eval/tool_calls_per_episode"] <= 1.0  # "Check your answer." once per episode
+    assert all("Check your answer." in s["response"] for s in samples if s["tool_calls"])
+    # The environment's reward is the score: 1 when an answer boxes the gold one.
+    assert all(s["reward"] in (0.0, 1.0) and s["correct"] == (s["reward"] > 0) for s in samples)
 
 
 def test_arbor_eval_without_a_set_says_so(tmp_path):

@@ -101,7 +101,7 @@ def test_no_import_cycle_among_arbors_modules():
 
 
 # The stages, in pipeline order. A stage may import the shared records at the top of the
-# package (config, its loader and parser, data, tree, errors, plugins) and the engine protocol; rollout and train are
+# package (config, its loader, parser and overrides, data, tree, errors, plugins) and the engine protocol; rollout and train are
 # independent of each other and of the run that drives them, and the engines serve any caller.
 STAGES = ("rollout", "train", "run", "engines")
 FORBIDDEN = {
@@ -110,7 +110,7 @@ FORBIDDEN = {
     "engines": {"rollout", "train", "run"},
     "run": set(),
 }
-TOP_RECORDS = {"arbor.config", "arbor.config_load", "arbor.config_parse", "arbor.data", "arbor.dataset_files", "arbor.tree", "arbor.errors", "arbor.plugins"}
+TOP_RECORDS = {"arbor.config", "arbor.config_load", "arbor.config_override", "arbor.config_parse", "arbor.data", "arbor.dataset_files", "arbor.tree", "arbor.errors", "arbor.plugins"}
 
 
 def stage_of(module: str) -> str | None:

@@ -118,8 +118,8 @@ def test_bf16_tree_logprobs_are_float32_and_close_to_float64():
     exact = tree_logprobs(model64.to(torch.bfloat16).double(), trees)  # the bf16 weights, in float64
     got = tree_logprobs(model16, trees, chunk_tokens=4)
     diffs = torch.cat([(got[t][n] - exact[t][n]).abs() for t in range(len(trees)) for n in exact[t]])
-    # bf16 activations still round (≈1e-2 here); the log-softmax itself no longer adds its
-    # 2^-4 quantisation near −4 (a bf16 log-softmax gives ~5x this mean gap).
+    # bf16 activations round (≈1e-2 here); the log-softmax itself adds no 2^-4 quantisation
+    # near −4 (a bf16 log-softmax would give ~5x this mean gap).
     assert diffs.mean().item() < 2e-2
 
 

@@ -190,7 +190,7 @@ def test_sft_trains_an_adapter_and_resumes(tmp_path):
 
     tiny = build_tiny_model_dir(tmp_path / "tiny")
     config = write_config(tmp_path, tiny, "")
-    overrides = ["learner.backend=torch", "learner.zero_stage=0", "run.save_every=2", "run.tensorboard=false",
+    overrides = ["learner.backend=torch", "learner.zero_stage=0", "run.save_every=2", "run.loggers=[]",
                  "model.lora_rank=8", "optim.lr=0.01"]
     assert sft_main(load_config(config, overrides + ["sft.max_steps=2"])) == 0
     assert sft_main(load_config(config, overrides + ["sft.max_steps=4", "run.resume=true"])) == 0

@@ -8,7 +8,7 @@ from arbor.run.metrics import MetricsLog, read_metrics
 
 def test_console_every_log_every_steps_jsonl_every_step(tmp_path):
     console = io.StringIO()
-    log = MetricsLog(RunConfig(output_dir=str(tmp_path), log_every=2, tensorboard=False), total_steps=5, stream=console)
+    log = MetricsLog(RunConfig(output_dir=str(tmp_path), log_every=2, loggers=[]), total_steps=5, stream=console)
     for step in range(0, 6):
         log.write(step, {"reward/mean": step / 10})
     log.close()

@@ -44,3 +44,54 @@ def test_throughput_counts_the_steps_own_phases_not_the_eval():
     # A step that also evaluated (20 s of other problems) trained just as fast.
     assert working_seconds(phases | {"eval": 20.0}) == 8.0
     assert throughput_metrics(batch, phases | {"eval": 20.0}) == plain
+
+
+def test_env_metrics_by_hand_and_only_with_episodes():
+    a, b = tree([1.0, 0.0]), tree([0.0, 0.0])
+    a.leaves()[0].env_reward, a.leaves()[1].env_reward = 1.0, 0.0
+    b.leaves()[0].env_reward = 0.5  # b's other leaf: its environment gave no reward
+    stats = [SampleStats(env_forks={"replay": 3}, env_replayed_steps=4, env_episodes=2, env_episode_steps=5,
+                         env_errors=1, env_dropped=1),
+             SampleStats(env_forks={"replay": 1}, env_timeouts=2, env_episodes=2, env_episode_steps=3, env_live=1)]
+    batch = Batch(trees=[a], sampled=[a, b], stats=stats, correct=[False] * 4)
+    assert not any(k.startswith("env/") for k in rollout_metrics(batch))  # single-turn: no env metrics
+    batch.episodes = True
+    m = {k: v for k, v in rollout_metrics(batch).items() if k.startswith("env/")}
+    assert m == {
+        "env/reward_mean": pytest.approx(0.5), "env/steps_per_episode": 2.0, "env/forks": 4.0,
+        "env/forks/copy": 0.0, "env/forks/replay": 4.0, "env/forks/none": 0.0, "env/replayed_steps": 4.0,
+        "env/timeouts": 2.0, "env/errors": 1.0, "env/dropped": 1.0, "env/live": 1.0,
+    }
+
+
+def test_env_rewards_add_to_the_reward_functions_weighted():
+    from arbor.rollout.rewards import RewardPool
+    from arbor.run.phases import score_trees
+
+    a = tree([0.0, 0.0])
+    a.leaves()[0].env_reward, a.leaves()[1].env_reward = 2.0, -1.0
+    batch = Batch(trees=[])
+    with RewardPool([], workers=1, timeout_s=1) as pool:  # reward.functions: [] — the environment's reward
+        correct = score_trees(pool, str, [a], batch, lambda text: None, env_weight=0.5)
+    assert [leaf.reward for leaf in a.leaves()] == [1.0, -0.5] and correct == [True, False]
+
+
+def test_a_step_that_mostly_ends_at_the_budget_warns_once_naming_the_keys(caplog):
+    from arbor.config import RolloutConfig
+    from arbor.run.phases import warn_budget
+
+    cut, fine = tree([0.0, 0.0, 0.0]), tree([1.0])
+    for leaf in cut.leaves():
+        leaf.finish_reason = "max_length"
+    batch, warned = Batch(trees=[], sampled=[cut, fine]), [False]
+    cfg = RolloutConfig(segment_tokens=8, max_depth=3)
+    assert rollout_metrics(batch)["response/max_length"] == 0.75
+    warn_budget(batch, cfg, 3, warned)
+    assert warned == [True]
+    assert ("step 3: 75% of the episodes ended at the response budget, rollout.segment_tokens × rollout.max_depth "
+            "= 8 × 3 = 24 tokens (agent and environment messages count against it)") in caplog.text
+    warn_budget(batch, cfg, 4, warned)
+    assert "step 4" not in caplog.text  # once
+    caplog.clear()
+    warn_budget(Batch(trees=[], sampled=[fine]), cfg, 5, [False])
+    assert caplog.text == ""  # a step whose episodes finished says nothing

@@ -211,13 +211,22 @@ def test_worker_dying_at_start_up_is_an_error_not_a_loop(monkeypatch):
         ([f"{FIX}:one", f"{FIX}:length", f"{FIX}:one"],
          "reward.functions[2].fn: 'reward_fixtures.py:one' already is reward.functions[0]; add the weights"),
         ([RewardTerm(f"{FIX}:one", float("nan"))], "reward.functions[0].weight: must be a finite"),
-        ([], "reward.functions: at least one"),
     ],
 )
 def test_bad_spec_is_config_error_naming_key(terms, message):
     with pytest.raises(ConfigError) as err:
         RewardPool(terms, workers=1, timeout_s=1, search_dirs=[HERE])
     assert message in str(err.value)
+
+
+def test_a_pool_without_functions_scores_zeros_without_workers():
+    """reward.functions empty (an environment gives the reward): nothing to run, every item 0."""
+    with RewardPool([], workers=2, timeout_s=1, search_dirs=[HERE]) as pool:
+        result = pool.score([(problem(0), "a"), (problem(1), "b")])
+        assert pool._workers == []
+    assert result.scores == [0.0, 0.0] and result.term_scores == {} and result.timeouts == 0
+    with pytest.raises(ConfigError, match="reward.functions: at least one"):
+        load_reward_terms([], search_dirs=[HERE])
 
 
 def test_load_reward_terms_resolves_in_process_with_key_prefix():

@@ -22,6 +22,7 @@ from arbor.config import RolloutConfig
 from arbor.engines.types import GenerateOutput, GenerateRequest
 from arbor.rollout.budget import (
     assign_branches,
+    cap_copies,
     fallback_copies,
     is_repetitive,
     largest_remainder,
@@ -159,6 +160,15 @@ def test_root_copies_and_fallback_copies_by_hand() -> None:
     assert fallback_copies(sources=1, remaining=6, branch=2) == [2]
     assert fallback_copies(sources=2, remaining=0, branch=2) == []
     assert segment_score([-1.0, -3.0]) == -2.0 and segment_score([]) == 0.0
+
+
+def test_paths_that_may_not_fork_keep_one_copy_and_give_the_rest_away() -> None:
+    # An environment with fork: none that has stepped: its path gets 1, the 2 + 1 extra go round
+    # robin to the paths that may fork; with none that may, they are lost.
+    assert cap_copies([3, 2, 1], [False, True, True]) == [1, 3, 2]
+    assert cap_copies([4, 1, 1], [False, False, True]) == [1, 1, 4]
+    assert cap_copies([2, 2], [True, True]) == [2, 2]
+    assert cap_copies([3, 1], [False, False]) == [1, 1]
 
 
 def test_request_seeds_differ_per_fork() -> None:

@@ -70,20 +70,30 @@ def test_a_tool_turn_leaving_less_than_a_segment_caps_the_next_one() -> None:
     assert stats.tool_turns == 1 and stats.tool_errors == 0 and stats.finish_reasons == {"max_length": 1}
 
 
-def test_a_tool_turn_is_cut_at_the_budget_and_none_is_added_without_room() -> None:
-    # Turn 1 ends at 4 of 12; a 10-id tool turn is cut to the 8 left: the episode ends there.
+def test_agent_messages_that_do_not_fit_the_budget_drop_the_branch(caplog) -> None:
+    # Turn 1 ends at 4 of 12; a 10-id tool turn does not fit the 8 left: not cut, but an error
+    # of that branch, counted and warned about, and the branch is never trained on (dropped).
     agent = TokenAgent(turns=1, tool_len=10, error=True)
     tree, stats, asked = run_episode(agent, [([11, 12, 13, EOS], "stop")], max_depth=3)
-    (leaf,) = tree.leaves()
-    assert leaf.end == 12 and leaf.finish_reason == "max_length" and leaf.loss_mask == [0] * 8
-    assert leaf.token_ids == [TOOL + k for k in range(8)]
-    assert stats.tool_turns == 1 and stats.tool_errors == 1 and asked == [4]
-    # A model turn that ends exactly at the budget leaves no room: the episode ends on it.
+    assert tree.leaves() == [] and tree.num_nodes == 0 and asked == [4]
+    assert stats.env_errors == 1 and stats.env_dropped == 1 and stats.tool_turns == 0
+    assert stats.shortfall_reason.startswith("environment failures stopped branches (1 dropped")
+    assert ("problem 0: the agent's messages of turn 1 are 10 tokens, but the episode has 8 left of its response "
+            "budget (rollout.segment_tokens × rollout.max_depth = 12; agent and environment messages count "
+            "against it): the branch is dropped (message_too_long; every such branch is counted in env/errors)") in caplog.text
+    # Messages that fill the room exactly leave the model no token to answer with: the same error.
+    agent = TokenAgent(turns=1, tool_len=8)
+    tree, stats, _ = run_episode(agent, [([11, 12, 13, EOS], "stop")], max_depth=3)
+    assert tree.leaves() == [] and stats.env_errors == 1
+    # A model turn that ends exactly at the budget leaves no room: an agent that goes on is cut off too.
     agent = TokenAgent(turns=1, tool_len=2)
     tree, stats, _ = run_episode(agent, [([11, 12, 13, EOS], "stop")], max_depth=1)
+    assert tree.leaves() == [] and stats.env_errors == 1 and len(agent.histories) == 1
+    # ... while an agent that ends the episode there is fine.
+    agent = TokenAgent(turns=0, tool_len=2)
+    tree, stats, _ = run_episode(agent, [([11, 12, 13, EOS], "stop")], max_depth=1)
     (leaf,) = tree.leaves()
-    assert leaf.end == 4 and leaf.finish_reason == "stop" and stats.tool_turns == 0
-    assert len(agent.histories) == 1
+    assert leaf.end == 4 and leaf.finish_reason == "stop" and stats.env_errors == 0
 
 
 def test_the_agent_sees_decoded_turns_without_their_stop_token() -> None:
@@ -98,7 +108,8 @@ def test_the_agent_sees_decoded_turns_without_their_stop_token() -> None:
         {"role": "tool", "content": "out2", "error": False},
         {"role": "assistant", "content": "31 32"},
     ]
-    assert agent.problems == [{"id": 0}] * 6  # start and step, once per model turn each
+    # start once per tree (the episode's reset: its history starts from it), step once per model turn
+    assert agent.problems == [{"id": 0}] * 4
     (leaf,) = tree.leaves()
     assert leaf.finish_reason == "stop" and leaf.end == 3 + 1 + 2 + 1 + 3
     assert stats.tool_turns == 2 and tree.response_loss_mask(leaf) == [1, 1, 1, 0, 1, 1, 0, 1, 1, 1]
@@ -144,15 +155,15 @@ def test_an_agent_needs_render_and_decode() -> None:
 
 
 
-def test_tool_errors_add_up_and_one_token_of_room_still_takes_a_tool_turn() -> None:
+def test_tool_errors_add_up_and_a_tool_turn_must_leave_the_model_a_token() -> None:
     agent = TokenAgent(turns=2, tool_len=1, error=True)
     _, stats, _ = run_episode(agent, [([11, EOS], "stop")] * 3, max_depth=8)
     assert stats.tool_errors == 2 and stats.tool_turns == 2
-    # The model turn ends 1 short of the budget (4 · 1): the tool turn gets that 1 token.
-    agent = TokenAgent(turns=1, tool_len=3)
-    tree, stats, _ = run_episode(agent, [([11, 12, EOS], "stop")], max_depth=1)
+    # The model turn ends 2 short of the budget (4 · 1): a 1-id tool turn fits, the model gets 1 token.
+    agent = TokenAgent(turns=1, tool_len=1)
+    tree, stats, asked = run_episode(agent, [([11, EOS], "stop"), ([], "length")], max_depth=1)
     (leaf,) = tree.leaves()
-    assert leaf.token_ids == [TOOL] and leaf.end == 4 and leaf.finish_reason == "max_length"
+    assert asked == [4, 1] and leaf.end == 4 and leaf.finish_reason == "max_length" and stats.env_errors == 0
 
 
 def test_paths_after_tool_turns_keep_their_model_turn_scores() -> None:
@@ -214,14 +225,19 @@ def test_an_agent_step_that_raises_stops_sampling() -> None:
 
 
 def test_path_scores_of_a_fallback_cut_skip_tool_turns() -> None:
+    from arbor.rollout.env_calls import EnvCalls
+    from arbor.rollout.environments import agent_source
+    from arbor.rollout.episodes import EpisodeSetup, TreeEpisodes
+    from arbor.rollout.sample_stats import SampleStats
     from arbor.rollout.sampler import _TreeSampler
 
-    sampler = _TreeSampler(ScriptedEngine(4), cfg_of(), 0, [EOS], 0, None, str, TokenAgent(turns=1, tool_len=1),
-                           lambda messages: [TOOL])
+    setup = EpisodeSetup(agent_source(TokenAgent(turns=1, tool_len=1)), lambda messages: [TOOL])
+    episodes = TreeEpisodes(setup, EnvCalls(1.0), cfg_of(), SampleStats(), str, [EOS], index=0)
+    sampler = _TreeSampler(ScriptedEngine(4), cfg_of(), 0, [EOS], 0, None, str, episodes)
     tree = RolloutTree(PROMPT)
     a = tree.add_segment(tree.root, [11, 12], [-1.0, -3.0])
     tool = tree.add_segment(a, [TOOL], [0.0], [0])
-    sampler.turns.messages[tool.id] = [{"role": "tool", "content": "x"}]
+    episodes.messages[tool.id] = [{"role": "tool", "content": "x"}]
     b = tree.add_segment(tool, [13], [-0.5])
     root_path, a_path, tool_path, b_path = (sampler._path_at(tree, n) for n in (tree.root, a, tool, b))
     assert (root_path.logprob, root_path.last_logprob) == (0.0, 0.0)

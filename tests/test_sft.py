@@ -4,6 +4,9 @@ import copy
 import json
 import os
 import random
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -33,6 +36,7 @@ from arbor.train.packed_loss import sft_loss
 from arbor.tree import RolloutTree
 
 VOCAB = 40
+REPO = Path(__file__).resolve().parents[1]
 hf_logging.set_verbosity_error()
 
 
@@ -190,8 +194,9 @@ def random_examples(seed: int) -> list[SftExample]:
 
 
 @settings(max_examples=12, deadline=None)
-@given(seed=st.integers(0, 10_000), normalize=st.sampled_from(["token", "sequence"]))
-def test_tree_sft_gradients_equal_linear_sft(seed, normalize):
+@given(seed=st.integers(0, 10_000), normalize=st.sampled_from(["token", "sequence"]),
+       execution=st.sampled_from(["packed", "dfs"]))
+def test_tree_sft_gradients_equal_linear_sft(seed, normalize, execution):
     torch.manual_seed(seed)
     cfg = Qwen2Config(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                       intermediate_size=64, vocab_size=VOCAB, attn_implementation="sdpa")
@@ -199,8 +204,9 @@ def test_tree_sft_gradients_equal_linear_sft(seed, normalize):
     reference = copy.deepcopy(model)
     examples = random_examples(seed)
     # A small pack budget: several packs, and trees split across them.
-    learner = Learner(ModelConfig(), LearnerConfig(backend="torch", device="cpu", pack_tokens=16), OptimConfig(),
-                      LossConfig(), total_steps=1, model=model)
+    learner = Learner(ModelConfig(), LearnerConfig(backend="torch", device="cpu", pack_tokens=16,
+                                                   tree_execution=execution, dfs_group_tokens=5),
+                      OptimConfig(), LossConfig(), total_steps=1, model=model)
     metrics = sft_backward(learner, examples, normalize)
 
     trees = [e.tree for e in examples]
@@ -282,7 +288,7 @@ def test_two_zero3_ranks_lower_the_loss_and_export(tmp_path, tiny):
 
 def test_torch_backend_run_resumes(tmp_path, tiny, capsys):
     config = write_config(tmp_path, tiny, "")
-    overrides = ["learner.backend=torch", "learner.zero_stage=0", "run.save_every=2", "run.tensorboard=false"]
+    overrides = ["learner.backend=torch", "learner.zero_stage=0", "run.save_every=2", "run.loggers=[]"]
     assert main(load_config(config, overrides + ["sft.max_steps=2"])) == 0
     assert "step 2/2  loss" in capsys.readouterr().out
     with pytest.raises(SystemExit, match="already holds a run"):
@@ -311,3 +317,16 @@ def test_a_plain_process_is_rank_0_of_1(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
     _default_distributed_env(load_config(None, ["learner.device=cpu"]))
     assert os.environ["RANK"] == "1" and os.environ["WORLD_SIZE"] == "2"
+
+
+def test_the_sft_recipe_runs(tmp_path):
+    """`arbor sft configs/sft.yaml` as shipped (its data, model and ZeRO-3 learner), two steps:
+    the loss falls and the model is exported. A subprocess: DeepSpeed's rank variables stay there."""
+    out = tmp_path / "run"
+    done = subprocess.run([sys.executable, "-m", "arbor", "sft", "configs/sft.yaml", "sft.max_steps=2",
+                           f"run.output_dir={out}"], cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "539 examples from data/arith-tool/sft.jsonl" in done.stdout
+    first, second = read_metrics(out)
+    assert second["sft/loss"] < first["sft/loss"]
+    assert (out / "hf" / "model.safetensors").exists()

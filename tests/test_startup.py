@@ -4,6 +4,7 @@ import json
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import psutil
@@ -13,9 +14,10 @@ from tiny_model import build_tiny_model_dir
 from arbor.config_load import load_config
 from arbor.engines.auth import API_KEY_ENV
 from arbor.engines.launch import EngineLaunchError, resolve_kind, sglang_available
+from arbor.errors import ConfigError
 from arbor.run.context import start_run
 from arbor.run.engine_group import engine_args
-from arbor.run.startup import StartupClock, settled
+from arbor.run.startup import StartupClock, check_problem_files, problem_files, settled
 
 TESTS = Path(__file__).resolve().parent
 
@@ -91,7 +93,7 @@ def config(model, data, out, *overrides):
         f"model.path={model}", "model.chat_template=true", f"data.train_path={data}", "data.max_prompt_tokens=64",
         "engine.kind=embedded", f"reward.functions=[{{fn: {TESTS}/reward_fixtures.py:one}}]", "reward.workers=1",
         "learner.backend=deepspeed", "learner.zero_stage=3", "learner.device=cpu", "learner.dtype=float32",
-        f"run.output_dir={out}", "run.tensorboard=false", *overrides,
+        f"run.output_dir={out}", "run.loggers=[]", *overrides,
     ])
 
 
@@ -157,5 +159,33 @@ def test_ray_started_early_is_awaited_and_outlives_the_thread_that_started_it(tm
         for kind in ("gcs_server", "raylet"):
             assert all(p.process.poll() is None for p in node.all_processes[kind]), kind
         assert ray.get(ray.remote(lambda: 6 * 7).remote()) == 42
+
+        def progress_bars() -> dict[str, bool]:  # defined here: Ray ships it by value
+            """Whether tqdm, and transformers (save_pretrained's "Writing model shards"), draw bars."""
+            from tqdm import tqdm
+            from transformers.utils import logging
+
+            with tqdm(range(1), desc="Writing model shards") as bar:
+                return {"tqdm": not bar.disable, "transformers": logging.is_progress_bar_enabled()}
+
+        # Actors draw no progress bars: Ray would forward them to the run's console.
+        assert ray.get(ray.remote(progress_bars).remote()) == {"tqdm": False, "transformers": False}
     finally:
         ray.shutdown()
+
+
+def test_problem_files_are_named_by_their_keys(tmp_path):
+    """What each command reads, by the key that names it; a missing one is refused naming that key."""
+    train, test = tmp_path / "train.jsonl", tmp_path / "test.jsonl"
+    train.write_text("")
+    cfg = load_config(None, [f"data.train_path={train}", f"data.eval_path={test}", "run.eval_every=5"])
+    assert problem_files(cfg, "train") == {"data.train_path": str(train), "data.eval_path": str(test)}
+    assert problem_files(cfg, "eval") == {"data.eval_path": str(test)}
+    assert problem_files(replace(cfg, run=replace(cfg.run, eval_every=0)), "train") == {"data.train_path": str(train)}
+    other = replace(cfg, eval=replace(cfg.eval, path="other.jsonl"))
+    assert problem_files(other, "eval") == {"eval.path": "other.jsonl"}  # eval.path wins
+    assert problem_files(cfg, "sft") == {"sft.train_path": cfg.sft.train_path}
+    with pytest.raises(ConfigError, match=rf"^data.eval_path: {test}: no such file or directory$"):
+        check_problem_files(cfg, "train")
+    with pytest.raises(ConfigError, match="^eval.path: arbor eval has no set to evaluate"):
+        problem_files(replace(cfg, data=replace(cfg.data, eval_path=None)), "eval")

@@ -9,6 +9,7 @@ import time
 import uuid
 
 import pytest
+from ci_rule import unavailable
 
 from arbor.errors import ConfigError
 from arbor.rollout.tools import ToolPool, _probe_sandbox, network_isolation, unsandboxed_calls
@@ -19,17 +20,11 @@ def _sandbox_missing() -> str:
 
 
 # The escape tests must run in CI: there a machine without a working bwrap is a failure
-# (.ci/run installs bubblewrap), elsewhere they skip saying why.
-needs_sandbox = pytest.mark.skipif(
-    bool(_sandbox_missing()) and os.environ.get("CI") != "true",
-    reason=f"no working bubblewrap here: {_sandbox_missing()}",
-)
-
-
+# (.ci/run installs bubblewrap), elsewhere they skip saying why (tests/ci_rule.py).
 @pytest.fixture
 def pool():
     if why := _sandbox_missing():
-        pytest.fail(f"CI=true but the tool sandbox cannot run: {why}")
+        unavailable(f"the tool sandbox cannot run here: {why}")
     return ToolPool(workers=2)
 
 
@@ -78,8 +73,9 @@ def test_files_stay_in_a_private_temporary_directory():
     assert second.output.split()[0] == "False" and second.output.split()[1] != first.output.strip()
 
 
-@pytest.mark.skipif(network_isolation() is None, reason="no private network namespace (unshare) here")
 def test_no_network():
+    if network_isolation() is None:  # util-linux's unshare; CI runs as root, where `unshare -n` works
+        unavailable("no private network namespace here (`unshare -n` and `unshare -rn` both fail)")
     with socket.socket() as server:
         server.bind(("127.0.0.1", 0))
         server.listen()
@@ -144,7 +140,6 @@ def test_a_bwrap_or_unshare_the_kernel_refuses_is_reported(tmp_path, monkeypatch
 # Escapes: what model code tried through the pool before it ran in bubblewrap.
 
 
-@needs_sandbox
 def test_a_host_file_is_out_of_sight(pool, tmp_path):
     secret = tmp_path / "secret.txt"
     secret.write_text("hunter2")
@@ -157,7 +152,6 @@ def test_a_host_file_is_out_of_sight(pool, tmp_path):
     assert result.output.split() == ["FileNotFoundError"] * 3
 
 
-@needs_sandbox
 def test_nothing_outside_the_temporary_directory_is_writable(pool, tmp_path):
     """A host directory is not there to write to; what Python needs is there, read-only."""
     host_dir = tmp_path / "checkpoints"
@@ -173,7 +167,6 @@ def test_nothing_outside_the_temporary_directory_is_writable(pool, tmp_path):
     assert list(host_dir.iterdir()) == [] and not os.path.exists(os.path.join(sys.prefix, "evil.py"))
 
 
-@needs_sandbox
 def test_a_host_process_cannot_be_signalled(pool):
     victim = subprocess.Popen(["sleep", "60"])
     try:
@@ -190,7 +183,6 @@ def test_a_host_process_cannot_be_signalled(pool):
         victim.wait()
 
 
-@needs_sandbox
 def test_a_host_port_is_unreachable(pool):
     with socket.socket() as server:
         server.bind(("127.0.0.1", 0))
@@ -201,7 +193,6 @@ def test_a_host_port_is_unreachable(pool):
     assert result.ok and result.output.strip() != "0", result.observation
 
 
-@needs_sandbox
 def test_a_fork_flood_stops_at_the_process_limit(pool):
     code = ("import os, time\nn = 0\ntry:\n    while True:\n        if os.fork() == 0:\n"
             "            time.sleep(60)\n            os._exit(0)\n        n += 1\nexcept OSError as e:\n"
@@ -226,7 +217,6 @@ def _processes_with(marker: str) -> list[int]:
     return found
 
 
-@needs_sandbox
 def test_no_process_outlives_the_call(pool):
     """A child detached into its own session (double fork, setsid) that sleeps on after
     the call returned: gone with it. Its command line carries a marker to look it up."""
@@ -243,7 +233,6 @@ def test_no_process_outlives_the_call(pool):
     assert _processes_with(marker) == []
 
 
-@needs_sandbox
 def test_the_call_runs_as_its_own_unprivileged_user(pool):
     code = ("import os\nprint(os.getuid(), os.getgid(), os.getgroups())\n"
             "print(open('/proc/self/status').read().split('CapEff:')[1].split()[0])")

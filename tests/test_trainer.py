@@ -51,10 +51,11 @@ def config(root, model, data, out, *overrides):
     ])
 
 
-def test_two_zero3_ranks_under_ray_with_arbor_serve(run_inputs, tmp_path):
+@pytest.mark.parametrize("execution", ["packed", "dfs"])
+def test_two_zero3_ranks_under_ray_with_arbor_serve(run_inputs, tmp_path, execution):
     root, model, data = run_inputs
     cfg = config(root, model, data, tmp_path / "out", "learner.backend=deepspeed", "learner.zero_stage=3",
-                 "learner.num_ranks=2")
+                 "learner.num_ranks=2", f"learner.tree_execution={execution}")
     seen = []
 
     def check(ctx, step, metrics):
@@ -69,6 +70,8 @@ def test_two_zero3_ranks_under_ray_with_arbor_serve(run_inputs, tmp_path):
         assert checksum[0] == pytest.approx(checksum[1])  # both ranks gathered the same model
         assert metrics["sync/logprob_gap"] <= 1e-4, metrics
         assert metrics["train/linearised_tokens"] > metrics["train/tokens"] > 0
+        # Two trees a step, dealt one to each rank (both in one 256-token pack otherwise).
+        assert 1.0 <= metrics["train/rank_imbalance"] < 1.5, metrics["train/rank_imbalance"]
     assert seen[0][2][0] != seen[1][2][0]  # the weights changed
     exported = load_file(str(tmp_path / "out" / "hf" / "model.safetensors"))
     initial = load_file(str(Path(model) / "model.safetensors"))

@@ -63,6 +63,24 @@ def test_leaves_in_creation_order_after_later_forks():
     assert tree.leaves() == [y, z] and z.depth == 2 and z.start == 1
 
 
+def test_dropping_leaves_removes_the_nodes_only_they_pass_through():
+    tree = small_tree()
+    a = tree.root.children[0]
+    b1, b2 = a.children
+    c = tree.add_segment(b1, [15, 2])
+    d = tree.add_segment(tree.root, [20, 2])
+    assert tree.drop_leaves([c]) == 2  # c, then b1 (it leads to no other leaf); a still leads to b2
+    assert tree.leaves() == [b2, d] and a.children == [b2]
+    assert [n.id for n in (tree.root, a, b2, d)] == [0, 1, 2, 3]  # renumbered in creation order
+    assert tree.stats().nodes == 3 and tree.leaf_counts() == {0: 2, 1: 1, 2: 1, 3: 1}
+    with pytest.raises(ValueError, match="is not a leaf of this tree"):
+        tree.drop_leaves([a])
+    assert tree.drop_leaves([b2, d]) == 3 and tree.leaves() == [] and tree.num_nodes == 0
+    rewarded = small_tree()
+    rewarded.leaves()[0].env_reward = 0.5
+    assert [leaf.env_reward for leaf in RolloutTree.from_json(rewarded.to_json()).leaves()] == [0.5, None]
+
+
 def test_add_segment_validation():
     tree = RolloutTree([0])
     with pytest.raises(ValueError, match="logprobs has 1 entries for 2 tokens"):

@@ -86,15 +86,20 @@ def budget(trees, slack):
     return max(len(t.prompt_ids) + leaf.end for t in trees for leaf in t.leaves()) + slack
 
 
-@pytest.mark.parametrize("seed, kind, normalize, kl, entropy_coef, per_token, slack, attention", CASES)
-def test_tree_equals_linear_float64(seed, kind, normalize, kl, entropy_coef, per_token, slack, attention):
+def random_case(seed, kind, normalize, kl, entropy_coef, per_token):
+    """A CASES row's trees, advantages, float64 model and loss settings (a KL reference with ``kl``)."""
     rng = random.Random(seed)
     trees = [random_tree(rng, i) for i in range(rng.randint(2, 4))]
     advantages = random_advantages(rng, trees, per_token)
-    model = tiny(kind, torch.float64, seed)
     kw = dict(normalize=normalize, entropy_coef=entropy_coef, clip_low=0.2, clip_high=0.28)
     if kl:
         kw.update(kl_coef=0.1, kl_estimator=kl, ref_model=tiny(kind, torch.float64, seed + 100))
+    return trees, advantages, tiny(kind, torch.float64, seed), kw
+
+
+@pytest.mark.parametrize("seed, kind, normalize, kl, entropy_coef, per_token, slack, attention", CASES)
+def test_tree_equals_linear_float64(seed, kind, normalize, kl, entropy_coef, per_token, slack, attention):
+    trees, advantages, model, kw = random_case(seed, kind, normalize, kl, entropy_coef, per_token)
     lin_loss, lin_grads, lin_m = loss_and_grads(model, trees, advantages, mode="padded", **kw)
     tree_loss, tree_grads, tree_m = loss_and_grads(
         model, trees, advantages, mode="tree", pack_tokens=budget(trees, slack), attention=attention, **kw

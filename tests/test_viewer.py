@@ -148,6 +148,42 @@ def test_tokenizer_decodes_the_text(tmp_path):
     assert data["0"]["nodes"]["1"]["text"] == text
 
 
+def page_texts(page: Path) -> dict[str, str]:
+    data = json.loads(re.search(r'id="arbor-data">(.*?)</script>', page.read_text()).group(1))
+    return {nid: node["text"] for nid, node in data["0"]["nodes"].items()}
+
+
+def test_the_runs_tokenizer_decodes_by_default(tmp_path, capsys):
+    """A run's trees/step-N.jsonl: the tokenizer of model.path in the run's config.yaml, else
+    the run's hf/; without a run (or with --token-ids), token ids and a line saying why."""
+    from transformers import AutoTokenizer
+
+    model = REPO / "models/tiny-arith"
+    text = AutoTokenizer.from_pretrained(model).decode([2, 3])
+    tree = RolloutTree([1])
+    tree.add_segment(tree.root, [2, 3]).reward = 1.0
+    run = tmp_path / "run"
+    (run / "trees").mkdir(parents=True)
+    src = write_jsonl(run / "trees" / "step-000010.jsonl", [tree])
+    (run / "config.yaml").write_text(f"model:\n  path: {model}\n  trust_remote_code: false\n")
+    assert main([str(src)]) == 0
+    assert page_texts(run / "trees" / "step-000010.html")["1"] == text
+    assert f"decoded with the tokenizer of {model}" in capsys.readouterr().err
+    # The model moved away: the run's exported hf/ (which holds the tokenizer) decodes.
+    (run / "config.yaml").write_text("model:\n  path: /nonexistent/model\n")
+    shutil.copytree(model, run / "hf", ignore=shutil.ignore_patterns("*.safetensors"))
+    assert main([str(src)]) == 0
+    assert page_texts(run / "trees" / "step-000010.html")["1"] == text
+    assert f"decoded with the tokenizer of {run / 'hf'}" in capsys.readouterr().err
+    assert main([str(src), "--token-ids"]) == 0
+    assert page_texts(run / "trees" / "step-000010.html")["1"] == "2 3"
+    capsys.readouterr()
+    loose = write_jsonl(tmp_path / "loose.jsonl", [tree])  # no run around it
+    assert main([str(loose)]) == 0
+    assert page_texts(tmp_path / "loose.html")["1"] == "2 3"
+    assert "showing token ids: no run's config.yaml next to" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize(
     "content, args, message",
     [

@@ -115,13 +115,17 @@ def episode_inputs(
     """
     if agent is None:
         return [format_prompt(p, data_cfg, tokenizer, chat_template) for p in problems], None
-    prompts = []
-    for problem in problems:
-        messages = agent.start(problem)
-        if data_cfg.system_prompt and not any(m["role"] == "system" for m in messages):
-            messages = [{"role": "system", "content": data_cfg.system_prompt}, *messages]
-        prompts.append(chat_template_ids(tokenizer, messages, generation_prompt=True))
+    prompts = [episode_prompt(tokenizer, agent.start(problem), data_cfg) for problem in problems]
     return prompts, functools.partial(continuation_ids, tokenizer)
+
+
+def episode_prompt(tokenizer: Any, messages: list[Message], data_cfg: DataConfig) -> list[int]:
+    """The prompt ids of an episode's first messages: ``data.system_prompt`` first (unless the
+    messages hold a system message), chat-templated with the generation prompt."""
+    if data_cfg.system_prompt and not any(m["role"] == "system" for m in messages):
+        messages = [{"role": "system", "content": data_cfg.system_prompt}, *messages]
+    chat = [{k: v for k, v in m.items() if k not in CHAT_KEYS_DROPPED} for m in messages]
+    return chat_template_ids(tokenizer, chat, generation_prompt=True)
 
 
 def fitting_problems(

@@ -24,9 +24,19 @@ wait for a slow one.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 
 from arbor.engines.types import GenerateOutput, GenerateRequest, RolloutEngine
+
+# Partial rollouts: rounds of sending overtaken requests again before giving up. Each round
+# waits for a whole generation, and only a weight update landing during every one of them
+# overtakes it again: more rounds than this means updates outpace generation for good.
+MAX_RESAMPLE_ROUNDS = 8
+
+
+class ResampleLimitError(RuntimeError):
+    """Segments of a tree were overtaken by weight updates ``MAX_RESAMPLE_ROUNDS`` times in a row."""
+
 
 _Waiting = tuple[list[GenerateRequest], "asyncio.Future[list[list[GenerateOutput]]]"]
 
@@ -49,6 +59,32 @@ class RoundBatcher:
             loop.call_soon(self._flush)
         self._waiting.append((requests, future))
         return await future
+
+    async def generate_fresh(
+        self, requests: list[GenerateRequest], is_stale: Callable[[str], bool], problem_id: str
+    ) -> tuple[list[list[GenerateOutput]], int]:
+        """Outputs of ``requests``, none sampled by weights a weight update overtook in flight
+        (partial rollouts), and how many outputs were sampled again: every such request is sent
+        again (its path goes on from its parent under the new weights) until none is;
+        :class:`ResampleLimitError` after ``MAX_RESAMPLE_ROUNDS`` rounds still overtaken."""
+        results = await self.generate(requests)
+        resampled = 0
+        for round_ in range(MAX_RESAMPLE_ROUNDS + 1):
+            stale = [i for i, outs in enumerate(results) if any(is_stale(o.weight_version) for o in outs)]
+            if not stale:
+                return results, resampled
+            if round_ == MAX_RESAMPLE_ROUNDS:
+                break
+            resampled += sum(requests[i].sampling.n for i in stale)
+            again = await self.generate([requests[i] for i in stale])
+            for i, outs in zip(stale, again):
+                results[i] = outs
+        versions = sorted({o.weight_version for i in stale for o in results[i]})
+        raise ResampleLimitError(
+            f"problem {problem_id}: {len(stale)} request(s) still overtaken by a weight update after "
+            f"{MAX_RESAMPLE_ROUNDS} resample rounds (last sampled by weight version(s) {versions}): the weights "
+            "change faster than a segment is generated (engine.partial_rollouts)"
+        )
 
     def _flush(self) -> None:
         """One call per server for every round submitted since the last flush."""

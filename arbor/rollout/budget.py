@@ -8,6 +8,7 @@ Hand-checkable numbers (docs/algorithms.md, w = 16, b = 2, nothing finishing ear
     next_total(active=8, finished=0, newly_finished=0, width=16, branch=2)   # 16
     assign_branches(5, [0.0, 0.0])                                           # [3, 2]
     fallback_copies(sources=3, remaining=5, branch=2)                        # [2, 2, 1]
+    cap_copies([3, 2, 1], [False, True, True])                               # [1, 3, 2]
 
 The TreePO reference cited here is github.com/multimodal-art-projection/TreePO at
 b86ce51 ("release of treepo v0.1"; its HEAD f055523 only edits the README),
@@ -67,6 +68,21 @@ def fallback_copies(*, sources: int, remaining: int, branch: int) -> list[int]:
         copies.append(min(branch, remaining))
         remaining -= copies[-1]
     return copies
+
+
+def cap_copies(counts: Sequence[int], forkable: Sequence[bool]) -> list[int]:
+    """Copies per path when some paths may not fork (an environment with ``fork: none`` that has
+    stepped): those get 1, and the copies they lose go to the paths that may fork, one each in
+    path order, round after round, so the total (the width budget) is kept where any path may fork.
+    ``cap_copies([3, 2, 1], [False, True, True]) == [1, 3, 2]``; with none forkable the extra copies
+    are lost: ``cap_copies([3, 1], [False, False]) == [1, 1]``.
+    """
+    capped = [n if ok else min(n, 1) for n, ok in zip(counts, forkable)]
+    extra = sum(counts) - sum(capped)
+    takers = [i for i, ok in enumerate(forkable) if ok]
+    for k in range(extra if takers else 0):
+        capped[takers[k % len(takers)]] += 1
+    return capped
 
 
 def segment_score(logprobs: Sequence[float]) -> float:

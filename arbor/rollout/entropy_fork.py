@@ -46,7 +46,7 @@ and ``tree_node.py``, "node:LINE"). What it does, and where it departs:
 from __future__ import annotations
 
 import heapq
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from arbor.engines.types import GenerateOutput
@@ -66,17 +66,22 @@ class ForkPoint:
 
 
 def entropy_forks(
-    tree: RolloutTree, scores: Scores, *, per_group: int, remaining: int, branch: int
+    tree: RolloutTree, scores: Scores, *, per_group: int, remaining: int, branch: int,
+    may_fork: Callable[[Node], bool] | None = None,
 ) -> list[tuple[ForkPoint, int]]:
     """Where to fork next: ``(point, copies)`` for the ``per_group`` highest-scored tokens of
     each initial path's subtree, best first, ``branch`` copies each until ``remaining`` leaves
     are spent (the last point may get fewer). Empty: no token is left to fork at.
 
     An initial path's subtree is everything under one child of the root (an initial path, a
-    root restart, or copies forked at a root child's first token).
+    root restart, or copies forked at a root child's first token). ``may_fork(node)``: whether a
+    branch may start inside ``node`` (an environment with ``fork: none``: before its first step).
     """
     group_of = {node.id: _initial_path(node).id for node in tree.nodes()}
-    points = top_fork_points(fork_candidates(tree, scores), per_group, group_of)
+    candidates = fork_candidates(tree, scores)
+    if may_fork is not None:
+        candidates = [c for c in candidates if may_fork(c[1])]
+    points = top_fork_points(candidates, per_group, group_of)
     copies = fallback_copies(sources=len(points), remaining=remaining, branch=branch)
     return list(zip(points, copies))
 
@@ -107,11 +112,17 @@ def top_fork_points(
 
 
 def fork_candidates(tree: RolloutTree, scores: Scores) -> list[tuple[float, Node, int]]:
-    """Every token that may start a new branch: all tokens of all nodes, except the first token
-    of a node below the root's children (it already starts a branch, or a split's lower part)."""
+    """Every token that may start a new branch: all tokens of the scored nodes (the model's;
+    an environment's turns are never fork points), except the first token of a node below
+    another scored node (it already starts a branch, or a split's lower part). A model turn's
+    first token after the prompt or an environment turn is a candidate: copies there are fresh
+    answers to the same context."""
     out = []
     for node in tree.nodes():
-        first = 0 if node.parent is tree.root else 1
+        if node.id not in scores:
+            continue
+        assert node.parent is not None  # nodes() never yields the root
+        first = 1 if node.parent.id in scores else 0
         out += [(scores[node.id][i], node, i) for i in range(first, len(node.token_ids))]
     return out
 

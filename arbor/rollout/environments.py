@@ -117,10 +117,11 @@ class EnvSource:
     key: str  # the config key that named it: "rollout.env", or "rollout.agent" (an AgentEnv)
     spec: str  # what the key says (module:attr)
     gives_reward: bool  # the instances define reward() (not the default "none")
+    agent: Agent | None = None  # rollout.agent's agent, whose AgentEnv instances these are
 
     @property
     def is_agent(self) -> bool:
-        return self.key == "rollout.agent"
+        return self.agent is not None
 
 
 def fork_mode(env: Any, key: str) -> Fork:
@@ -187,7 +188,7 @@ def load_env(
 
 def agent_source(agent: Agent, spec: str = "<agent>") -> EnvSource:
     """A stateless agent as a source of :class:`AgentEnv` instances (they share the agent)."""
-    return EnvSource(functools.partial(AgentEnv, agent), "rollout.agent", spec, gives_reward=False)
+    return EnvSource(functools.partial(AgentEnv, agent), "rollout.agent", spec, gives_reward=False, agent=agent)
 
 
 def rollout_env(rollout_cfg: RolloutConfig, search_dirs: Sequence[str] = ()) -> EnvSource | None:

@@ -1,112 +1,357 @@
-"""Multi-turn episodes in a rollout tree: what follows each finished model turn.
+"""Multi-turn episodes in a rollout tree: an environment (or a stateless agent, as an
+:class:`~arbor.rollout.environments.AgentEnv`) answers each finished model turn, and every
+branch owns its own environment instance.
 
-    turns = AgentTurns(agent, render, decode, stop_ids, cfg, stats)
-    messages = await turns.step(tree, node)       # the agent's answer to the turn ending at node
-    tool = turns.add(tree, node, messages)        # appended as untrained ids (loss mask 0)
+    episodes = TreeEpisodes(setup, calls, cfg, stats, decode, stop_ids, index=0)
+    prompt = await episodes.reset(problem, seed)      # the tree's prompt: the env's reset messages
+    n = await episodes.prepare(tree, node, n)         # an instance for each copy of the next request
+    episodes.hand_over(node, children)                # ... one to each child it sampled
+    tip = await episodes.after_turn(tree, node)       # the env's answer to the model turn ending at
+                                                      # node, appended (loss mask 0); None: it ended
+    await episodes.end(tree, node)                    # an episode ended at node: reward, close
+    await episodes.close(tree)                        # the rest; branches that must not train, dropped
 
-The sampler (:mod:`arbor.rollout.sampler`) owns the tree and the requests; this module owns
-the conversation: the history an agent reads (its start, each model turn decoded, each
-tool turn as the agent gave it) and the ids its messages append (``render``).
+The sampler (:mod:`arbor.rollout.sampler`) owns the tree and the requests; this module owns the
+conversation (the history an environment reads, the ids its messages append) and the instances.
+How a branch gets its own instance (:mod:`arbor.rollout.env_forks`) depends on the environment's
+``fork``; an instance is only ever stepped by the one branch that owns it, so a branch never sees
+another branch's side effects.
 """
 
 from __future__ import annotations
 
-import asyncio
+import functools
 import logging
-from collections.abc import Callable
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
 
-from arbor.config import RolloutConfig
-from arbor.rollout.agent_thread import in_daemon_thread
-from arbor.rollout.agents import Agent, Message
+from arbor.config import DataConfig, RolloutConfig
+from arbor.errors import ConfigError
+from arbor.rollout.agents import Agent, Message, Render, continuation_ids, episode_prompt
+from arbor.rollout.budget import request_seed
+from arbor.rollout.env_calls import EnvCalls, EnvTimeout
+from arbor.rollout.env_forks import EnvCallError, Forks, check_messages
+from arbor.rollout.environments import EnvSource, Step, agent_source, fork_mode
 from arbor.rollout.sample_stats import SampleStats
 from arbor.tree import Node, RolloutTree
 
 AGENT_TIMEOUT = "agent_timeout"  # agent.step ran past rollout.agent_timeout_s
+ENV_TIMEOUT = "env_timeout"  # an environment call ran past rollout.env_timeout_s
+TOO_LONG = "message_too_long"  # an environment's messages did not fit the response budget (dropped)
 
 log = logging.getLogger(__name__)
 
 
-class AgentTurns:
-    """One tree's agent turns: the agent's steps (in threads, time-limited) and their nodes."""
+@dataclass(frozen=True)
+class EpisodeSetup:
+    """What sampling multi-turn episodes needs besides the engine."""
+
+    source: EnvSource  # rollout.env's instances (or rollout.agent's, as AgentEnv)
+    render: Render  # an environment's messages after a model turn -> the ids appended
+    # The reset messages -> the tree's prompt ids (system prompt, chat template, length check);
+    # None: sample_trees' prompts are the prompts (the reset messages only start the history).
+    prompt: Callable[[list[Message]], list[int]] | None = None
+    # No reward functions: an episode whose environment gives no reward (a timed-out call)
+    # cannot be scored and is dropped; a reward() of None is then an error.
+    needs_reward: bool = False
+    # A reset whose prompt is longer stops sampling, naming the problem (data.max_prompt_tokens;
+    # start-up cannot check an environment's prompts); 0: no limit.
+    max_prompt_tokens: int = 0
+
+
+def run_episodes(source: EnvSource, tokenizer: Any, data_cfg: DataConfig, needs_reward: bool) -> EpisodeSetup:
+    """A run's episodes (``arbor train``, ``arbor eval``): the reset messages chat-templated as the
+    prompt (:func:`~arbor.rollout.agents.episode_prompt`), later messages as continuation ids."""
+    return EpisodeSetup(source, functools.partial(continuation_ids, tokenizer),
+                        functools.partial(episode_prompt, tokenizer, data_cfg=data_cfg), needs_reward,
+                        data_cfg.max_prompt_tokens)
+
+
+def episode_setup(
+    agent: Agent | None, render: Render | None, env: EpisodeSetup | None, decode: Callable[[list[int]], str] | None,
+    no_prompts: bool,
+) -> EpisodeSetup | None:
+    """The episodes :func:`~arbor.rollout.sampler.sample_trees` was asked for: ``env``, or an
+    ``agent`` with its ``render`` as a stateless environment; a ValueError when pieces are missing."""
+    if agent is not None:
+        if env is not None:
+            raise ValueError("sampling takes an agent or an environment, not both")
+        if render is None or decode is None:
+            raise ValueError("sampling with an agent needs render (messages -> ids) and decode")
+        env = EpisodeSetup(agent_source(agent), render)
+    if env is not None and decode is None:
+        raise ValueError("sampling with an environment needs decode")
+    if no_prompts and (env is None or env.prompt is None):
+        raise ValueError("sampling needs prompts, unless an environment's reset gives them (EpisodeSetup.prompt)")
+    return env
+
+
+def reset_seed(seed: int, tree_index: int) -> int:
+    """The ``seed`` of a tree's environment ``reset``: the same for every instance of the tree (a
+    replay must rebuild the same episode), reproducible from the step's seed, shared with no request."""
+    return request_seed(seed, tree_index, node_id=-1, fork_index=0)
+
+
+class TreeEpisodes:
+    """One tree's episodes: its environment instances, their steps and the turns they append."""
 
     def __init__(
         self,
-        agent: Agent,
-        render: Callable[[list[Message]], list[int]],
-        decode: Callable[[list[int]], str],
-        stop_ids: list[int],
+        setup: EpisodeSetup,
+        calls: EnvCalls,
         cfg: RolloutConfig,
         stats: SampleStats,
+        decode: Callable[[list[int]], str] | None,
+        stop_ids: Sequence[int],
+        index: int,
     ) -> None:
-        self.agent, self.render, self.decode, self.stop_ids = agent, render, decode, stop_ids
-        self.cfg, self.stats = cfg, stats
-        self.messages: dict[int, list[Message]] = {}  # tool node id → the agent's messages
+        assert decode is not None  # episode_setup checks it
+        self.setup, self.calls, self.cfg, self.stats = setup, calls, cfg, stats
+        self.decode, self.stop_ids, self.key = decode, list(stop_ids), f"tree-{index}"
+        self.agent = setup.source.is_agent
+        self.messages: dict[int, list[Message]] = {}  # environment-turn node id -> its messages
+        # Forks at past states: TreePO's fallback cuts finished paths, EPTree forks inside turns.
+        past = cfg.fork_at == "entropy" or (cfg.mode == "tree" and cfg.fallback)
+        self.forks = Forks(setup.source, calls, self.key, stats, self.messages, snapshots=past)
+        self.dropped: list[Node] = []  # leaves never trained on (closed out of the tree at the end)
+        self.problem: dict = {}
+        self.start: list[Message] = []  # the reset messages: the history's start
+        self.seed = 0
 
-    def is_tool(self, node: Node) -> bool:
-        """Whether ``node`` holds an agent turn (not sampled by the model)."""
+    # -- the tree's start and end ----------------------------------------------------------
+
+    async def reset(self, problem: dict | None, seed: int) -> list[int] | None:
+        """Build the tree's first instance and reset it with ``(problem, seed)`` (every replay uses
+        the same seed); returns the prompt ids (None without ``setup.prompt``)."""
+        if problem is None:
+            raise ValueError(f"{self.setup.source.key} needs the problems (got None for {self.key})")
+        self.problem, self.seed = problem, seed
+        self.calls.enter(self.key)
+        try:
+            env = await self.calls.open(self.key, self.setup.source.make)
+        except EnvTimeout:
+            raise self._error("building", 0, "ran past " + self.timeout_key) from None
+        try:
+            mode = fork_mode(env, self.setup.source.key)  # a factory may build other classes than the probe's
+            messages = await self.calls.call(self.key, env, "reset", problem, seed)
+        except EnvTimeout:
+            raise self._error("reset", 0, f"ran past {self.timeout_key}: the tree has no prompt") from None
+        except ConfigError:
+            await self.calls.close(self.key, env)
+            raise
+        except Exception as e:
+            await self.calls.close(self.key, env)
+            raise self._error("reset", 0, f"raised {type(e).__name__}: {e}") from e
+        try:
+            self.start = check_messages(messages, self._where(0), self.agent, allow_empty=self.setup.prompt is None)
+        except TypeError:
+            await self.calls.close(self.key, env)
+            raise
+        self.forks.begin(mode, env, problem, seed, self.start)
+        if self.setup.prompt is None:
+            return None
+        prompt = self.setup.prompt(self.start)
+        if self.setup.max_prompt_tokens and len(prompt) > self.setup.max_prompt_tokens:
+            raise self._error("reset", 0, f"gave a prompt of {len(prompt)} tokens, more than data.max_prompt_tokens="
+                              f"{self.setup.max_prompt_tokens} (an environment's prompts are only known when its "
+                              "episode starts)")
+        return prompt
+
+    async def close(self, tree: RolloutTree | None) -> None:
+        """Close every instance left; drop the branches that must never be trained on."""
+        await self.forks.close_all()
+        self.stats.env_live += self.calls.leave(self.key)
+        dropped = [leaf for leaf in self.dropped if leaf.is_leaf]
+        if dropped and tree is not None:
+            tree.drop_leaves(dropped)
+            self.stats.env_dropped += len(dropped)
+
+    # -- forks ------------------------------------------------------------------------------
+
+    def may_fork(self, node: Node) -> bool:
+        """Whether a new branch may start at ``node`` (``fork: none``: only before the first step)."""
+        return self.forks.may_fork(node)
+
+    async def prepare(self, tree: RolloutTree, node: Node, n: int) -> int:
+        """Instances for ``n`` copies sampled from ``node``; returns how many may be sampled (fewer
+        when a ``copy()`` timed out: that branch does not start)."""
+        return await self.forks.prepare(tree, node, n)
+
+    def hand_over(self, node: Node, children: list[Node]) -> None:
+        """The copies prepared at ``node`` were sampled as ``children`` (in order): one instance each."""
+        self.forks.hand_over(node, children)
+
+    def is_turn(self, node: Node) -> bool:
+        """Whether ``node`` holds an environment turn (not sampled by the model)."""
         return node.id in self.messages
 
-    async def step(self, tree: RolloutTree, node: Node) -> list[Message] | None:
-        """``agent.step`` after the model turn ending at ``node``, given ``agent_timeout_s``.
+    # -- steps --------------------------------------------------------------------------------
 
-        Past the limit the episode ends at ``node`` ("agent_timeout", counted and warned
-        about) and the step's thread is abandoned (see :func:`arbor.rollout.agent_thread.in_daemon_thread`).
-        """
+    async def after_turn(self, tree: RolloutTree, node: Node) -> Node | None:
+        """Step the branch's environment after the model turn ending at ``node``; returns the
+        environment-turn node the episode goes on from, or None when it ended at ``node``."""
+        env = await self.forks.instance(tree, node)
+        if env is None:  # the replay that built it (a fork, or a rebuild after its slot was taken) diverged
+            self._drop(node)
+            return None
+        turn = self.turns_before(tree, node) + 1
         history = self.history(tree, node)
-        step = in_daemon_thread(self.agent.step, tree.problem, history)
         try:
-            return await asyncio.wait_for(step, self.cfg.agent_timeout_s)
-        except asyncio.TimeoutError:
-            node.finish_reason = AGENT_TIMEOUT
-            self.stats.agent_timeouts += 1
-            log.warning(
-                "problem %s: agent.step ran past rollout.agent_timeout_s=%gs; its episode ends "
-                "there (%s) and the call is left running in its thread",
-                tree.problem_id,
-                self.cfg.agent_timeout_s,
-                AGENT_TIMEOUT,
-            )
+            step = await self.calls.call(self.key, env, "step", history)
+        except EnvTimeout:
+            self._timed_out(node, "step", turn)
             return None
-
-    def add(self, tree: RolloutTree, node: Node, messages: list[Message]) -> Node | None:
-        """Append the agent's messages after a model turn, as untrained template ids
-        (None: the model turn used up the response budget, the episode ends there)."""
+        except Exception as e:
+            await self.calls.close(self.key, env)
+            raise self._error("step", turn, f"raised {type(e).__name__}: {e}") from e
+        if not isinstance(step, Step):
+            await self.calls.close(self.key, env)
+            raise self._error("step", turn, f"returned a {type(step).__name__}, not arbor.Step(messages, done)")
+        try:
+            messages = check_messages(step.messages, self._where(turn), self.agent, allow_empty=True)
+        except TypeError:
+            await self.calls.close(self.key, env)
+            raise
+        if step.done or (self.agent and not messages):
+            await self._finish(node, env, turn)
+            return None
+        if not messages:
+            await self.calls.close(self.key, env)
+            raise self._error("step", turn, "returned Step([], done=False): a step that goes on must give the "
+                              "model something to answer")
+        ids = self.setup.render(messages)
         room = self.cfg.max_response_tokens - node.end
-        if room <= 0:
+        if len(ids) >= room:
+            # A per-branch error, not a run-stopping one: one long observation (a tool's traceback)
+            # must not end a run that is otherwise fine, and a cut message is not what the
+            # environment said, so the branch is dropped (never trained on), counted and warned about.
+            # Warned about once per sampling run (every branch of a step may hit it); all are counted.
+            self.stats.env_errors += 1
+            self.stats.dropped_too_long += 1
+            node.finish_reason = TOO_LONG
+            if TOO_LONG not in self.calls.warned:
+                self.calls.warned.add(TOO_LONG)
+                log.warning("problem %s: the %s's messages of turn %d are %d tokens, but the episode has %d left "
+                            "of its response budget (rollout.segment_tokens × rollout.max_depth = %d; agent and "
+                            "environment messages count against it): the branch is dropped (%s; every such branch "
+                            "is counted in env/errors)", self._problem_id, "agent" if self.agent else "environment",
+                            turn, len(ids), max(room, 0), self.cfg.max_response_tokens, TOO_LONG)
+            await self.calls.close(self.key, env)
+            self._drop(node)
             return None
-        # A tool may print far more than the episode has room for (a long traceback): the
-        # turn is cut at the response budget, so no path outgrows max_response_tokens (and
-        # the model's context); the episode then ends there ("max_length").
-        for m in messages:
-            if not isinstance(m.get("error", False), bool):
-                raise TypeError(f"problem {tree.problem_id}: an agent message's 'error' must be true or false "
-                                f"(a failed tool call), got {m['error']!r}")
-        ids = self.render(messages)[:room]
         # Never trained (mask 0); logprob 0 stands in for "not sampled" so paths stay uniform.
-        tool = tree.add_segment(node, ids, [0.0] * len(ids), [0] * len(ids))
-        self.messages[tool.id] = list(messages)
+        tip = tree.add_segment(node, ids, [0.0] * len(ids), [0] * len(ids))
+        self.messages[tip.id] = messages
         self.stats.tool_turns += 1
         self.stats.tool_errors += sum(1 for m in messages if m.get("error") is True)
-        tool.finish_reason = "max_length" if tool.end >= self.cfg.max_response_tokens else None
-        return tool
+        if not await self.forks.stepped(tip, env, history, step):
+            # The copy kept of this state timed out: the episode ends after the environment's turn.
+            tip.finish_reason = ENV_TIMEOUT
+            await self._finish(tip, env, turn)
+            return None
+        return tip
+
+    async def end(self, tree: RolloutTree, node: Node) -> None:
+        """The episode ended at ``node`` without a step (length, repetition, abort): its reward."""
+        if not self.setup.source.gives_reward and node.id not in self.forks.owned:
+            # A fork that never needed its instance: no reward to read, nothing to build just to close.
+            self.stats.env_episodes += 1
+            self.stats.env_episode_steps += self.turns_before(tree, node)
+            return
+        env = await self.forks.instance(tree, node)
+        if env is None:
+            self._drop(node)
+            return
+        await self._finish(node, env, self.turns_before(tree, node))
+
+    async def _finish(self, node: Node, env: Any, steps: int) -> None:
+        """Read the episode's reward (once), then close its instance."""
+        reward = None
+        if self.setup.source.gives_reward:
+            try:
+                reward = await self.calls.call(self.key, env, "reward")
+            except EnvTimeout:
+                self._timed_out(node, "reward", steps, keep_reason=True)
+                return
+            except Exception as e:
+                await self.calls.close(self.key, env)
+                raise self._error("reward", steps, f"raised {type(e).__name__}: {e}") from e
+            if reward is not None and (isinstance(reward, bool) or not isinstance(reward, (int, float))
+                                       or not math.isfinite(reward)):
+                await self.calls.close(self.key, env)
+                raise self._error("reward", steps, f"returned {reward!r}, not a finite number or None")
+        if reward is None and self.setup.needs_reward:
+            await self.calls.close(self.key, env)
+            raise self._error("reward", steps, "returned None and reward.functions is empty: the episode has no "
+                              "reward (never silently 0); return a number or add a reward function")
+        node.env_reward = None if reward is None else float(reward)
+        self.stats.env_episodes += 1
+        self.stats.env_episode_steps += steps
+        await self.calls.close(self.key, env)
+
+    # -- the conversation ---------------------------------------------------------------------
 
     def history(self, tree: RolloutTree, node: Node) -> list[Message]:
-        """The episode so far as messages: the agent's start, model turns decoded, tool turns."""
-        assert tree.problem is not None  # an agent's episodes have problems
-        history = list(self.agent.start(tree.problem))
+        """The episode so far as messages: the reset's, model turns decoded, environment turns."""
+        history: list[Message] = [dict(m) for m in self.start]  # type: ignore[misc]
         turn: list[int] = []
         for n in tree.path(node):
             if n.id in self.messages:
                 history.append(self._assistant(turn))
-                history += self.messages[n.id]
+                history += [dict(m) for m in self.messages[n.id]]  # type: ignore[misc]
                 turn = []
             else:
                 turn += n.token_ids
         history.append(self._assistant(turn))
         return history
 
+    def turns_before(self, tree: RolloutTree, node: Node) -> int:
+        """Environment turns on the path to ``node``."""
+        return sum(1 for n in tree.path(node) if n.id in self.messages)
+
     def _assistant(self, turn: list[int]) -> Message:
         """A model turn as a message; its stop token belongs to the template, not the content."""
         if turn and turn[-1] in self.stop_ids:
             turn = turn[:-1]
         return {"role": "assistant", "content": self.decode(turn)}
+
+    # -- failures -------------------------------------------------------------------------------
+
+    @property
+    def timeout_key(self) -> str:
+        return "rollout.agent_timeout_s" if self.agent else "rollout.env_timeout_s"
+
+    @property
+    def _problem_id(self) -> str:
+        return repr(self.problem.get("id", "<no id>"))
+
+    def _where(self, turn: int) -> str:
+        return f"problem {self._problem_id}" + (f", turn {turn}" if turn and not self.agent else "")
+
+    def _error(self, method: str, turn: int, what: str) -> EnvCallError:
+        name = "agent" if self.agent else "env"
+        return EnvCallError(f"problem {self._problem_id}: {name}.{method} (turn {turn}) {what}")
+
+    def _timed_out(self, node: Node, method: str, turn: int, keep_reason: bool = False) -> None:
+        """A call past its limit ends the branch at ``node`` ("agent_timeout"/"env_timeout"),
+        counted and warned about; its siblings go on. Its instance is closed when the call returns.
+        The environment gives the episode no reward, so with no reward functions it is dropped."""
+        if not keep_reason:
+            node.finish_reason = AGENT_TIMEOUT if self.agent else ENV_TIMEOUT
+        if self.agent:
+            self.stats.agent_timeouts += 1
+            log.warning("problem %s: agent.%s ran past rollout.agent_timeout_s=%gs; its episode ends there "
+                        "(%s) and the call is left running in its thread", self._problem_id, method,
+                        self.cfg.agent_timeout_s, AGENT_TIMEOUT)
+        else:
+            self.stats.env_timeouts += 1
+            log.warning("problem %s: env.%s (turn %d) ran past rollout.env_timeout_s=%gs; the branch ends "
+                        "there (%s, env/timeouts), its siblings go on", self._problem_id, method, turn,
+                        self.cfg.env_timeout_s, ENV_TIMEOUT)
+        if self.setup.needs_reward:
+            self._drop(node)
+
+    def _drop(self, node: Node) -> None:
+        self.dropped.append(node)

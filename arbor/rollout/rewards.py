@@ -270,12 +270,13 @@ class RewardPool:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         self.terms = as_terms(terms)
         self.search_dirs = list(search_dirs) or default_search_dirs()
-        load_reward_terms(self.terms, search_dirs=self.search_dirs)  # fail fast, in the parent
+        if self.terms:  # none: an environment gives the reward, every item scores 0 here
+            load_reward_terms(self.terms, search_dirs=self.search_dirs)  # fail fast, in the parent
         self.timeout_s = timeout_s
         self.start_timeout_s = start_timeout_s
         self._ctx = mp.get_context("spawn")
         self._startup_deaths = 0  # workers that died while starting since one was last ready
-        self._workers = [self._start_worker() for _ in range(workers)]
+        self._workers = [self._start_worker() for _ in range(workers if self.terms else 0)]
         # One batch at a time: asynchronous runs score rollouts in a producer thread while
         # the trainer's thread scores evals (algorithm.max_staleness ≥ 1).
         self._busy = threading.Lock()
@@ -308,6 +309,8 @@ class RewardPool:
             return self._score(items, on_progress)
 
     def _score(self, items: Sequence[Item], on_progress: Callable[[int, int], None] | None) -> ScoreResult:
+        if not self.terms:
+            return self._result([[] for _ in items], [], [], [0.0] * len(items), 0.0)
         if not self._workers:
             raise RuntimeError("RewardPool is closed")
         for w in list(self._workers):

@@ -1,5 +1,5 @@
 """What sampling one tree cost: :class:`SampleStats` (requests, rounds, tokens, cache hits,
-fallbacks, agent turns) and why the tree has fewer than ``width`` leaves if so."""
+fallbacks, agent turns, environments) and why the tree has fewer than ``width`` leaves if so."""
 
 from __future__ import annotations
 
@@ -23,6 +23,16 @@ class SampleStats:
     agent_timeouts: int = 0  # agent.step calls past rollout.agent_timeout_s (episode ended)
     resampled: int = 0  # segments overtaken by a weight update in flight and sampled again (partial rollouts)
     forks: int = 0  # fork points branched at (rollout.fork_at: entropy)
+    # Environments (rollout.env; a stateless agent is one too), docs/environments.md:
+    env_forks: dict[str, int] = field(default_factory=dict)  # fork mode -> instances made for new branches
+    env_replayed_steps: int = 0  # steps replayed on fresh instances (fork: replay)
+    env_timeouts: int = 0  # environment calls past rollout.env_timeout_s
+    env_errors: int = 0  # branches stopped by a diverged replay or messages over the budget, close() failures
+    env_episodes: int = 0  # episodes ended (reward read, instance closed), dropped ones aside
+    env_episode_steps: int = 0  # Σ over those episodes of the steps on their path
+    env_dropped: int = 0  # leaves removed from the tree: never trained on
+    dropped_too_long: int = 0  # of which: an agent's or environment's messages did not fit the budget
+    env_live: int = 0  # instances still open when the tree was done (an abandoned call runs on)
     finish_reasons: dict[str, int] = field(default_factory=dict)  # leaf reason → count
     shortfall_reason: str | None = None
 

@@ -37,9 +37,9 @@ multimodal-art-projection/TreePO at b86ce51, ``vllm_rollout_spmd.py``, cited "sp
   repeats itself: some ``repetition_window``-long substring of its decoded text occurs
   ``repetition_count`` times, or token n-grams when no ``decode`` is given),
   "max_length" (``max_depth · segment_tokens`` response tokens), "max_depth", or
-  "abort" (the engine aborted the request), or "agent_timeout" (an agent's ``step`` ran
-  past ``rollout.agent_timeout_s``: the episode ends at that model turn, a warning names
-  the problem, and ``stats.agent_timeouts`` counts it; the rest of the batch goes on).
+  "abort" (the engine aborted the request), or "agent_timeout"/"env_timeout" (an agent's
+  ``step`` or an environment call ran past its limit: the episode ends at that model turn,
+  a warning names the problem, and the stats count it; the rest of the batch goes on).
 - Fallback, only when a tree has no active path and fewer than ``width`` leaves (paper
   §2.2; spmd:949-955), spends the whole remaining budget ``width − leaves`` in one round:
   every finished ("stop") trajectory, answered ones first then in random order, is cut at
@@ -50,7 +50,12 @@ multimodal-art-projection/TreePO at b86ce51, ``vllm_rollout_spmd.py``, cited "sp
   always ends with exactly ``width`` leaves. ``fallback: false`` stops there instead,
   with a shortfall (the reference's ``no_fallback``, spmd:945-947).
 - ``fork_at: entropy`` grows the tree with TreeRL's EPTree instead (whole answers forked at
-  their highest-entropy tokens, :mod:`arbor.rollout.entropy_fork`), with the same early stops.
+  their highest-entropy tokens, :mod:`arbor.rollout.entropy_fork`), with the same early stops;
+  with an environment a whole answer is a whole episode (model and environment turns), and a
+  fork point is a token of a model turn.
+- With an environment (:mod:`arbor.rollout.episodes`) every request's copies get their own
+  instance first (:mod:`arbor.rollout.env_forks`); one whose ``fork`` is ``none`` keeps a path
+  at one copy once it has stepped, the copies it loses going to the paths that may fork.
 - ``mode: independent`` (the GRPO baseline) is one round: one request ``n = width`` with
   the whole response budget ``max_depth · segment_tokens`` — the fastest way an engine can
   sample independent answers, so tree-vs-independent benchmarks are conservative.
@@ -69,6 +74,7 @@ from arbor.rollout.agents import Agent, Message
 from arbor.rollout.batching import RoundBatcher
 from arbor.rollout.budget import (
     assign_branches,
+    cap_copies,
     fallback_copies,
     is_repetitive,
     next_total,
@@ -77,20 +83,12 @@ from arbor.rollout.budget import (
     segment_score,
 )
 from arbor.rollout.entropy_fork import Scores, entropy_forks, split_for_fork, token_scores
-from arbor.rollout.episodes import AgentTurns
+from arbor.rollout.env_calls import EnvCalls
+from arbor.rollout.episodes import EpisodeSetup, TreeEpisodes, episode_setup, reset_seed
 from arbor.rollout.sample_stats import SampleStats
 from arbor.tree import Node, RolloutTree
 
 FINISHED = "stop"  # the only well-formed ending; everything else is an early stop
-# Partial rollouts: rounds of sending overtaken requests again before giving up. Each round
-# waits for a whole generation, and only a weight update landing during every one of them
-# overtakes it again: more rounds than this means updates outpace generation for good.
-MAX_RESAMPLE_ROUNDS = 8
-
-
-class ResampleLimitError(RuntimeError):
-    """Segments of a tree were overtaken by weight updates ``MAX_RESAMPLE_ROUNDS`` times in a row."""
-
 
 @dataclass
 class _Path:
@@ -102,7 +100,7 @@ class _Path:
 async def sample_trees(
     engine: RolloutEngine,
     problems: Sequence[dict | None],
-    prompts: Sequence[Sequence[int]],
+    prompts: Sequence[Sequence[int]] | None,
     cfg: RolloutConfig,
     *,
     eos_token_ids: Sequence[int] = (),
@@ -112,6 +110,7 @@ async def sample_trees(
     on_progress: Callable[[int, RolloutTree, SampleStats], None] | None = None,
     agent: Agent | None = None,
     render: Callable[[list[Message]], list[int]] | None = None,
+    env: EpisodeSetup | None = None,
     is_stale: Callable[[str], bool] | None = None,
     across_trees: bool = True,
 ) -> tuple[list[RolloutTree], list[SampleStats]]:
@@ -131,37 +130,52 @@ async def sample_trees(
     ``decode(ids) -> str`` makes the repetition rule work on text. ``on_progress(i,
     tree, stats)`` is called as each tree completes.
 
-    With an ``agent`` (multi-turn episodes), a model turn that ends on a stop token is a
-    decision point: ``agent.step(problem, history)`` (run in a thread, so the tool calls
-    of different branches run concurrently) either ends the episode (None) or gives
-    messages whose ids, ``render(messages)`` (e.g. :func:`arbor.rollout.agents.continuation_ids`),
-    are appended as a node with ``loss_mask = 0``; the path then continues and may fork
-    there like at any segment boundary. The history holds ``agent.start(problem)``, then
-    each model turn decoded (``decode`` is required) and each tool turn as given. A step
-    is given ``cfg.agent_timeout_s`` seconds; past that its episode ends ("agent_timeout").
+    Multi-turn episodes: with an ``env`` (:class:`~arbor.rollout.episodes.EpisodeSetup`), each
+    tree's prompt is its environment's ``reset`` messages (``env.prompt``; ``prompts`` may then be
+    None), and a model turn that ends on a stop token is a decision point: the branch's own
+    instance's ``step(history)`` either ends the episode or gives messages whose ids,
+    ``env.render(messages)``, are appended as a node with ``loss_mask = 0``; the path then goes on
+    and may fork there like at any segment boundary. ``decode`` is required. An ``agent`` (and
+    its ``render``) is the same, as a stateless environment; ``prompts`` then come from its
+    ``start``. Calls are given ``cfg.env_timeout_s`` (an agent's step ``cfg.agent_timeout_s``).
     """
-    if agent is not None and (render is None or decode is None):
-        raise ValueError("sampling with an agent needs render (messages -> ids) and decode")
-    if len(problems) != len(prompts):
+    env = episode_setup(agent, render, env, decode, prompts is None)
+    if prompts is not None and len(problems) != len(prompts):
         raise ValueError(f"{len(problems)} problems but {len(prompts)} prompts")
     if cfg.mode not in ("tree", "independent"):
         raise ValueError(f"rollout.mode must be 'tree' or 'independent', got {cfg.mode!r}")
-    if agent is not None and cfg.fork_at == "entropy":
-        raise ValueError("rollout.fork_at: entropy does not fork multi-turn episodes (rollout.agent)")
 
     batcher = RoundBatcher(engine, across_trees=across_trees)
+    timeout = cfg.agent_timeout_s if env is not None and env.source.is_agent else cfg.env_timeout_s
+    calls = EnvCalls(timeout, cfg.max_live_envs)
 
     async def one(index: int) -> tuple[RolloutTree, SampleStats]:
-        sampler = _TreeSampler(
-            batcher, cfg, index, list(eos_token_ids), seed, is_final_answer, decode, agent, render, is_stale
-        )
-        tree = RolloutTree(list(prompts[index]), problems[index])
-        stats = await sampler.run(tree)
+        stats = SampleStats()
+        episodes = None if env is None else TreeEpisodes(env, calls, cfg, stats, decode, eos_token_ids, index)
+        sampler = _TreeSampler(batcher, cfg, index, list(eos_token_ids), seed, is_final_answer, decode, episodes,
+                               is_stale, stats)
+        tree = None
+        try:
+            prompt = None if episodes is None else await episodes.reset(problems[index], reset_seed(seed, index))
+            tree = RolloutTree(list(prompts[index]) if prompt is None else prompt, problems[index])  # type: ignore[index]
+            await sampler.run(tree)
+        finally:
+            if episodes is not None:  # every instance is closed, also after an error
+                await episodes.close(tree)
+        sampler.done(tree)
         if on_progress is not None:
             on_progress(index, tree, stats)
         return tree, stats
 
-    results = await asyncio.gather(*(one(i) for i in range(len(prompts))))
+    tasks = [asyncio.ensure_future(one(i)) for i in range(len(problems))]
+    try:
+        results = await asyncio.gather(*tasks)
+    except BaseException:
+        # The other trees stop too, closing their environments, before the error goes up.
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
     return [t for t, _ in results], [s for _, s in results]
 
 
@@ -182,42 +196,44 @@ class _TreeSampler:
         seed: int,
         is_final_answer: Callable[[list[int]], bool] | None,
         decode: Callable[[list[int]], str] | None,
-        agent: Agent | None = None,
-        render: Callable[[list[Message]], list[int]] | None = None,
+        episodes: TreeEpisodes | None = None,
         is_stale: Callable[[str], bool] | None = None,
+        stats: SampleStats | None = None,
     ) -> None:
         self.batcher, self.cfg, self.index = batcher, cfg, index
         self.is_stale = is_stale
         self.stop_ids, self.seed = stop_ids, seed
         self.is_final_answer, self.decode = is_final_answer, decode
-        self.stats = SampleStats()
-        # Multi-turn episodes: the agent's turns (render and decode are checked by sample_trees).
-        self.turns = None if agent is None else AgentTurns(agent, render, decode, stop_ids, cfg, self.stats)  # type: ignore[arg-type]
+        self.stats = SampleStats() if stats is None else stats
+        self.episodes = episodes  # multi-turn episodes: the environment of every branch
         self.forks_sent: dict[int, int] = {}  # node id → requests already sent from it
         # Fallback choices: one stream per tree so trees stay independent of each other.
         self.rng = random.Random(f"{seed}/{index}/fallback")
         self.answered: set[int] = set()  # leaf ids whose response holds a final answer
 
-    async def run(self, tree: RolloutTree) -> SampleStats:
+    async def run(self, tree: RolloutTree) -> None:
         cfg, width = self.cfg, self.cfg.width
         if cfg.mode == "independent":
-            # One request n = width; with an agent, each episode then goes on alone.
+            # One request n = width; with an environment, each episode then goes on alone.
             active, counts = [_Path(tree.root, 0.0)], [width]
             while active:
                 active, _ = await self._round(tree, active, counts, cfg.max_response_tokens)
                 counts = [1] * len(active)
-            return self._done(tree)
+            return
         if cfg.fork_at == "entropy":  # TreeRL's EPTree: whole paths, forked at high-entropy tokens
             await self._entropy_rounds(tree)
-            return self._done(tree)
+            return
         rng = random.Random(f"{self.seed}/{self.index}/init")
         # Capped at width: a RolloutConfig built in code skips validate's check.
         copies = min(width, root_copies(cfg.root_fork, branch=cfg.branch, rng=rng))
         active, counts = [_Path(tree.root, 0.0)], [copies]
         ended = 0  # ended paths (leaves); the active paths' tips are leaves too, for now
         while True:
+            sent = self.stats.requests
             active, newly = await self._round(tree, active, counts, cfg.segment_tokens)
             ended += newly
+            if self.stats.requests == sent:  # no copy got an environment: nothing more can start
+                break
             if not active:
                 if ended >= width:
                     break
@@ -241,7 +257,8 @@ class _TreeSampler:
                 temperature=cfg.branch_temperature,
                 favor=cfg.branch_favor,
             )
-        return self._done(tree)
+            if self.episodes is not None:  # fork: none past the first step: one copy, the rest elsewhere
+                counts = cap_copies(counts, [self.episodes.may_fork(p.node) for p in active])
 
     async def _round(
         self, tree: RolloutTree, active: list[_Path], counts: list[int], max_new: int
@@ -250,39 +267,51 @@ class _TreeSampler:
 
         Returns the paths that continue and how many ended this round.
         """
+        if self.episodes is not None:  # an environment instance for every copy (fewer if a fork failed)
+            counts = await self._prepare(tree, [p.node for p in active], counts)
+            active, counts = [p for p, n in zip(active, counts) if n], [n for n in counts if n]
         requests = [self._request(tree, path.node, n, max_new) for path, n in zip(active, counts)]
         results = await self._generate(tree, requests)
         self.stats.rounds += 1
         self.stats.requests += len(requests)
         survivors: list[_Path] = []
-        ended = 0
+        over: list[Node] = []  # paths that ended this round
+        turns: list[_Path] = []  # finished model turns: decision points of an environment
         # Children are added in request order so node ids (and seeds) are reproducible.
-        turns: list[_Path] = []  # finished model turns: decision points
         for path, request, outputs in zip(active, requests, results):
             if len(outputs) != request.sampling.n:
                 raise RuntimeError(
                     f"engine returned {len(outputs)} outputs for a request of n={request.sampling.n}"
                 )
-            for out in outputs:
-                node = self._add(tree, path.node, out)
+            nodes = [self._add(tree, path.node, out) for out in outputs]
+            if self.episodes is not None:
+                self.episodes.hand_over(path.node, nodes)
+            for node, out in zip(nodes, outputs):
                 grown = _Path(node, path.logprob + sum(out.logprobs), segment_score(out.logprobs))
                 if node.finish_reason in (None, "length"):
                     survivors.append(grown)
-                elif self.turns is not None and node.finish_reason == FINISHED:
+                elif self.episodes is not None and node.finish_reason == FINISHED:
                     turns.append(grown)
                 else:
-                    ended += 1
-        if turns:
-            assert self.turns is not None  # only episodes with an agent have turns
-            replies = await asyncio.gather(*(self.turns.step(tree, t.node) for t in turns))
-            for turn, messages in zip(turns, replies):
-                tool = self.turns.add(tree, turn.node, messages) if messages else None
-                if tool is not None and tool.finish_reason is None:
-                    # A tool turn is not sampled: the path keeps its model turn's scores.
-                    survivors.append(_Path(tool, turn.logprob, turn.last_logprob))
-                else:
-                    ended += 1
-        return survivors, ended
+                    over.append(node)
+        going_on = await self._settle(tree, over, turns)
+        return survivors + going_on, len(over) + len(turns) - len(going_on)
+
+    async def _prepare(self, tree: RolloutTree, parents: list[Node], counts: list[int]) -> list[int]:
+        """Environment instances for ``counts[i]`` copies from ``parents[i]``; the copies each got."""
+        assert self.episodes is not None
+        return list(await asyncio.gather(*(self.episodes.prepare(tree, p, n) for p, n in zip(parents, counts))))
+
+    async def _settle(self, tree: RolloutTree, over: list[Node], turns: list[_Path]) -> list[_Path]:
+        """Episodes that ended at ``over`` read their rewards; each finished model turn of ``turns``
+        gets its environment's answer. Returns the paths that go on after an environment turn."""
+        if self.episodes is None:
+            return []
+        episodes = self.episodes
+        await asyncio.gather(*(episodes.end(tree, node) for node in over))
+        tips = await asyncio.gather(*(episodes.after_turn(tree, t.node) for t in turns))
+        # An environment turn is not sampled: the path keeps its model turn's scores.
+        return [_Path(tip, t.logprob, t.last_logprob) for t, tip in zip(turns, tips) if tip is not None]
 
     def _request(self, tree: RolloutTree, parent: Node, n: int, max_new: int, entropy: bool = False) -> GenerateRequest:
         """``n`` continuations of the path ending at ``parent``, at most ``max_new`` tokens each
@@ -307,10 +336,11 @@ class _TreeSampler:
         :func:`~arbor.rollout.entropy_fork.entropy_forks` says, until ``width`` leaves."""
         cfg, width = self.cfg, self.cfg.width
         scores: Scores = {}
+        may_fork = None if self.episodes is None else self.episodes.may_fork
         await self._whole_paths(tree, [(tree.root, min(cfg.entropy_init, width))], scores)
         while (leaves := len(tree.leaves())) < width:
             forks = entropy_forks(tree, scores, per_group=cfg.entropy_forks, remaining=width - leaves,
-                                  branch=cfg.branch)
+                                  branch=cfg.branch, may_fork=may_fork)
             if forks:
                 starts = [(split_for_fork(tree, point, scores), copies) for point, copies in forks]
                 self.stats.forks += len(forks)
@@ -321,56 +351,48 @@ class _TreeSampler:
             else:
                 self.stats.shortfall_reason = "no token left to fork at and rollout.fallback is disabled"
                 return
+            sent = self.stats.requests
             await self._whole_paths(tree, starts, scores)
+            if self.stats.requests == sent and not forks:  # not even a fresh start got an environment
+                return
 
     async def _whole_paths(self, tree: RolloutTree, starts: list[tuple[Node, int]], scores: Scores) -> None:
-        """``copies`` continuations of each ``(parent, copies)`` to the end of the answer, each
-        token scored for forking (``rollout.fork_entropy``); children in request order."""
+        """``copies`` continuations of each ``(parent, copies)`` to the end of the answer (with an
+        environment: of the episode, one model turn per request), each model token scored for
+        forking (``rollout.fork_entropy``); children in request order."""
         want = self.cfg.fork_entropy == "distribution"
-        requests = [self._request(tree, parent, n, self.cfg.max_response_tokens, want) for parent, n in starts]
-        results = await self._generate(tree, requests)
-        self.stats.rounds += 1
-        self.stats.requests += len(requests)
-        for (parent, n), outputs in zip(starts, results):
-            if len(outputs) != n:
-                raise RuntimeError(f"engine returned {len(outputs)} outputs for a request of n={n}")
-            for out in outputs:
-                node = self._add(tree, parent, out)
-                if node.finish_reason in (None, "length"):
-                    # Cut short of the budget without a stop token (the engine's context limit).
-                    node.finish_reason = "max_length"
-                scores[node.id] = token_scores(out, self.cfg.fork_entropy)
+        while starts:
+            if self.episodes is not None:
+                counts = await self._prepare(tree, [p for p, _ in starts], [n for _, n in starts])
+                starts = [(p, n) for (p, _), n in zip(starts, counts) if n]
+            requests = [self._request(tree, parent, n, self.cfg.max_response_tokens, want) for parent, n in starts]
+            results = await self._generate(tree, requests)
+            self.stats.rounds += 1
+            self.stats.requests += len(requests)
+            over: list[Node] = []
+            turns: list[_Path] = []
+            for (parent, n), outputs in zip(starts, results):
+                if len(outputs) != n:
+                    raise RuntimeError(f"engine returned {len(outputs)} outputs for a request of n={n}")
+                nodes = [self._add(tree, parent, out) for out in outputs]
+                for node, out in zip(nodes, outputs):
+                    if node.finish_reason in (None, "length"):
+                        # Cut short of the budget without a stop token (the engine's context limit).
+                        node.finish_reason = "max_length"
+                    scores[node.id] = token_scores(out, self.cfg.fork_entropy)
+                    finished = self.episodes is not None and node.finish_reason == FINISHED
+                    (turns.append(_Path(node, 0.0)) if finished else over.append(node))
+                if self.episodes is not None:
+                    self.episodes.hand_over(parent, nodes)
+            starts = [(p.node, 1) for p in await self._settle(tree, over, turns)]
 
     async def _generate(self, tree: RolloutTree, requests: list[GenerateRequest]) -> list[list[GenerateOutput]]:
         """A round's outputs; with partial rollouts, none sampled by weights overtaken in flight."""
-        results = await self.batcher.generate(requests)
-        if self.is_stale is not None:
-            results = await self._resample_stale(tree, requests, results)
+        if self.is_stale is None:
+            return await self.batcher.generate(requests)
+        results, resampled = await self.batcher.generate_fresh(requests, self.is_stale, tree.problem_id)
+        self.stats.resampled += resampled
         return results
-
-    async def _resample_stale(
-        self, tree: RolloutTree, requests: list[GenerateRequest], results: list[list[GenerateOutput]]
-    ) -> list[list[GenerateOutput]]:
-        """Send again every request whose segments a weight update overtook in flight (partial
-        rollouts), until none is: the path goes on from its parent under the new weights.
-        :class:`ResampleLimitError` after ``MAX_RESAMPLE_ROUNDS`` rounds still overtaken."""
-        assert self.is_stale is not None
-        for round_ in range(MAX_RESAMPLE_ROUNDS + 1):
-            stale = [i for i, outs in enumerate(results) if any(self.is_stale(o.weight_version) for o in outs)]
-            if not stale:
-                return results
-            if round_ == MAX_RESAMPLE_ROUNDS:
-                break
-            self.stats.resampled += sum(requests[i].sampling.n for i in stale)
-            again = await self.batcher.generate([requests[i] for i in stale])
-            for i, outs in zip(stale, again):
-                results[i] = outs
-        versions = sorted({o.weight_version for i in stale for o in results[i]})
-        raise ResampleLimitError(
-            f"problem {tree.problem_id}: {len(stale)} request(s) still overtaken by a weight update after "
-            f"{MAX_RESAMPLE_ROUNDS} resample rounds (last sampled by weight version(s) {versions}): the weights "
-            "change faster than a segment is generated (engine.partial_rollouts)"
-        )
 
     def _add(self, tree: RolloutTree, parent: Node, out: GenerateOutput) -> Node:
         """Record one segment and decide whether its path ended (sets ``finish_reason``)."""
@@ -391,7 +413,7 @@ class _TreeSampler:
             reason = "repetition"
         elif node.end >= cfg.max_response_tokens:
             reason = "max_length"
-        elif cfg.mode == "tree" and node.depth >= cfg.max_depth:
+        elif cfg.mode == "tree" and cfg.fork_at == "segment" and node.depth >= cfg.max_depth:
             reason = "max_depth"
         elif not out.output_ids:
             # An empty non-stop segment would loop forever; the engine hit its context limit.
@@ -424,8 +446,12 @@ class _TreeSampler:
         plan = fallback_copies(sources=len(sources), remaining=wanted, branch=cfg.branch)
         cuts: dict[Node, int] = {}  # cut node → copies; sources cut at one node share a request
         for leaf, copies in zip(sources, plan):
-            # Boundaries: the root and every internal node above the leaf (token aligned).
-            cut = self.rng.choice([tree.root] + tree.path(leaf)[:-1])
+            # Boundaries: the root and every internal node above the leaf (token aligned) where
+            # a branch may start (an environment with fork: none: only before its first step),
+            cuts_at = [tree.root] + tree.path(leaf)[:-1]
+            if self.episodes is not None:  # ... never between a finished model turn and its environment's answer
+                cuts_at = [tree.root] + [n for n in cuts_at[1:] if self.episodes.may_fork(n) and n.finish_reason != FINISHED]
+            cut = self.rng.choice(cuts_at)
             cuts[cut] = cuts.get(cut, 0) + copies
         self.stats.fallbacks += len(plan)
         return [self._path_at(tree, cut) for cut in cuts], list(cuts.values())
@@ -434,17 +460,22 @@ class _TreeSampler:
         """A path ending at ``node`` with its scores: the logprob sum, and the mean of its
         last sampled segment (tool turns are not sampled: the model turn before counts)."""
         path = tree.path(node) if node.parent is not None else []
-        sampled = [n for n in path if self.turns is None or not self.turns.is_tool(n)]
+        sampled = [n for n in path if self.episodes is None or not self.episodes.is_turn(n)]
         last = segment_score(sampled[-1].logprobs or []) if sampled else 0.0
         return _Path(node, sum(sum(n.logprobs or []) for n in path), last)
 
-    def _done(self, tree: RolloutTree) -> SampleStats:
+    def done(self, tree: RolloutTree) -> SampleStats:
+        """The tree's leaf count, finish reasons and shortfall, once it is complete."""
         leaves = tree.leaves()
         self.stats.leaves = len(leaves)
         reasons: dict[str, int] = {}
         for leaf in leaves:
             reasons[leaf.finish_reason or "?"] = reasons.get(leaf.finish_reason or "?", 0) + 1
         self.stats.finish_reasons = reasons
+        s = self.stats
+        if len(leaves) < self.cfg.width and s.shortfall_reason is None and (s.env_dropped or s.env_errors):
+            s.shortfall_reason = (f"environment failures stopped branches ({s.env_dropped} dropped, {s.env_errors} "
+                                  f"errors, {s.env_timeouts} timeouts: env/errors, env/timeouts)")
         if len(leaves) < self.cfg.width and self.stats.shortfall_reason is None:
             self.stats.shortfall_reason = f"the engine ended every path early ({_reasons(tree)})"
         return self.stats

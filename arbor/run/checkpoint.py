@@ -6,8 +6,8 @@
     <output_dir>/checkpoints/latest                    "step-000010", written last
 
 A checkpoint is complete only once ``latest`` names it (written after everything else,
-atomically), so a run killed while saving resumes from the previous one. ``run.resume``
-picks ``latest``; the learner reloads its state and pushes the weights to the engines,
+atomically), so a run killed while saving resumes from the previous one. A new run refuses
+a directory that holds another one (:func:`check_output_dir`); ``run.resume`` picks ``latest``; the learner reloads its state and pushes the weights to the engines,
 the problem stream continues at its cursor, and the RNGs are restored. The metrics are
 not in the checkpoint: ``metrics.jsonl`` is appended to (:func:`arbor.run.metrics.read_metrics`
 keeps the last record of a step a resumed run redid). ``run.keep_checkpoints`` bounds how
@@ -89,6 +89,35 @@ def latest_checkpoint(output_dir: str | Path) -> Path | None:
     if not (path / "driver.json").exists():
         raise FileNotFoundError(f"{pointer} names {path.name}, which has no driver.json")
     return path
+
+
+# What a run writes once it has done something (a step, or the step-0 eval): a directory
+# holding either is another run's, even before its first checkpoint.
+RUN_TRACES = ("metrics.jsonl", "checkpoints")
+
+
+def check_output_dir(output_dir: str | Path, resume: bool, command: str) -> Path | None:
+    """The checkpoint a run in ``output_dir`` continues from (None: it starts at step 1).
+
+    Called before the run writes anything: without ``resume``, a directory that holds
+    another run (a checkpoint, or the traces of one that wrote none) is refused with a
+    ``SystemExit`` saying how to continue it or start over, so a second run never appends
+    to the first one's ``metrics.jsonl``. ``command`` names the command in the message.
+    """
+    out = Path(output_dir)
+    latest = latest_checkpoint(out)
+    if resume:
+        return latest
+    start_over = f"delete {out} or choose another run.output_dir to start over"
+    if latest is not None:
+        raise SystemExit(f"arbor {command}: {out} already holds a run (checkpoint {latest.name}): continue it "
+                         f"with run.resume=true (a larger run.steps extends it), or {start_over}")
+    traces = [name for name in RUN_TRACES if (out / name).exists()]
+    if traces:
+        raise SystemExit(f"arbor {command}: {out} already holds a run that wrote no checkpoint "
+                         f"({', '.join(traces)}): {start_over}; run.resume=true starts it again at step 1 "
+                         "in the same directory (its metrics.jsonl is appended to)")
+    return None
 
 
 def schedule_horizon(directory: Path, steps: int) -> int:

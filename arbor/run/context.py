@@ -19,10 +19,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-from arbor.config import Config, save_config
+from arbor.config import Config, config_to_dict, save_config
 from arbor.data import ProblemStream, load_problems
 from arbor.engines.client import SGLangClient
-from arbor.rollout.agents import Agent, fitting_problems, rollout_agent
+from arbor.rollout.agents import Agent, fitting_problems
+from arbor.rollout.environments import require_reward, rollout_env
 from arbor.rollout.rewards import RewardPool, reward_pool
 from arbor.run import checkpoint
 from arbor.run.engine_group import EngineGroup
@@ -31,7 +32,7 @@ from arbor.run.metrics import MetricsLog
 from arbor.run.orchestration import Placement, ray_cpus, start_groups, start_ray
 from arbor.run.phases import Sampling
 from arbor.run.recovery import EngineRecovery
-from arbor.run.startup import StartupClock, load_tokenizer, settled
+from arbor.run.startup import StartupClock, load_tokenizer, problem_files, settled
 
 T = TypeVar("T")
 
@@ -41,7 +42,7 @@ class RunContext:
     """Everything one run holds: config, data, engines, learners, rewards, metrics."""
 
     cfg: Config
-    sampling: Sampling  # the engine client with the tokenizer, agent and prompt format
+    sampling: Sampling  # the engine client with the tokenizer, environment and prompt format
     stream: ProblemStream  # training problems, batch after batch (its cursor is checkpointed)
     eval_problems: list[dict]  # eval.path (or data.eval_path) when run.eval_every; else empty
     data_metrics: dict[str, float]  # problems skipped at start-up (data/skipped_long_prompts, ...)
@@ -143,23 +144,20 @@ def _start(cfg: Config, closers: list[Callable[[], Any]], clock: StartupClock) -
     from arbor.plugins import default_search_dirs
 
     out = Path(cfg.run.output_dir)
-    previous = checkpoint.latest_checkpoint(out)
-    if previous is not None and not cfg.run.resume:
-        raise SystemExit(
-            f"arbor train: {out} already holds a run (checkpoint {previous.name}); set "
-            "run.resume=true to continue it, or choose another run.output_dir"
-        )
+    previous = checkpoint.check_output_dir(out, cfg.run.resume, "train")  # before anything is written
     out.mkdir(parents=True, exist_ok=True)
     save_config(cfg, out / "config.yaml")  # as written: engine.kind auto stays auto on another machine
     cfg = settled(cfg)
     search = default_search_dirs(cfg.source)  # where rewards/ and agents/ specs resolve
     with clock.phase("tokenizer"):
         tokenizer, eos_token_ids = load_tokenizer(cfg.model)
-    agent = rollout_agent(cfg.rollout, search)  # multi-turn episodes, or None
+    env = rollout_env(cfg.rollout, search)  # multi-turn episodes (rollout.env, or rollout.agent), or None
+    require_reward(env, cfg.reward)
     with clock.phase("data"):
-        stream, eval_problems, data_metrics = _load_problems(cfg, agent, tokenizer)
+        stream, eval_problems, data_metrics = _load_problems(cfg, None if env is None else env.agent, tokenizer,
+                                                             skip_check=env is not None and env.agent is None)
     with clock.phase("metrics"):
-        log = MetricsLog(cfg.run, cfg.run.steps)
+        log = MetricsLog(cfg.run, cfg.run.steps, config=config_to_dict(cfg))  # the settled config
         closers.append(log.close)
     with clock.phase("rewards"):
         rewards = reward_pool(cfg.reward, search)
@@ -188,7 +186,8 @@ def _start(cfg: Config, closers: list[Callable[[], Any]], clock: StartupClock) -
     # again. The recovery owns the driver's client for that.
     recovery = EngineRecovery(engines, learners, cfg.engine, cfg.learner.weight_sync, cfg.run.output_dir)
     ctx = RunContext(
-        cfg=cfg, sampling=Sampling(recovery.client, tokenizer, agent, eos_token_ids, cfg.data, cfg.model.chat_template),
+        cfg=cfg, sampling=Sampling(recovery.client, tokenizer, env, eos_token_ids, cfg.data, cfg.model.chat_template,
+                                   env_weight=cfg.reward.env_weight, env_reward_only=not cfg.reward.functions),
         stream=stream, eval_problems=eval_problems, data_metrics=data_metrics, log=log, rewards=rewards,
         placement=placement, engines=engines, learners=learners, recovery=recovery, schedule_steps=schedule_steps,
         startup=clock,
@@ -209,24 +208,29 @@ def _start(cfg: Config, closers: list[Callable[[], Any]], clock: StartupClock) -
     return ctx
 
 
-def _load_problems(cfg: Config, agent: Agent | None, tokenizer: Any) -> tuple[ProblemStream, list[dict], dict[str, float]]:
+def _load_problems(
+    cfg: Config, agent: Agent | None, tokenizer: Any, skip_check: bool = False,
+) -> tuple[ProblemStream, list[dict], dict[str, float]]:
     """The training stream, the eval problems (``eval.path`` or ``data.eval_path``, when
     ``run.eval_every``) and the start-up's data metrics: problems whose prompt does not fit
-    ``data.max_prompt_tokens`` are skipped, never cut, and counted."""
+    ``data.max_prompt_tokens`` are skipped, never cut, and counted. ``skip_check``: an
+    environment's prompts are its reset's, known only when an episode starts (checked then)."""
     data_metrics: dict[str, float] = {}
 
     def fitting(problems: list[dict], source: str, metric: str) -> list[dict]:
+        if skip_check:
+            return problems
         kept, skipped = fitting_problems(problems, agent, tokenizer, cfg.data, cfg.model.chat_template, source)
         data_metrics[metric] = float(len(skipped))
         return kept
 
-    problems = fitting(load_problems(cfg.data.train_path, cfg.data), "data.train_path", "data/skipped_long_prompts")
+    files = problem_files(cfg, "train")  # data.train_path, and the eval set when the run evaluates
+    problems = fitting(load_problems(files.pop("data.train_path"), cfg.data, "data.train_path"), "data.train_path",
+                       "data/skipped_long_prompts")
     stream = ProblemStream(problems, cfg.run.seed, cfg.data.shuffle)
     eval_problems: list[dict] = []
-    eval_path = cfg.eval.path or cfg.data.eval_path
-    if eval_path and cfg.run.eval_every:
-        eval_problems = fitting(load_problems(eval_path, cfg.data),
-                                "eval.path" if cfg.eval.path else "data.eval_path", "data/skipped_long_eval_prompts")
+    for key, path in files.items():
+        eval_problems = fitting(load_problems(path, cfg.data, key), key, "data/skipped_long_eval_prompts")
     return stream, eval_problems, data_metrics
 
 

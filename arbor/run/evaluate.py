@@ -7,8 +7,9 @@
 It starts the engine(s) of ``engine``/``model`` (no Ray), samples ``eval.samples`` answers
 per problem of ``eval.path`` (default ``data.eval_path``), scores them with
 ``reward.functions``, prints a summary and writes ``<run.output_dir>/eval.json`` (metrics
-plus one record per problem) and TensorBoard scalars under
-``<run.output_dir>/tensorboard/eval``. The trainer calls :func:`run_eval` every
+plus one record per problem) and, with ``tensorboard`` in ``run.loggers``, TensorBoard
+scalars under ``<run.output_dir>/tensorboard/eval`` (W&B and MLflow get a training run's
+``eval/*`` metrics, not ``arbor eval``'s). The trainer calls :func:`run_eval` every
 ``run.eval_every`` steps (``arbor.run.phases.evaluate``) and logs the same ``eval/*`` metrics.
 
 In code, with any :class:`~arbor.engines.types.RolloutEngine` and a reward pool:
@@ -29,11 +30,13 @@ Definitions (n = k = ``eval.samples`` answers per problem, c of them correct):
 - ``eval/length_mean`` / ``eval/length_max``: response tokens per sample (EOS included);
 - ``eval/finished``: samples that ended on EOS; ``eval/answered``: samples with an answer.
 
-With ``rollout.agent`` every sample is one multi-turn episode, run to its end as in the
-trainer's ``mode: independent`` (one path each; ``eval.max_response_tokens`` bounds the
-whole episode, tool turns included). The scored text is the episode's whole response,
-decoded — what the reward sees in training — and the report adds
-``eval/tool_calls_per_episode``, ``eval/tool_errors`` and ``eval/agent_timeouts``.
+With ``rollout.env`` (or ``rollout.agent``) every sample is one multi-turn episode, run to
+its end as in the trainer's ``mode: independent`` (one path each; ``eval.max_response_tokens``
+bounds the whole episode, tool turns included). The scored text is the episode's whole
+response, decoded — what the reward sees in training — plus ``reward.env_weight`` × the
+environment's reward, and the report adds ``eval/tool_calls_per_episode``,
+``eval/tool_errors`` and ``eval/agent_timeouts`` (with ``rollout.env``: ``eval/env_timeouts``,
+``eval/env_errors``).
 """
 
 from __future__ import annotations
@@ -54,6 +57,7 @@ from arbor.config import Config, EvalConfig, RolloutConfig
 from arbor.engines.types import RolloutEngine
 from arbor.rollout.agents import Agent, Render, tool_turns
 from arbor.rollout.answers import final_boxes
+from arbor.rollout.episodes import EpisodeSetup
 from arbor.rollout.rewards import Item, ScoreResult
 from arbor.rollout.sampler import sample_trees
 from arbor.tree import RolloutTree
@@ -71,8 +75,8 @@ class SampleRecord:
 
     response: str
     answer: str | None  # normalised last \boxed{} content; None: no (well-formed) box
-    reward: float  # Σ weight · term
-    correct: bool  # first reward term > 0
+    reward: float  # Σ weight · term (+ reward.env_weight × the environment's reward)
+    correct: bool  # first reward term > 0 (no reward functions: reward > 0)
     tokens: int  # response length (an agent's tool turns included)
     finish_reason: str  # "stop" (EOS) | "max_length" | "repetition" | "abort" | "agent_timeout"
     tool_calls: int  # agent turns in the episode; 0 without an agent
@@ -195,7 +199,7 @@ def run_eval(
     engine: RolloutEngine,
     rewards: Scorer,
     problems: Sequence[dict],
-    prompts: Sequence[Sequence[int]],
+    prompts: Sequence[Sequence[int]] | None,
     eval_cfg: EvalConfig,
     rollout_cfg: RolloutConfig,
     *,
@@ -206,13 +210,17 @@ def run_eval(
     status: Callable[[str], None] = lambda text: None,
     agent: Agent | None = None,
     render: Render | None = None,
+    env: EpisodeSetup | None = None,
+    env_weight: float = 1.0,
 ) -> EvalReport:
     """Sample ``eval_cfg.samples`` answers per problem, score them, compute the metrics.
 
     ``prompts[i]`` are problem i's prompt token ids; ``decode(ids) -> str`` gives the text
     the reward sees; ``run_async`` runs the sampling coroutine (the trainer's closes its
-    client's session); ``status(text)`` reports progress. With an ``agent`` (and its
-    ``render``, as from :func:`arbor.rollout.agents.episode_inputs`) each answer is an episode.
+    client's session); ``status(text)`` reports progress. With an ``env`` (its reset gives the
+    prompts: ``prompts`` None), or an ``agent`` (and its ``render``, as from
+    :func:`arbor.rollout.agents.episode_inputs`), each answer is an episode; ``env_weight``
+    (``reward.env_weight``) weighs the environment's reward.
     """
     k = eval_cfg.samples
     done = [0]
@@ -225,32 +233,37 @@ def run_eval(
     trees, stats = run_async(sample_trees(
         engine, list(problems), prompts, eval_rollout_config(eval_cfg, rollout_cfg),
         eos_token_ids=eos_token_ids, seed=seed, decode=decode, on_progress=sampled,
-        agent=agent, render=render,
+        agent=agent, render=render, env=env,
     ))
     leaves = [(tree, leaf) for tree in trees for leaf in tree.leaves()]
     texts = [decode(tree.response_ids(leaf)) for tree, leaf in leaves]
     result = rewards.score([(tree.problem or {}, text) for (tree, _), text in zip(leaves, texts)],
                            lambda d, n: status(f"eval: scored {d}/{n} answers"))
-    first_term = next(iter(result.term_scores.values()), result.scores)
+    scores = [score + (0.0 if leaf.env_reward is None else env_weight * leaf.env_reward)
+              for score, (_, leaf) in zip(result.scores, leaves)]
+    first_term = next(iter(result.term_scores.values()), scores)
     records, at = [], 0
     for tree in trees:
         samples = []
         for leaf in tree.leaves():
             samples.append(SampleRecord(
-                response=texts[at], answer=normalise_answer(texts[at]), reward=result.scores[at],
+                response=texts[at], answer=normalise_answer(texts[at]), reward=scores[at],
                 correct=first_term[at] > 0, tokens=leaf.end, finish_reason=leaf.finish_reason or "?",
                 tool_calls=tool_turns(tree, leaf),
             ))
             at += 1
         records.append(problem_record(tree.problem or {}, samples, k))
     metrics = summarise(records, k) | {"eval/reward_timeouts": float(result.timeouts)}
-    if agent is not None:
+    if agent is not None or env is not None:
         metrics |= {
             "eval/tool_calls_per_episode": sum(s.tool_calls for r in records for s in r.samples)
             / max(len(leaves), 1),
             "eval/tool_errors": float(sum(s.tool_errors for s in stats)),
             "eval/agent_timeouts": float(sum(s.agent_timeouts for s in stats)),
         }
+    if env is not None and not env.source.is_agent:
+        metrics |= {"eval/env_timeouts": float(sum(s.env_timeouts for s in stats)),
+                    "eval/env_errors": float(sum(s.env_errors for s in stats))}
     return EvalReport(k, metrics, records)
 
 
@@ -263,35 +276,39 @@ def main(cfg: Config) -> int:
     The start-up is the run's (:mod:`arbor.run.startup`: the settled engine kind and key, the
     tokenizer and stop ids; the agent, reward pool and engine launch options as ``arbor
     train`` builds them), but the engines run in this process, without Ray."""
-    from arbor.data import load_problems
+    from arbor.data import format_prompt, load_problems
     from arbor.engines.connect import closing, engine_client
     from arbor.engines.launch import launch_engines
     from arbor.plugins import default_search_dirs
-    from arbor.rollout.agents import episode_inputs, fitting_problems, rollout_agent
+    from arbor.rollout.agents import fitting_problems
+    from arbor.rollout.environments import require_reward, rollout_env
+    from arbor.rollout.episodes import run_episodes
     from arbor.rollout.rewards import reward_pool
     from arbor.run.engine_group import launch_options
     from arbor.run.orchestration import cpu_threads
-    from arbor.run.startup import engine_device, load_tokenizer, settled
+    from arbor.run.startup import engine_device, load_tokenizer, problem_files, settled
 
     e = cfg.eval
-    path = e.path or cfg.data.eval_path
-    if path is None:
-        print("arbor eval: no set to evaluate: set eval.path or data.eval_path", file=sys.stderr)
-        return 2
+    ((key, path),) = problem_files(cfg, "eval").items()  # eval.path, else data.eval_path
     cfg = settled(cfg)
     tokenizer, eos = load_tokenizer(cfg.model)
     search = default_search_dirs(cfg.source)
-    agent = rollout_agent(cfg.rollout, search)  # the episodes the run trains on
-    # As arbor train does: prompts longer than data.max_prompt_tokens are skipped (and counted), never cut.
-    problems, skipped = fitting_problems(load_problems(path, cfg.data), agent, tokenizer, cfg.data,
-                                         cfg.model.chat_template, "eval.path" if e.path else "data.eval_path")
+    env = rollout_env(cfg.rollout, search)  # the episodes the run trains on
+    require_reward(env, cfg.reward)
+    problems, skipped = load_problems(path, cfg.data, key), list[str]()
+    if env is None or env.agent is not None:  # an environment's prompts are only known at its reset
+        # As arbor train does: prompts longer than data.max_prompt_tokens are skipped (and counted), never cut.
+        problems, skipped = fitting_problems(problems, None if env is None else env.agent, tokenizer, cfg.data,
+                                             cfg.model.chat_template, key)
     problems = problems[: e.max_problems or None]
-    prompts, render = episode_inputs(problems, agent, tokenizer, cfg.data, cfg.model.chat_template)
+    episodes = None if env is None else run_episodes(env, tokenizer, cfg.data, needs_reward=not cfg.reward.functions)
+    prompts = None if env is not None else [format_prompt(p, cfg.data, tokenizer, cfg.model.chat_template)
+                                            for p in problems]
     out_dir = Path(cfg.run.output_dir)
     output = Path(e.output) if e.output else out_dir / "eval.json"
     print(f"arbor eval: {cfg.model.path} on {path}: {len(problems)} problems x {e.samples} answer(s), "
           + (f"temperature {e.temperature}" if e.temperature > 0 else "greedy")
-          + (f", agent {cfg.rollout.agent}" if agent is not None else ""), flush=True)
+          + (f", {env.key} {env.spec}" if env is not None else ""), flush=True)
 
     def decode(ids: list[int]) -> str:
         return tokenizer.decode(ids, skip_special_tokens=True)
@@ -307,19 +324,19 @@ def main(cfg: Config) -> int:
         report = run_eval(
             client, rewards, problems, prompts, e, cfg.rollout, decode=decode, eos_token_ids=eos,
             seed=cfg.run.seed, run_async=lambda coroutine: asyncio.run(closing(client, coroutine)),
-            status=_console_status, agent=agent, render=render,
+            status=_console_status, env=episodes, env_weight=cfg.reward.env_weight,
         )
     _console_status("")
     report.metrics["eval/seconds"] = time.perf_counter() - t0
     report.metrics["eval/skipped_long_prompts"] = float(len(skipped))
     write_report(output, report, cfg, str(path))
-    if cfg.run.tensorboard:
+    if "tensorboard" in cfg.run.loggers:
         write_scalars(out_dir / "tensorboard" / "eval", report.metrics, e.step)
     m, k = report.metrics, report.k
     print(f"arbor eval: pass@{k} {m[f'eval/pass@{k}']:.3f}  maj@{k} {m[f'eval/maj@{k}']:.3f}  "
           f"accuracy {m['eval/accuracy']:.3f}  length {m['eval/length_mean']:.1f} tokens  "
           + (f"tool calls {m['eval/tool_calls_per_episode']:.2f}/episode ({m['eval/tool_errors']:.0f} errors, "
-             f"{m['eval/agent_timeouts']:.0f} agent timeouts)  " if agent is not None else "")
+             f"{m['eval/agent_timeouts']:.0f} agent timeouts)  " if env is not None else "")
           + f"({m['eval/seconds']:.1f} s) -> {output}", flush=True)
     return 0
 
@@ -328,7 +345,8 @@ def write_report(output: Path, report: EvalReport, cfg: Config, data_path: str) 
     """``eval.json``: what was evaluated, how, the metrics and every problem's record."""
     e = cfg.eval
     settings = {"model": cfg.model.path, "data": data_path, "samples": e.samples, "temperature": e.temperature,
-                "top_p": e.top_p, "seed": cfg.run.seed, "step": e.step, "agent": cfg.rollout.agent}
+                "top_p": e.top_p, "seed": cfg.run.seed, "step": e.step, "agent": cfg.rollout.agent,
+                "env": cfg.rollout.env}
     output.parent.mkdir(parents=True, exist_ok=True)
     output.write_text(json.dumps(settings | report.to_dict(), indent=1) + "\n")
 

@@ -1,6 +1,7 @@
 """The learner ranks of a run: ``learner.num_ranks`` Ray actors forming one data-parallel group.
 
-    learners = LearnerGroup(cfg, placement, total_steps=cfg.run.steps, wait=False)
+    # total_steps: the optimizer updates the learning-rate schedule spans (arbor.run.context.updates_per_step)
+    learners = LearnerGroup(cfg, placement, total_steps=cfg.run.steps * updates_per_step(cfg), wait=False)
     start_groups(engines, learners, clock)                # arbor.run.orchestration
     results = learners.step(packs_per_rank, denominator)  # one update on every rank
     learners.push_weights(engines.urls, version="3")      # ZeRO-3 gather → engines

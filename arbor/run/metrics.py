@@ -1,9 +1,10 @@
-"""Step metrics: TensorBoard scalars, a ``metrics.jsonl`` line per step, the console display.
+"""Step metrics: a ``metrics.jsonl`` line per step, ``run.loggers`` (TensorBoard, W&B, MLflow:
+:mod:`arbor.run.loggers`), the console display.
 
-    log = MetricsLog(cfg.run, total_steps=cfg.run.steps)   # console line every run.log_every steps
+    log = MetricsLog(cfg.run, total_steps=cfg.run.steps, config=config_to_dict(cfg))
     with log.phase("rollout"):                      # per-phase seconds -> time/rollout_s
         ...
-    log.write(step, {"reward/mean": 0.4, ...})     # TensorBoard + jsonl + console line
+    log.write(step, {"reward/mean": 0.4, ...})     # loggers + jsonl + console line
     log.close()
 
 Metric names are ``group/name``; docs/metrics.md says what each one means.
@@ -20,6 +21,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from arbor.config import RunConfig
+from arbor.run.loggers import Logger, open_loggers
 
 # Shown on the console after every step, in this order (everything goes to TensorBoard).
 CONSOLE = (
@@ -36,18 +38,18 @@ CONSOLE = (
 
 
 class MetricsLog:
-    def __init__(self, run_cfg: RunConfig, total_steps: int, stream: TextIO | None = None) -> None:
+    def __init__(self, run_cfg: RunConfig, total_steps: int, stream: TextIO | None = None,
+                 config: dict[str, Any] | None = None) -> None:
+        """``config``: the resolved config (:func:`arbor.config.config_to_dict`) each logger records."""
         self.dir = Path(run_cfg.output_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.total = total_steps
         self.log_every = run_cfg.log_every
         self.stream = stream or sys.stdout
         self.phases: dict[str, float] = {}
-        self.writer: Any = None
-        if run_cfg.tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self.writer = SummaryWriter(str(self.dir / "tensorboard"))
+        self.last_step = -1
+        self.logger_errors = 0  # steps a logger failed to record, so far (run/logger_errors)
+        self.loggers: list[Logger] = open_loggers(run_cfg.loggers, self.dir, run_cfg.name, config or {})
         self.jsonl = (self.dir / "metrics.jsonl").open("a")
 
     @contextmanager
@@ -69,18 +71,26 @@ class MetricsLog:
     def write(self, step: int, metrics: dict[str, float]) -> dict[str, float]:
         """Record one step (``step`` counts from 1); returns the metrics with the phase times.
 
-        Every step goes to ``metrics.jsonl`` and TensorBoard (resume and analysis need them
-        all); the console shows every ``run.log_every``-th step, step 0 and the last.
+        Every step goes to ``metrics.jsonl`` and ``run.loggers`` (resume and analysis need
+        them all); the console shows every ``run.log_every``-th step, step 0 and the last. A
+        logger that fails (a tracking server down) does not stop the run: the error is printed
+        naming the logger and counted in ``run/logger_errors``.
         """
         metrics = dict(metrics)
         for name, seconds in self.phases.items():
             metrics[f"time/{name}_s"] = seconds
         metrics["time/step_s"] = sum(self.phases.values())
         self.phases = {}
-        if self.writer is not None:
-            for key, value in metrics.items():
-                self.writer.add_scalar(key, value, step)
-            self.writer.flush()
+        for logger in self.loggers:
+            try:
+                logger.log(step, metrics)
+            except Exception as e:  # warned and counted: metrics.jsonl still holds the step
+                self.logger_errors += 1
+                print(f"arbor: run.loggers {logger.name}: step {step} not logged: {type(e).__name__}: {e}",
+                      file=sys.stderr, flush=True)
+        if self.loggers:
+            metrics["run/logger_errors"] = float(self.logger_errors)
+        self.last_step = step
         self.jsonl.write(json.dumps({"step": step, **metrics}) + "\n")
         self.jsonl.flush()
         self.status("")
@@ -91,8 +101,14 @@ class MetricsLog:
         return metrics
 
     def close(self) -> None:
-        if self.writer is not None:
-            self.writer.close()
+        """Close the loggers (a run that stopped before its last step is marked failed where a
+        logger has the notion: W&B's exit code, MLflow's run status) and ``metrics.jsonl``."""
+        for logger in self.loggers:
+            try:
+                logger.close(complete=self.last_step == self.total)
+            except Exception as e:  # the others still close; the steps are in metrics.jsonl
+                print(f"arbor: run.loggers {logger.name}: could not close: {type(e).__name__}: {e}",
+                      file=sys.stderr, flush=True)
         self.jsonl.close()
 
 

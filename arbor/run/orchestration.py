@@ -43,7 +43,8 @@ from arbor.run.startup import StartupClock, uses_gpu
 # imports this module before it starts its server, which would wait for them for nothing.
 
 # Environment every actor needs: no Ray auth token files, CPU DeepSpeed where no CUDA.
-_ACTOR_ENV = ("RAY_AUTH_MODE", "DS_ACCELERATOR", "HF_HUB_OFFLINE", "PYTHONPATH", "TRANSFORMERS_OFFLINE", "PYTHONWARNINGS")
+_ACTOR_ENV = ("RAY_AUTH_MODE", "DS_ACCELERATOR", "HF_HUB_OFFLINE", "PYTHONPATH", "TRANSFORMERS_OFFLINE", "PYTHONWARNINGS",
+              "TQDM_DISABLE", "HF_HUB_DISABLE_PROGRESS_BARS")
 
 
 _started_here = False  # whether the running Ray instance is a local one start_ray made
@@ -127,6 +128,10 @@ def _start_ray(ray_cfg: RayConfig, needs_cpus: int) -> None:
     env = {k: os.environ[k] for k in _ACTOR_ENV if k in os.environ}
     # torch.distributed's deprecation notices, once per collective, would flood the console.
     env.setdefault("PYTHONWARNINGS", "ignore::FutureWarning")
+    # Ray forwards actors' stderr to the driver's console, where a progress bar (transformers'
+    # "Writing model shards", "Loading weights") is an escape-coded line between arbor's own.
+    env.setdefault("TQDM_DISABLE", "1")
+    env.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # transformers' and the hub's bars
     # Actors import arbor (and the user's rewards/agents) from the driver's directory.
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [os.getcwd(), env.get("PYTHONPATH")]))
     runtime_env = {"env_vars": env}
@@ -140,7 +145,10 @@ def _start_ray(ray_cfg: RayConfig, needs_cpus: int) -> None:
     # Ray would prestart one idle worker per CPU for the first driver; they lack the job's
     # runtime_env, so no actor of ours can use them (checked on Ray 2.60: each actor gets a
     # fresh worker) and on a small machine they only take CPU from the start-up.
-    ray.init(num_cpus=cpus, num_gpus=ray_cfg.num_gpus, include_dashboard=False,
+    # address="local": a new instance even when a Ray cluster already runs on this machine
+    # (`ray start`, or a leftover /tmp/ray/ray_current_cluster), which ray.init() would join
+    # otherwise, refusing num_cpus; joining one is ray.address's job.
+    ray.init(address="local", num_cpus=cpus, num_gpus=ray_cfg.num_gpus, include_dashboard=False,
              runtime_env=runtime_env, log_to_driver=True, configure_logging=False,
              _system_config={"prestart_worker_first_driver": False})
     _started_here = True

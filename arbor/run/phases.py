@@ -3,7 +3,8 @@
     batch = collect_rollouts(ctx.sampling, ctx.rewards, ctx.stream, ctx.log, cfg, step)
     advantages = batch_advantages(batch.trees, cfg.algorithm)
     train = train_on_batch(ctx.learners, batch.trees, advantages, step, cfg.algorithm, cfg.loss,
-                           pack_tokens=cfg.learner.pack_tokens, seed=cfg.run.seed)  # PPO epochs × minibatches
+                           pack_tokens=pack_budget(cfg.learner.tree_execution, cfg.learner.pack_tokens),
+                           seed=cfg.run.seed)  # PPO epochs × minibatches
     sync = sync_weights(ctx.learners, ctx.engines, ctx.recovery, ctx.sampling, cfg.rollout,
                         version=str(step), probe=batch.trees[:2])
 
@@ -24,12 +25,19 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Protocol, TypeVar
 
 from arbor.config import AlgorithmConfig, Config, DataConfig, EvalConfig, LossConfig, RolloutConfig
-from arbor.data import ProblemStream
+from arbor.data import ProblemStream, format_prompt
 from arbor.engines.client import SGLangClient
 from arbor.engines.connect import closing
-from arbor.rollout.agents import Agent, Render, episode_inputs, tool_turns
+from arbor.rollout.agents import tool_turns
 from arbor.rollout.answers import has_final_answer
-from arbor.rollout.rewards import RewardPool, check_failure_fraction, failed_checks
+from arbor.rollout.environments import FORK_MODES, EnvSource
+from arbor.rollout.episodes import EpisodeSetup, run_episodes
+from arbor.rollout.rewards import (
+    RewardFailureError,
+    RewardPool,
+    check_failure_fraction,
+    failed_checks,
+)
 from arbor.rollout.sample_stats import SampleStats
 from arbor.rollout.sampler import sample_trees
 from arbor.rollout.tools import unsandboxed_calls
@@ -38,7 +46,8 @@ from arbor.run.learner_group import LearnerGroup
 from arbor.run.recovery import EngineRecovery
 from arbor.train.advantage import compute_advantages, dynamic_sampling_filter
 from arbor.train.loss import LossStats
-from arbor.train.packing import assign_to_ranks, loss_denominator, pack_trees
+from arbor.train.packing import PackedBatch, loss_denominator
+from arbor.train.rank_balance import rank_imbalance, rank_packs
 from arbor.train.rollout_correction import (
     attach_learner_logprobs,
     correction_of,
@@ -49,6 +58,11 @@ from arbor.tree import RolloutTree
 T = TypeVar("T")
 Status = Callable[[str], None]  # a progress line for the console (MetricsLog.status)
 log = logging.getLogger(__name__)
+
+
+class EpisodesDroppedError(RewardFailureError):
+    """Every episode of a step was dropped (an environment's messages over the response budget,
+    diverged replays, unscored timeouts): nothing is left to score or train on."""
 
 
 @dataclass
@@ -65,22 +79,31 @@ class Batch:
     rounds: int = 0
     requests: int = 0  # /generate calls the rollouts sent (batched: one per round of all trees)
     unsandboxed_tool_calls: int = 0  # tool calls run without bubblewrap while sampling this step
+    episodes: bool = False  # multi-turn episodes (rollout.env, or rollout.agent): env/* metrics
 
 
 @dataclass
 class Sampling:
     """What rollouts, evals and the weight-sync probe need of the engines: the client, and the
-    tokenizer, agent and prompt format that turn problems into token ids and back."""
+    tokenizer, environment and prompt format that turn problems into token ids and back."""
 
     client: SGLangClient
     tokenizer: Any  # the policy's transformers tokenizer
-    agent: Agent | None  # rollout.agent's multi-turn episodes; None: one prompt, one answer
+    # rollout.env's (or rollout.agent's) multi-turn episodes; None: one prompt, one answer.
+    env: EnvSource | None
     eos_token_ids: list[int]  # every id that ends a model turn (arbor.data.stop_token_ids)
     data_cfg: DataConfig  # the prompt format: system prompt, suffix, max_prompt_tokens
     chat_template: bool  # model.chat_template
     # engine.partial_rollouts: is a segment of this weight version overtaken by an update
     # (sampled again)? None: segments finish under the weights they started with.
     is_stale: Callable[[str], bool] | None = None
+    env_weight: float = 1.0  # reward.env_weight: an episode's reward adds env_weight × its environment's
+    # reward.functions is empty: the environment's reward is the whole reward (an episode it
+    # gives none is dropped, never scored 0).
+    env_reward_only: bool = False
+    # Whether the run has warned that most episodes end at the response budget (warn_budget):
+    # shared by the copies the asynchronous producer makes of this record.
+    budget_warned: list[bool] = field(default_factory=lambda: [False])
 
     def run(self, coroutine: Coroutine[Any, Any, T]) -> T:
         """Run a coroutine on the engine client from the synchronous loop."""
@@ -89,9 +112,17 @@ class Sampling:
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
-    def episode_inputs(self, problems: list[dict]) -> tuple[list[list[int]], Render | None]:
-        """The first prompt of each problem's episode and the agent's render (:func:`~arbor.rollout.agents.episode_inputs`)."""
-        return episode_inputs(problems, self.agent, self.tokenizer, self.data_cfg, self.chat_template)
+    def prompts(self, problems: list[dict]) -> list[list[int]] | None:
+        """Each problem's prompt ids; None with an environment (each tree's prompt is its reset's)."""
+        if self.env is not None:
+            return None
+        return [format_prompt(p, self.data_cfg, self.tokenizer, self.chat_template) for p in problems]
+
+    def episodes(self) -> EpisodeSetup | None:
+        """How multi-turn episodes start and render (:func:`~arbor.rollout.episodes.run_episodes`)."""
+        if self.env is None:
+            return None
+        return run_episodes(self.env, self.tokenizer, self.data_cfg, self.env_reward_only)
 
 
 def step_seed(seed: int, step: int, round_: int = 0) -> int:
@@ -127,18 +158,31 @@ def collect_rollouts(
         with log.phase("rollout"):
             trees, stats = sample(sampling, problems, cfg.rollout, step_seed(cfg.run.seed, step, round_), log.status)
         with log.phase("reward"):
-            correct = score_trees(rewards, sampling.decode, trees, batch, log.status)
+            correct = score_trees(rewards, sampling.decode, trees, batch, log.status, sampling.env_weight)
         batch.sampled += trees
         batch.stats += stats
         batch.requests += sampling.client.generate_calls - calls
         batch.unsandboxed_tool_calls += unsandboxed_calls() - unsandboxed
         batch.correct += correct
         batch.rounds = round_ + 1
+        batch.episodes = sampling.env is not None
+        trees = [t for t in trees if t.leaves()]  # every branch dropped (an environment's errors): nothing to train
         batch.trees += dynamic_sampling_filter(trees) if cfg.algorithm.dynamic_sampling else trees
         if len(batch.trees) >= target:
             break
     check_failure_fraction(batch.reward_timeouts + batch.reward_crashed, len(batch.correct),
                            cfg.reward.max_failure_fraction, batch.reward_failures)
+    warn_budget(batch, cfg.rollout, step, sampling.budget_warned)
+    dropped = sum(s.env_dropped for s in batch.stats)
+    if dropped and not any(tree.leaves() for tree in batch.sampled):
+        too_long = sum(s.dropped_too_long for s in batch.stats)
+        rest = f"; {dropped - too_long} by diverged replays or unscored timeouts" if dropped > too_long else ""
+        raise EpisodesDroppedError(
+            f"step {step}: all {dropped} episodes were dropped, {too_long} of them because an agent's or "
+            f"environment's messages did not fit the response budget (rollout.segment_tokens × rollout.max_depth "
+            f"= {cfg.rollout.segment_tokens} × {cfg.rollout.max_depth} = {cfg.rollout.max_response_tokens} tokens; "
+            f"their messages count against it){rest} (env/errors, env/timeouts): nothing is left to train on"
+        )
     return batch
 
 
@@ -146,8 +190,6 @@ def sample(
     sampling: Sampling, problems: list[dict], rollout_cfg: RolloutConfig, seed: int, status: Status
 ) -> tuple[list[RolloutTree], list[SampleStats]]:
     """Trees for ``problems`` from the engines (progress on the console)."""
-    # With rollout.agent, multi-turn episodes from the agent's start; else one prompt each.
-    prompts, render = sampling.episode_inputs(problems)
     done = [0]
 
     def progress(*_: Any) -> None:
@@ -155,16 +197,19 @@ def sample(
         status(f"rollout: {done[0]}/{len(problems)} trees")
 
     return sampling.run(sample_trees(
-        sampling.client, problems, prompts, rollout_cfg, eos_token_ids=sampling.eos_token_ids, seed=seed,
-        is_final_answer=lambda ids: has_final_answer(sampling.decode(ids)), decode=sampling.decode,
-        on_progress=progress, agent=sampling.agent, render=render, is_stale=sampling.is_stale,
+        sampling.client, problems, sampling.prompts(problems), rollout_cfg, eos_token_ids=sampling.eos_token_ids,
+        seed=seed, is_final_answer=lambda ids: has_final_answer(sampling.decode(ids)), decode=sampling.decode,
+        on_progress=progress, env=sampling.episodes(), is_stale=sampling.is_stale,
     ))
 
 
 def score_trees(
-    rewards: RewardPool, decode: Callable[[list[int]], str], trees: list[RolloutTree], batch: Batch, status: Status
+    rewards: RewardPool, decode: Callable[[list[int]], str], trees: list[RolloutTree], batch: Batch, status: Status,
+    env_weight: float = 1.0,
 ) -> list[bool]:
-    """Set every leaf's reward; returns per-leaf correctness (first reward term > 0).
+    """Set every leaf's reward: the reward functions' + ``env_weight`` × its environment's reward
+    (``reward.env_weight``; none without an environment). Returns per-leaf correctness: the first
+    reward term > 0, or with no reward functions the reward > 0.
 
     Timed-out and crashed checks (scored 0) are counted in ``batch`` and warned about by problem id.
     """
@@ -172,14 +217,14 @@ def score_trees(
     items = [(tree.problem or {}, decode(tree.response_ids(leaf))) for tree, leaf in leaves]
     result = rewards.score(items, lambda d, n: status(f"rewards: {d}/{n}"))
     for (_, leaf), score in zip(leaves, result.scores):
-        leaf.reward = score
+        leaf.reward = score + (0.0 if leaf.env_reward is None else env_weight * leaf.env_reward)
     failures = failed_checks(result, items)
     for line in failures:
         log.warning("%s", line)
     batch.reward_timeouts += len(result.timed_out)
     batch.reward_crashed += len(result.crashed)
     batch.reward_failures += failures
-    first = next(iter(result.term_scores.values()), result.scores)
+    first = next(iter(result.term_scores.values()), [leaf.reward or 0.0 for _, leaf in leaves])
     return [v > 0 for v in first]
 
 
@@ -196,7 +241,8 @@ def train_on_batch(
 ) -> dict[str, float]:
     """``ppo_epochs`` × ``minibatches`` learner updates over the batch; loss metrics.
 
-    ``pack_tokens``: ``learner.pack_tokens``; ``seed``: ``run.seed`` (the epochs' shuffles);
+    ``pack_tokens``: a pack's budget (``learner.pack_tokens``; whole trees with
+    ``learner.tree_execution: dfs``, :func:`arbor.train.dfs.pack_budget`); ``seed``: ``run.seed`` (the epochs' shuffles);
     ``behaviour_cap``: ``loss.behaviour_cap`` for off-policy batches (the decoupled objective),
     None on-policy. With ``loss.rollout_correction`` tis/mis the learners first score the whole
     batch without an update (π_old, :func:`recompute_old_logprobs`); at sequence level each
@@ -207,6 +253,7 @@ def train_on_batch(
     if correction.recompute:
         recompute_old_logprobs(learners, trees, pack_tokens)
     stats, norms, lrs = LossStats(), [], []
+    rank_tokens = [0] * learners.world_size  # tokens each rank forwarded over the step's updates
     order = list(range(len(trees)))
     for epoch in range(algorithm.ppo_epochs):
         if epoch:
@@ -220,11 +267,12 @@ def train_on_batch(
 
                 sub_trees, sub_adv = linearise_trees(sub_trees, sub_adv)
             weights = leaf_correction_weights(sub_trees, correction)[0] if leaf_level else None
-            packs = pack_trees(sub_trees, sub_adv, pack_tokens=pack_tokens, normalize=loss_cfg.normalize,
-                               correction_weights=weights)
-            per_rank = [[packs[i] for i in r] for r in assign_to_ranks(packs, learners.world_size)]
+            # Each rank its share of the trees, balanced by the tokens it computes, packed there.
+            per_rank, tokens = rank_packs(sub_trees, sub_adv, learners.world_size, pack_tokens=pack_tokens,
+                                          normalize=loss_cfg.normalize, correction_weights=weights)
+            rank_tokens = [a + b for a, b in zip(rank_tokens, tokens)]
             denominator = loss_denominator(sub_trees, loss_cfg.normalize)
-            results = learners.step(per_rank, denominator, filler=packs[0], behaviour_cap=behaviour_cap)
+            results = learners.step(per_rank, denominator, filler=_filler(per_rank), behaviour_cap=behaviour_cap)
             stats = sum((r.stats for r in results), stats)
             norms.append(results[0].grad_norm)  # the same on every rank
             lrs.append(results[0].lr)
@@ -238,6 +286,7 @@ def train_on_batch(
     metrics["train/nonfinite_grad_norms"] = float(len(nonfinite))
     metrics["train/lr"] = lrs[-1]
     metrics["train/updates"] = float(len(norms))
+    metrics["train/rank_imbalance"] = rank_imbalance(rank_tokens)
     mismatch = stats.mismatch
     if leaf_level:  # the weights are the leaves' (per leaf); the KL stays per token
         mismatch = replace(leaf_correction_weights(trees, correction)[1], kl=mismatch.kl, tokens=mismatch.tokens)
@@ -248,13 +297,14 @@ def train_on_batch(
 def recompute_old_logprobs(learners: LearnerGroup, trees: list[RolloutTree], pack_tokens: int) -> None:
     """π_old for ``loss.rollout_correction``: the learners' log-probs of every trained token of
     ``trees`` under the weights before this batch's updates, into ``node.learner_logprobs``."""
-    packs = pack_trees(trees, None, pack_tokens=pack_tokens)
-    ranks = assign_to_ranks(packs, learners.world_size)
-    results = learners.old_logprobs([[packs[i] for i in r] for r in ranks], filler=packs[0])
-    by_pack: dict[int, Any] = {}
-    for indices, logps in zip(ranks, results):
-        by_pack.update(zip(indices, logps))
-    attach_learner_logprobs(trees, packs, [by_pack[i] for i in range(len(packs))])
+    per_rank, _ = rank_packs(trees, None, learners.world_size, pack_tokens=pack_tokens)
+    results = learners.old_logprobs(per_rank, filler=_filler(per_rank))
+    attach_learner_logprobs(trees, [p for packs in per_rank for p in packs], [lp for logps in results for lp in logps])
+
+
+def _filler(per_rank: list[list[PackedBatch]]) -> PackedBatch:
+    """A pack for the idle passes of ranks without one (ZeRO-3: every rank in every forward)."""
+    return next(pack for packs in per_rank for pack in packs)
 
 
 def sync_weights(
@@ -287,11 +337,10 @@ def evaluate(
     from arbor.run.evaluate import run_eval
 
     problems = problems[: eval_cfg.max_problems or None]
-    prompts, render = sampling.episode_inputs(problems)
     report = run_eval(
-        sampling.client, rewards, problems, prompts, eval_cfg, rollout_cfg, decode=sampling.decode,
+        sampling.client, rewards, problems, sampling.prompts(problems), eval_cfg, rollout_cfg, decode=sampling.decode,
         eos_token_ids=sampling.eos_token_ids, seed=seed, run_async=sampling.run, status=status,
-        agent=sampling.agent, render=render,
+        env=sampling.episodes(), env_weight=sampling.env_weight,
     )
     # As after the probe: the next step starts from the cache state a resumed run has.
     sampling.run(sampling.client.flush_cache())
@@ -361,4 +410,40 @@ def rollout_metrics(batch: Batch) -> dict[str, float]:
         "agent/timeouts": float(sum(s.agent_timeouts for s in batch.stats)),  # steps past rollout.agent_timeout_s
         # Tool calls run without bubblewrap (agent_args.allow_unsandboxed) in this step's rollouts.
         "agent/unsandboxed_tool_calls": float(batch.unsandboxed_tool_calls),
-    }
+        # Episodes that ran out of the response budget (agent and environment messages count).
+        "response/max_length": sum(leaf.finish_reason == "max_length" for leaf in leaves) / n,
+    } | (env_metrics(batch) if batch.episodes else {})
+
+
+def env_metrics(batch: Batch) -> dict[str, float]:
+    """``env/*``: environments' rewards, steps, forks by mode, replays, failures, instances left open."""
+    stats = batch.stats
+    rewards = [leaf.env_reward for tree in batch.sampled for leaf in tree.leaves() if leaf.env_reward is not None]
+    forks = {mode: float(sum(s.env_forks.get(mode, 0) for s in stats)) for mode in FORK_MODES}
+    return {
+        "env/steps_per_episode": sum(s.env_episode_steps for s in stats) / max(sum(s.env_episodes for s in stats), 1),
+        "env/forks": sum(forks.values()),
+        **{f"env/forks/{mode}": count for mode, count in forks.items()},
+        "env/replayed_steps": float(sum(s.env_replayed_steps for s in stats)),
+        "env/timeouts": float(sum(s.env_timeouts for s in stats)),
+        "env/errors": float(sum(s.env_errors for s in stats)),
+        "env/dropped": float(sum(s.env_dropped for s in stats)),  # leaves never trained on
+        "env/live": float(sum(s.env_live for s in stats)),  # 0: every instance was closed
+    } | ({"env/reward_mean": sum(rewards) / len(rewards)} if rewards else {})
+
+
+def warn_budget(batch: Batch, rollout_cfg: RolloutConfig, step: int, warned: list[bool]) -> None:
+    """Warn once (``warned`` holds whether it has) when most of a step's episodes ended at the
+    response budget: their answers were cut, or dropped because an agent's or environment's
+    messages did not fit, and nothing else says why (``response/max_length``, ``env/errors``)."""
+    leaves = [leaf for tree in batch.sampled for leaf in tree.leaves()]
+    too_long = sum(s.dropped_too_long for s in batch.stats)  # dropped: their messages did not fit
+    cut = (sum(leaf.finish_reason == "max_length" for leaf in leaves) + too_long) / max(len(leaves) + too_long, 1)
+    if cut <= 0.5 or warned[0]:
+        return
+    warned[0] = True
+    log.warning("step %d: %.0f%% of the episodes ended at the response budget, rollout.segment_tokens × "
+                "rollout.max_depth = %d × %d = %d tokens (agent and environment messages count against it): "
+                "their answers were cut, or their agent's messages did not fit. Raise rollout.segment_tokens or "
+                "rollout.max_depth (response/max_length)",
+                step, 100 * cut, rollout_cfg.segment_tokens, rollout_cfg.max_depth, rollout_cfg.max_response_tokens)

@@ -63,20 +63,16 @@ from typing import Any
 
 import torch
 
-from arbor.config import Config, DataConfig, SftConfig, save_config
+from arbor.config import Config, DataConfig, SftConfig, config_to_dict, save_config
 from arbor.data import DataError, format_prompt, read_rows, stop_token_ids
 from arbor.engines.ports import free_port
 from arbor.run import checkpoint
 from arbor.run.metrics import MetricsLog
+from arbor.train.dfs import pack_budget
 from arbor.train.learner import Learner, resolve_device
-from arbor.train.packed_loss import pack_sft_loss
-from arbor.train.packing import (
-    Normalize,
-    PackedBatch,
-    assign_to_ranks,
-    loss_denominator,
-    pack_trees,
-)
+from arbor.train.packed_loss import pack_sft_loss, sft_token_loss
+from arbor.train.packing import Normalize, PackedBatch, loss_denominator
+from arbor.train.rank_balance import rank_packs
 from arbor.tree import RolloutTree
 
 # -- examples -------------------------------------------------------------------------------
@@ -250,16 +246,26 @@ def sft_backward(learner: Learner, examples: Sequence[SftExample], normalize: No
     on every rank); ``sft/loss`` of this rank's packs and the batch's token counts."""
     trees = [e.tree for e in examples]
     denominator = max(loss_denominator(trees, normalize), 1e-12)
-    packs = pack_trees(trees, None, pack_tokens=learner.cfg.pack_tokens, normalize=normalize,
-                       loss_weights=[e.weights for e in examples], require_logprobs=False)
-    mine = assign_to_ranks(packs, learner.world_size)[learner.rank] if _distributed(learner) else range(len(packs))
+    # Every rank packs the whole batch's shares (balanced by tokens) and trains its own.
+    ranks = learner.world_size if _distributed(learner) else 1
+    budget = pack_budget(learner.cfg.tree_execution, learner.cfg.pack_tokens)  # dfs: whole trees
+    per_rank, _ = rank_packs(trees, None, ranks, pack_tokens=budget, normalize=normalize,
+                             loss_weights=[e.weights for e in examples], require_logprobs=False)
+    mine = per_rank[learner.rank if ranks > 1 else 0]
+    packs = [pack for share in per_rank for pack in share]
 
     def loss_of(model: Any, pack: PackedBatch) -> tuple[torch.Tensor, float]:
         loss = pack_sft_loss(model, pack, denominator, learner.attention, learner.cfg.logit_chunk_tokens)
         return loss, float(loss.detach())
 
-    # Any pack can fill a rank's idle passes: every rank holds them all.
-    loss = sum(learner.backward([packs[i] for i in mine], loss_of, filler=packs[0]), 0.0)
+    def token_loss(pack: PackedBatch, tokens: torch.Tensor, logp: torch.Tensor, *_: Any) -> tuple[torch.Tensor, float]:
+        loss = sft_token_loss(pack, tokens, logp, denominator)
+        return loss, float(loss.detach())
+
+    if learner.cfg.tree_execution == "dfs":  # each pack walked depth first, group by group
+        loss = sum(learner.dfs_backward(mine, token_loss), 0.0)
+    else:  # any pack can fill a rank's idle passes: every rank holds them all
+        loss = sum(learner.backward(mine, loss_of, filler=packs[0]), 0.0)
     return {
         "sft/loss": loss,
         "sft/tokens": loss_denominator(trees, "token"),
@@ -324,10 +330,7 @@ def run_sft(cfg: Config) -> list[dict[str, float]]:
         raise SystemExit(f"arbor sft: learner.backend: torch is single-process, but WORLD_SIZE is {world_size}; "
                          "use learner.backend: deepspeed")
     out = Path(cfg.run.output_dir)
-    previous = checkpoint.latest_checkpoint(out)
-    if previous is not None and not cfg.run.resume:
-        raise SystemExit(f"arbor sft: {out} already holds a run (checkpoint {previous.name}); set "
-                         "run.resume=true to continue it, or choose another run.output_dir")
+    previous = checkpoint.check_output_dir(out, cfg.run.resume, "sft")  # before anything is written
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.path, trust_remote_code=cfg.model.trust_remote_code)
     examples = load_examples(cfg.sft.train_path, tokenizer, cfg.data, cfg.model.chat_template,
                              max_tokens=cfg.learner.pack_tokens)
@@ -346,7 +349,8 @@ def run_sft(cfg: Config) -> list[dict[str, float]]:
     if rank == 0:
         save_config(cfg, out / "config.yaml")
         # MetricsLog's console line shows RL metrics; the SFT line is printed below.
-        log = MetricsLog(cfg.run, len(batches), stream=open(os.devnull, "w"))  # noqa: SIM115 (closed with log)
+        log = MetricsLog(cfg.run, len(batches), stream=open(os.devnull, "w"),  # noqa: SIM115 (closed with log)
+                         config=config_to_dict(cfg))
         le = cfg.learner
         print(f"arbor sft: {len(examples)} examples from {cfg.sft.train_path}; steps {start + 1}..{len(batches)}, "
               f"{cfg.sft.batch_size} examples each, {world_size} rank(s), "

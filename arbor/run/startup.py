@@ -23,9 +23,11 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 from arbor.config import Config, ModelConfig
+from arbor.errors import ConfigError
 
 
 def uses_gpu(cfg: Config) -> bool:
@@ -45,8 +47,20 @@ def engine_device(cfg: Config) -> str | None:
     return None if cfg.learner.device == "auto" else cfg.learner.device
 
 
+def check_device(cfg: Config) -> None:
+    """:class:`ConfigError` naming ``learner.device`` when it asks for CUDA on a machine without it."""
+    if cfg.learner.device != "cuda":
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        build = f"CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
+        raise ConfigError(f"learner.device is cuda, but no CUDA device is visible here (torch {torch.__version__}, "
+                          f"{build}); set learner.device: cpu or auto")
+
+
 def settled(cfg: Config) -> Config:
-    """``cfg`` as this run starts it: ``engine.kind: auto`` resolved to the kind this machine
+    """``cfg`` as this run starts it, after :func:`check_device`: ``engine.kind: auto`` resolved to the kind this machine
     runs (:func:`~arbor.engines.launch.resolve_kind`: SGLang needs ``engine.python`` to import it)
     and ``engine.api_key`` settled
     (:func:`~arbor.engines.auth.run_api_key`: the configured key, else
@@ -58,9 +72,33 @@ def settled(cfg: Config) -> Config:
     from arbor.engines.auth import run_api_key
     from arbor.engines.launch import resolve_kind
 
+    check_device(cfg)
     kind = resolve_kind(cfg.engine.kind, device=engine_device(cfg), python=cfg.engine.python)
     key = run_api_key(cfg.engine.api_key, launch=kind != "external")
     return replace(cfg, engine=replace(cfg.engine, kind=kind, api_key=key))  # type: ignore[arg-type]  # kind: one of KINDS
+
+
+def problem_files(cfg: Config, command: str) -> dict[str, str]:
+    """The data files ``arbor COMMAND`` reads, by the config key naming each: ``train`` reads
+    ``data.train_path`` and, when it evaluates (``run.eval_every``), ``eval.path`` or else
+    ``data.eval_path``; ``eval`` reads the latter (a :class:`ConfigError` when neither is
+    set); ``sft`` reads ``sft.train_path``."""
+    evals = {"eval.path": cfg.eval.path} if cfg.eval.path else {"data.eval_path": cfg.data.eval_path}
+    if command == "sft":
+        return {"sft.train_path": cfg.sft.train_path}
+    if command == "eval":
+        if cfg.eval.path is None and cfg.data.eval_path is None:
+            raise ConfigError("eval.path: arbor eval has no set to evaluate: set eval.path or data.eval_path")
+        return {k: v for k, v in evals.items() if v is not None}
+    files = {"data.train_path": cfg.data.train_path}
+    return files | {k: v for k, v in evals.items() if v is not None and cfg.run.eval_every}
+
+
+def check_problem_files(cfg: Config, command: str) -> None:
+    """:class:`ConfigError` naming the key of the first of :func:`problem_files` that does not exist."""
+    for key, path in problem_files(cfg, command).items():
+        if not Path(path).exists():
+            raise ConfigError(f"{key}: {path}: no such file or directory")
 
 
 def load_tokenizer(model_cfg: ModelConfig) -> tuple[Any, list[int]]:

@@ -22,6 +22,7 @@ from arbor.run.async_rollouts import busy_metrics, producer_for
 from arbor.run.context import RunContext, start_run
 from arbor.run.learner_group import LearnerFailedError
 from arbor.run.recovery import EngineFailedError
+from arbor.train.dfs import pack_budget
 
 
 def train(cfg: Config, after_step: Callable[[RunContext, int, dict], None] | None = None) -> list[dict[str, float]]:
@@ -45,6 +46,7 @@ def train(cfg: Config, after_step: Callable[[RunContext, int, dict], None] | Non
         if ctx.start_step == 0 and cfg.run.eval_every and ctx.eval_problems:
             ctx.log.write(0, evaluate())  # where the policy starts
         behaviour_cap = cfg.loss.behaviour_cap if producer else None  # None: on-policy PPO
+        pack_tokens = pack_budget(cfg.learner.tree_execution, cfg.learner.pack_tokens)  # dfs: whole trees
         for step in range(ctx.start_step + 1, cfg.run.steps + 1):
             started = time.perf_counter()
             if producer is None:
@@ -60,7 +62,7 @@ def train(cfg: Config, after_step: Callable[[RunContext, int, dict], None] | Non
                     advantages = phases.batch_advantages(batch.trees, cfg.algorithm)
                 with ctx.log.phase("train"), ctx.engines_released():
                     metrics |= phases.train_on_batch(ctx.learners, batch.trees, advantages, step, cfg.algorithm,
-                                                     cfg.loss, pack_tokens=cfg.learner.pack_tokens, seed=cfg.run.seed,
+                                                     cfg.loss, pack_tokens=pack_tokens, seed=cfg.run.seed,
                                                      behaviour_cap=behaviour_cap)
                 with ctx.log.phase("sync"):
                     metrics |= phases.sync_weights(ctx.learners, ctx.engines, ctx.recovery, ctx.sampling, cfg.rollout,

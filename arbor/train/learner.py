@@ -33,11 +33,9 @@ from __future__ import annotations
 
 import functools
 import gc
-import importlib
 import logging
 import math
 import os
-import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,11 +45,14 @@ import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from arbor.config import LearnerConfig, LossConfig, ModelConfig, OptimConfig
+from arbor.train.deepspeed_setup import deepspeed_config, import_muon_uncompiled, init_distributed
+from arbor.train.dfs import DfsWalk
 from arbor.train.lm_head import check_temperature
+from arbor.train.lockstep import IdleCalls, Lockstep
 from arbor.train.logprobs import pack_token_logprobs
 from arbor.train.lora import AdapterOff, adapter_state, add_adapter, save_adapter
 from arbor.train.loss import LossStats
-from arbor.train.packed_loss import pack_loss
+from arbor.train.packed_loss import PolicyObjective
 from arbor.train.packing import PackedBatch
 from arbor.train.rollout_correction import correction_of
 from arbor.train.zero3 import build_partitioned, reference_engine, require_tested_deepspeed
@@ -108,45 +109,6 @@ def lr_lambda(optim_cfg: OptimConfig, total_steps: int) -> Any:
         return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))  # cosine
 
     return factor
-
-
-def init_distributed(backend: str) -> None:
-    """torch.distributed via DeepSpeed from RANK/WORLD_SIZE/LOCAL_RANK/MASTER_* variables."""
-    import deepspeed
-
-    missing = [k for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
-    if missing:
-        raise RuntimeError(f"DeepSpeed learner ranks need the environment variables {missing}")
-    # DeepSpeed compiles a shared-memory op at first init on CPU (tens of seconds) that
-    # training never uses: skip it, in the release where that hook was checked.
-    require_tested_deepspeed("distributed start-up (comm.torch.build_shm_op)")
-    setattr(importlib.import_module("deepspeed.comm.torch"), "build_shm_op", lambda: None)  # noqa: B010
-    deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False)
-
-
-def deepspeed_config(learner_cfg: LearnerConfig, optim_cfg: OptimConfig, dtype: torch.dtype) -> dict[str, Any]:
-    """The DeepSpeed config of a learner rank (the policy's engine and its ZeRO-3 construction)."""
-    # overlap_comm is not supported with unmanaged accumulation under ZeRO-3.
-    zero: dict[str, Any] = {"stage": learner_cfg.zero_stage, "overlap_comm": False}
-    if learner_cfg.zero_stage == 3:
-        zero["stage3_gather_16bit_weights_on_model_save"] = True
-    if learner_cfg.offload_optimizer:
-        zero["offload_optimizer"] = {"device": "cpu"}
-    if learner_cfg.offload_params:
-        zero["offload_param"] = {"device": "cpu"}
-    return {
-        "train_micro_batch_size_per_gpu": 1,
-        "gradient_accumulation_steps": 1,
-        # Any number of packs per update: every step() is the accumulation boundary.
-        "managed_gradient_accumulation": False,
-        "gradient_clipping": optim_cfg.max_grad_norm,
-        "zero_optimization": zero,
-        "bf16": {"enabled": dtype == torch.bfloat16},
-        "zero_allow_untested_optimizer": True,
-        "zero_force_ds_cpu_optimizer": False,  # DeepSpeedCPUAdam compiles for minutes on CPU
-        "steps_per_print": 1 << 30,
-        "wall_clock_breakdown": False,
-    }
 
 
 class Learner:
@@ -207,7 +169,7 @@ class Learner:
             import deepspeed
 
             require_tested_deepspeed("unmanaged gradient accumulation over packs")
-            _import_muon_uncompiled()  # before DeepSpeed imports (and compiles) it
+            import_muon_uncompiled()  # before DeepSpeed imports (and compiles) it
             self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
                 model=policy, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config,
             )
@@ -241,7 +203,7 @@ class Learner:
         """
         records: list[R] = []
         scale = float(self.world_size) if self.engine is not None else 1.0
-        for i in range(self._passes(len(packs), filler is not None)):
+        for i in range(self._passes(len(packs), filler)):
             # ZeRO-3 gathers parameters collectively in every forward, so ranks with fewer
             # packs run extra passes on a pack of theirs with the loss zeroed.
             idle = i >= len(packs)
@@ -265,14 +227,14 @@ class Learner:
         """:func:`~arbor.train.packed_loss.pack_loss` with this learner's loss settings (``loss.*``);
         the pack's metric sums as plain floats (its graph is not kept past the backward).
         ``behaviour_cap``: the decoupled off-policy objective's cap (None: on-policy PPO)."""
-        loss, sums = pack_loss(
-            model, pack, denominator, clip_low=self.loss_cfg.clip_low, clip_high=self.loss_cfg.clip_high,
-            kl_coef=self.loss_cfg.kl_coef, kl_estimator=self.loss_cfg.kl_estimator,
-            entropy_coef=self.loss_cfg.entropy_coef, ref_model=self.ref_model, attention=self.attention,
-            temperature=self.temperature, chunk_tokens=self.cfg.logit_chunk_tokens, behaviour_cap=behaviour_cap,
-            correction=self.correction,
-        )
-        return loss, sums.stats
+        select = pack.trained.nonzero()[:, 0]
+        scoring: dict[str, Any] = dict(temperature=self.temperature, chunk_tokens=self.cfg.logit_chunk_tokens)
+        logp, entropy = pack_token_logprobs(model, pack, select, self.attention, **scoring)
+        ref_logp = None
+        if self.ref_model is not None and self.loss_cfg.kl_coef:
+            with torch.no_grad():
+                ref_logp = pack_token_logprobs(self.ref_model, pack, select, self.attention, **scoring)[0]
+        return self.policy_objective(denominator, behaviour_cap).with_stats(pack, select, logp, entropy, ref_logp)
 
     def old_logprobs(self, packs: Sequence[PackedBatch], filler: PackedBatch | None = None) -> list[torch.Tensor]:
         """π_old of ``loss.rollout_correction``: this rank's log-probs of each pack's trained tokens
@@ -284,7 +246,11 @@ class Learner:
         """
         out: list[torch.Tensor] = []
         with torch.no_grad():
-            for i in range(self._passes(len(packs), filler is not None)):
+            if self.cfg.tree_execution == "dfs":  # idle passes (None) keep the ranks in step
+                scored = [self._dfs_logprobs(self.model, packs[i] if i < len(packs) else None)
+                          for i in range(self._passes(len(packs), needs_filler=False))]
+                return [logp for logp in scored if logp is not None]
+            for i in range(self._passes(len(packs), filler)):
                 pack = packs[min(i, len(packs) - 1)] if packs else filler
                 assert pack is not None  # _passes is 0 without packs and filler
                 select = pack.trained.nonzero()[:, 0]
@@ -294,15 +260,68 @@ class Learner:
                     out.append(logp.to(device="cpu", dtype=torch.float64))
         return out
 
-    def _passes(self, n: int, has_filler: bool) -> int:
-        """Forward/backward passes this rank runs: the most packs any rank has."""
+    def _passes(self, n: int, filler: PackedBatch | None = None, needs_filler: bool = True) -> int:
+        """Forward/backward passes this rank runs: the most packs any rank has. A rank without
+        packs runs packed passes on ``filler``; depth-first idle passes (``needs_filler`` False)
+        run one-token calls instead."""
         if self.engine is None or self.world_size == 1:
             return n
-        if n == 0 and not has_filler:
+        if n == 0 and filler is None and needs_filler:
             raise ValueError("a learner rank without packs needs a filler pack for its idle passes")
         count = torch.tensor([n], dtype=torch.long, device=self.device)
         torch.distributed.all_reduce(count, op=torch.distributed.ReduceOp.MAX)
         return int(count.item())
+
+    # -- depth-first execution (learner.tree_execution: dfs) -------------------------------------
+
+    def dfs_backward(self, packs: Sequence[PackedBatch], objective: Callable[..., tuple[torch.Tensor, R]],
+                     with_reference: bool = False) -> list[R]:
+        """:meth:`backward`, each pack walked depth first (:class:`~arbor.train.dfs.DfsWalk`).
+
+        ``objective(pack, tokens, logp, entropy, ref_logp)``: the loss (over the global
+        denominator) of any of the pack's trained ``tokens`` and a record of it; it is called
+        group by group and the records are returned in that order. ``with_reference``: the KL
+        reference's log-probs (``ref_logp``) come from the same walk on it, without a graph.
+        Under DeepSpeed the ranks run their walks in lockstep (:mod:`arbor.train.lockstep`).
+        """
+        model = self.engine or self.model
+        backward: Callable[[torch.Tensor], Any] = self.engine.backward if self.engine is not None else torch.Tensor.backward
+        lockstep = Lockstep(self.engine is not None and self.world_size > 1)
+        idle = IdleCalls(model, backward)
+        if self.engine is not None:
+            lockstep.warm_up(idle)
+        records: list[R] = []
+        for i in range(self._passes(len(packs), needs_filler=False)):
+            pack = packs[i] if i < len(packs) else None
+            ref = self._dfs_logprobs(self.ref_model, pack) if with_reference else None
+            walk = pack and DfsWalk(model, pack, pack.trained.nonzero()[:, 0], **self._dfs_settings(),
+                                    token_loss=functools.partial(objective, pack), reference=ref, backward=backward,
+                                    scale=float(self.world_size) if self.engine is not None else 1.0,
+                                    anchor_every_backward=lockstep.distributed)
+            lockstep.run(walk.ops() if walk else None, walk.calls() if walk else "", idle)
+            records += walk.records if walk else []
+        return records
+
+    def _dfs_logprobs(self, model: Any, pack: PackedBatch | None) -> torch.Tensor | None:
+        """log p of ``pack``'s trained tokens on the depth-first walk without a graph ([M] float64,
+        CPU); with ``pack`` None an idle pass (under DeepSpeed, in step with the other ranks)."""
+        walk = None
+        if pack is not None:
+            walk = DfsWalk(model, pack, pack.trained.nonzero()[:, 0], **self._dfs_settings())
+        with torch.no_grad():
+            Lockstep(self.engine is not None and self.world_size > 1).run(
+                walk.ops() if walk else None, walk.calls() if walk else "", IdleCalls(model))
+        return walk.logp if walk else None
+
+    def _dfs_settings(self) -> dict[str, Any]:
+        return dict(group_tokens=self.cfg.dfs_group_tokens, temperature=self.temperature,
+                    chunk_tokens=self.cfg.logit_chunk_tokens)
+
+    def policy_objective(self, denominator: float, behaviour_cap: float | None = None) -> PolicyObjective:
+        """This learner's loss settings (``loss.*``) over the global ``denominator``."""
+        lo = self.loss_cfg
+        return PolicyObjective(denominator, lo.clip_low, lo.clip_high, lo.kl_coef, lo.kl_estimator,
+                               lo.entropy_coef, behaviour_cap, self.correction)
 
     def optimizer_step(self) -> float:
         """Clip, update, advance the schedule; returns the gradient norm before clipping.
@@ -345,8 +364,12 @@ class Learner:
         """One optimizer update over ``packs``: the policy loss's sums of this rank's tokens
         (add them over ranks), the gradient norm and the learning rate it used.
         ``behaviour_cap``: off-policy batches' decoupled objective (:meth:`policy_pack_loss`)."""
-        loss_of = functools.partial(self.policy_pack_loss, denominator=denominator, behaviour_cap=behaviour_cap)
-        records = self.backward(packs, loss_of, filler)
+        if self.cfg.tree_execution == "dfs":
+            records = self.dfs_backward(packs, self.policy_objective(denominator, behaviour_cap).with_stats,
+                                        with_reference=self.ref_model is not None and self.loss_cfg.kl_coef > 0)
+        else:
+            loss_of = functools.partial(self.policy_pack_loss, denominator=denominator, behaviour_cap=behaviour_cap)
+            records = self.backward(packs, loss_of, filler)
         stats = sum(records, LossStats())
         lr = self.current_lr()  # the rate this update uses
         return StepResult(stats=stats, grad_norm=self.optimizer_step(), lr=lr)
@@ -460,28 +483,3 @@ class Learner:
             if keep:
                 out.update((name, tensor.cpu()) for name, tensor in bucket)
         return out
-
-
-# DeepSpeed 0.19's ZeRO optimizers import its Muon optimizer (to check whether ours is one),
-# and that module torch.compiles its kernels as it is imported, which loads TorchInductor:
-# more than half of a CPU rank's set-up on the quickstart, for kernels arbor never runs
-# (its optimizer is AdamW). Imported first with TorchDynamo off (read at each torch.compile
-# call, so only these decorators see it), the kernels stay plain functions.
-_MUON_MODULE = "deepspeed.runtime.zero.muon.original_muon"
-
-
-def _import_muon_uncompiled() -> None:
-    """Import DeepSpeed's Muon kernels (when it has them) without compiling them."""
-    if _MUON_MODULE in sys.modules:
-        return
-    previous = os.environ.get("TORCHDYNAMO_DISABLE")
-    os.environ["TORCHDYNAMO_DISABLE"] = "1"
-    try:
-        importlib.import_module(_MUON_MODULE)
-    except ImportError:  # a DeepSpeed without Muon: nothing to skip
-        pass
-    finally:
-        if previous is None:
-            del os.environ["TORCHDYNAMO_DISABLE"]
-        else:
-            os.environ["TORCHDYNAMO_DISABLE"] = previous

@@ -184,6 +184,7 @@ def chunked_head(
     *,
     temperature: float = 1.0,
     chunk_tokens: int = 1024,
+    rows: torch.Tensor | None = None,  # [M] int64 flat rows of a batched input, or None
 ) -> Iterator[None]:
     """While active, ``head`` called on [1, M, H] returns [1, M, 2] scores (log p, entropy).
 
@@ -191,6 +192,9 @@ def chunked_head(
     forms [M, V] logits); the forward hook, registered to run before any other (ZeRO-3's
     release of the gathered weight among them), computes the chunked scores from the
     real hidden states with the weight as it is during the module's call.
+
+    ``rows``: the head is called on a batch [B, K, H] (sibling rows of a depth-first walk,
+    :mod:`arbor.train.dfs`) and scores the rows ``rows`` of its [B·K] positions, in that order.
     """
     check_temperature(temperature)
     if chunk_tokens < 1:
@@ -199,7 +203,7 @@ def chunked_head(
 
     def shrink_input(module: torch.nn.Module, args: tuple) -> tuple:
         (hidden,) = args
-        stash.append(hidden)
+        stash.append(hidden if rows is None else hidden.reshape(1, -1, hidden.shape[-1])[:, rows])
         return (hidden[:, :1],)
 
     def scores_as_output(module: torch.nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:

@@ -26,14 +26,17 @@ denominator (:func:`arbor.train.packing.loss_denominator` over the whole batch, 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
 from transformers import PreTrainedModel
 
+from arbor.train.dfs import DfsWalk, dfs_token_logprobs, pack_budget
 from arbor.train.logprobs import pack_token_logprobs, padded_token_logprobs
-from arbor.train.loss import KLEstimator, LossSums, combine, token_sums
+from arbor.train.loss import KLEstimator, LossStats, LossSums, combine, token_sums
 from arbor.train.packing import (
     Advantages,
     Normalize,
@@ -47,9 +50,68 @@ from arbor.train.tree_attention import Attention
 from arbor.tree import RolloutTree
 
 LossMode = Literal["tree", "padded"]  # tree-packed, or every leaf its own padded sequence
+TreeExecution = Literal["packed", "dfs"]  # learner.tree_execution: a pack at once, or depth first
 
 
 # -- tree-packed ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PolicyObjective:
+    """The loss settings that turn log-probs of a pack's trained tokens into its loss (``loss.*``).
+
+    Called on all of a pack's trained tokens (:func:`pack_loss`) or on any subset of them (a
+    depth-first walk scores a pack group by group, :mod:`arbor.train.dfs`): the loss is a sum
+    over tokens, so the parts add up to the whole. See :func:`pack_loss` for the arguments.
+    """
+
+    denominator: float
+    clip_low: float = 0.2
+    clip_high: float = 0.28
+    kl_coef: float = 0.0
+    kl_estimator: KLEstimator = "k3"
+    entropy_coef: float = 0.0
+    behaviour_cap: float | None = None
+    correction: Correction | None = None
+
+    def __call__(
+        self,
+        pack: PackedBatch,
+        tokens: torch.Tensor,  # [M] int64 packed indices of the scored (trained) tokens
+        logp: torch.Tensor,  # [M] log-probs with graph, float32+
+        entropy: torch.Tensor,  # [M]
+        ref_logp: torch.Tensor | None = None,  # [M] the KL reference's (no graph), when kl_coef > 0
+    ) -> tuple[torch.Tensor, LossSums]:
+        device, dtype = logp.device, logp.dtype  # float32, or float64 for a float64 model
+
+        def field(t: torch.Tensor) -> torch.Tensor:
+            return t[tokens.to(t.device)].to(device=device, dtype=dtype)
+
+        correction = self.correction
+        prox: dict = {}
+        if correction is not None and correction.recompute:
+            prox_logp = field(pack.prox_logprobs)
+            if torch.isnan(prox_logp).any():
+                raise ValueError(f"loss.rollout_correction {correction.mode!r}: {int(torch.isnan(prox_logp).sum())} "
+                                 "trained tokens have no recomputed π_old (node.learner_logprobs)")
+            prox = {"prox_logp": prox_logp}
+        elif self.behaviour_cap is not None:
+            prox = {"prox_logp": logp.detach(), "behaviour_cap": self.behaviour_cap}
+        sums = token_sums(
+            logp, entropy, field(pack.old_logprobs), None if ref_logp is None else ref_logp.to(device, dtype),
+            field(pack.weight), field(pack.adv_pos), field(pack.adv_neg), field(pack.leaf_count),
+            field(pack.n_pos), field(pack.n_neg), clip_low=self.clip_low, clip_high=self.clip_high,
+            kl_estimator=self.kl_estimator, correction=correction, **prox,
+        )
+        loss = combine(sums, self.denominator, self.kl_coef, self.entropy_coef)
+        sums.stats.loss = float(loss.detach())
+        return loss, sums
+
+    def with_stats(self, pack: PackedBatch, tokens: torch.Tensor, logp: torch.Tensor, entropy: torch.Tensor,
+                   ref_logp: torch.Tensor | None = None) -> tuple[torch.Tensor, LossStats]:
+        """The loss and its metric sums as plain floats (no graph kept past the backward)."""
+        loss, sums = self(pack, tokens, logp, entropy, ref_logp)
+        return loss, sums.stats
 
 
 def pack_loss(
@@ -90,35 +152,16 @@ def pack_loss(
     sampled from and reported; they and every per-token weight are float32 or wider
     whatever the model's dtype.
     """
+    objective = PolicyObjective(denominator, clip_low, clip_high, kl_coef, kl_estimator, entropy_coef,
+                                behaviour_cap, correction)
     select = pack.trained.nonzero()[:, 0]
     scoring: dict[str, Any] = dict(temperature=temperature, chunk_tokens=chunk_tokens)
     logp, entropy = pack_token_logprobs(model, pack, select, attention, **scoring)
-    device, dtype = logp.device, logp.dtype  # float32, or float64 for a float64 model
-
-    def field(t: torch.Tensor) -> torch.Tensor:
-        return t[select].to(device=device, dtype=dtype)
-
     ref_logp = None
     if ref_model is not None and kl_coef:
         with torch.no_grad():
-            ref_logp = pack_token_logprobs(ref_model, pack, select, attention, **scoring)[0].to(dtype)
-    prox: dict = {}
-    if correction is not None and correction.recompute:
-        prox_logp = field(pack.prox_logprobs)
-        if torch.isnan(prox_logp).any():
-            raise ValueError(f"loss.rollout_correction {correction.mode!r}: {int(torch.isnan(prox_logp).sum())} "
-                             "trained tokens have no recomputed π_old (node.learner_logprobs)")
-        prox = {"prox_logp": prox_logp}
-    elif behaviour_cap is not None:
-        prox = {"prox_logp": logp.detach(), "behaviour_cap": behaviour_cap}
-    sums = token_sums(
-        logp, entropy, field(pack.old_logprobs), ref_logp, field(pack.weight), field(pack.adv_pos),
-        field(pack.adv_neg), field(pack.leaf_count), field(pack.n_pos), field(pack.n_neg),
-        clip_low=clip_low, clip_high=clip_high, kl_estimator=kl_estimator, correction=correction, **prox,
-    )
-    loss = combine(sums, denominator, kl_coef, entropy_coef)
-    sums.stats.loss = float(loss.detach())
-    return loss, sums
+            ref_logp = pack_token_logprobs(ref_model, pack, select, attention, **scoring)[0]
+    return objective(pack, select, logp, entropy, ref_logp)
 
 
 def pack_sft_loss(
@@ -132,7 +175,18 @@ def pack_sft_loss(
     """
     select = pack.trained.nonzero()[:, 0]
     logp, _ = pack_token_logprobs(model, pack, select, attention, chunk_tokens=chunk_tokens)
-    return -(pack.weight[select].to(logp) * logp).sum() / denominator
+    return sft_token_loss(pack, select, logp, denominator)
+
+
+def sft_token_loss(
+    pack: PackedBatch,
+    tokens: torch.Tensor,  # [M] int64 packed indices of trained tokens
+    logp: torch.Tensor,  # [M] their log-probs (with graph)
+    denominator: float,
+) -> torch.Tensor:
+    """−Σ weight · log p over ``tokens`` / ``denominator``: :func:`pack_sft_loss` of any of a pack's
+    trained tokens (a depth-first walk's group, :mod:`arbor.train.dfs`)."""
+    return -(pack.weight[tokens.to(pack.weight.device)].to(logp) * logp).sum() / denominator
 
 
 # -- padded (the reference: every leaf its own padded sequence) -------------------------------------
@@ -254,6 +308,60 @@ def policy_loss(
         all_sums = sums if all_sums is None else all_sums + sums
     assert total is not None and all_sums is not None, "no trees to train on"
     return total, all_sums.stats.metrics()
+
+
+def policy_backward(
+    model: PreTrainedModel,
+    trees: Sequence[RolloutTree],
+    advantages: Advantages,
+    *,
+    execution: TreeExecution = "packed",
+    group_tokens: int = 2048,
+    normalize: Normalize = "token",
+    pack_tokens: int = 16384,
+    attention: Attention = "auto",
+    temperature: float = 1.0,
+    chunk_tokens: int = 0,
+    ref_model: PreTrainedModel | None = None,
+    **objective: Any,
+) -> tuple[float, dict[str, float]]:
+    """:func:`policy_loss` and its backward, pack by pack as the learner runs it (one pack's graph
+    in memory at a time): the gradients accumulate in ``model``; returns the loss's value and
+    metrics.
+
+    ``execution``: ``"packed"`` (each pack of ``pack_tokens`` one forward and backward) or
+    ``"dfs"`` (whole trees walked depth first, :class:`arbor.train.dfs.DfsWalk`: one path's
+    activations in memory, ``group_tokens`` a group's most tokens) — the same loss and gradients.
+    ``objective``: :class:`PolicyObjective`'s settings (``clip_low``, ``kl_coef``, ...).
+
+        loss, metrics = policy_backward(model, trees, advantages, execution="dfs")
+    """
+    if execution not in ("packed", "dfs"):
+        raise ValueError(f"execution must be 'packed' or 'dfs', got {execution!r}")
+    if objective.get("kl_coef") and ref_model is None:
+        raise ValueError("kl_coef > 0 needs a ref_model")
+    policy = PolicyObjective(loss_denominator(trees, normalize), **objective)
+    stats = LossStats()
+    if execution == "packed":  # pack by pack, as the learner: one pack's graph at a time
+        for pack in pack_trees(trees, advantages, pack_tokens=pack_tokens, normalize=normalize):
+            loss, sums = pack_loss(model, pack, policy.denominator, ref_model=ref_model, attention=attention,
+                                   temperature=temperature, chunk_tokens=chunk_tokens, **objective)
+            loss.backward()
+            stats += sums.stats
+        return stats.loss, stats.metrics()
+    scoring: dict[str, Any] = dict(group_tokens=group_tokens, temperature=temperature, chunk_tokens=chunk_tokens)
+    for pack in pack_trees(trees, advantages, pack_tokens=pack_budget("dfs", pack_tokens), normalize=normalize):
+        select = pack.trained.nonzero()[:, 0]
+        ref = None
+        if ref_model is not None and policy.kl_coef:
+            with torch.no_grad():
+                ref = dfs_token_logprobs(ref_model, pack, select, **scoring)[0]
+        walk = DfsWalk(model, pack, select, token_loss=functools.partial(policy.with_stats, pack), reference=ref,
+                       **scoring)
+        for _ in walk.ops():
+            pass
+        stats = sum(walk.records, stats)
+    return stats.loss, stats.metrics()
 
 
 def sft_loss(

@@ -234,7 +234,7 @@ def _subtree_sizes(tree: RolloutTree) -> dict[int, int]:
     return size
 
 
-def _units(tree: RolloutTree, budget: int) -> list[tuple[list[Node], list[Node]]]:
+def split_tree(tree: RolloutTree, budget: int) -> list[tuple[list[Node], list[Node]]]:
     """Split a tree into (context path, trained nodes) units that each fit the budget.
 
     A subtree that fits with its root path is one unit. Otherwise its root node is
@@ -258,6 +258,19 @@ def _units(tree: RolloutTree, budget: int) -> list[tuple[list[Node], list[Node]]
     for child in tree.root.children:
         visit(child, [], prompt)
     return units
+
+
+def _restrict(context: list[Node], trained: list[Node], allowed: set[int]) -> tuple[list[Node], list[Node]]:
+    """A unit of :func:`split_tree` that trains only the nodes ``allowed``: the unit's other nodes
+    above those become context, the rest is left out."""
+    kept = [n for n in trained if n.id in allowed]
+    in_unit, needed = {n.id for n in trained}, set()
+    for node in kept:
+        up = node.parent
+        while up is not None and up.id in in_unit and up.id not in allowed and up.id not in needed:
+            needed.add(up.id)
+            up = up.parent
+    return context + [n for n in trained if n.id in needed], kept
 
 
 def _too_long(tree: RolloutTree, node: Node, budget: int) -> None:
@@ -295,6 +308,7 @@ def pack_trees(
     require_logprobs: bool = True,
     loss_weights: Sequence[Sequence[float]] | None = None,
     correction_weights: Sequence[Sequence[float]] | None = None,
+    train_only: Sequence[set[int] | None] | None = None,
 ) -> list[PackedBatch]:
     """Pack ``trees`` into batches of at most ``pack_tokens`` tokens (DFS order, exact weights).
 
@@ -306,6 +320,9 @@ def pack_trees(
     token's ``weight`` is Σ_b w_b · loss_weight_b (SFT's example weights).
     ``correction_weights`` per tree per leaf (default 1): the leaf's sequence-level
     importance weight c_b on its advantage mass only (:mod:`arbor.train.rollout_correction`).
+    ``train_only`` per tree: the ids of the nodes to train here (None: all; empty: the tree is
+    left out), their ancestors entering as context: one rank's share of a batch
+    (:func:`arbor.train.rank_balance.balance_trees`); weights stay those of the whole tree.
     """
     if advantages is None:
         advantages = [[0.0] * len(t.leaves()) for t in trees]
@@ -315,6 +332,8 @@ def pack_trees(
         raise ValueError(f"{len(loss_weights)} loss weight lists for {len(trees)} trees")
     if correction_weights is not None and len(correction_weights) != len(trees):
         raise ValueError(f"{len(correction_weights)} correction weight lists for {len(trees)} trees")
+    if train_only is not None and len(train_only) != len(trees):
+        raise ValueError(f"{len(train_only)} train_only sets for {len(trees)} trees")
     parts: list[list[_Part]] = [[]]
     used = 0
     for t, tree in enumerate(trees):
@@ -322,7 +341,12 @@ def pack_trees(
         if len(tree.prompt_ids) >= pack_tokens:
             raise ValueError(f"problem {tree.problem_id}: the prompt alone ({len(tree.prompt_ids)} tokens) fills pack_tokens={pack_tokens}")
         current: _Part | None = None
-        for context, trained in _units(tree, pack_tokens):
+        allowed = train_only[t] if train_only is not None else None
+        for context, trained in split_tree(tree, pack_tokens):
+            if allowed is not None:
+                context, trained = _restrict(context, trained, allowed)
+                if not trained:
+                    continue
             new_ids = [n.id for n in context + trained]
             if current is not None:
                 extra = sum(len(nodes[i].token_ids) for i in new_ids if i not in current.included)
@@ -340,16 +364,16 @@ def pack_trees(
             current = _Part(t, {n.id: False for n in context} | {n.id: True for n in trained})
             parts[-1].append(current)
             used += cost
-    weights = [_node_weights(tree, adv, normalize, loss_weights[t] if loss_weights is not None else None,
-                             correction_weights[t] if correction_weights is not None else None)
-               for t, (tree, adv) in enumerate(zip(trees, advantages))]
+    packed = sorted({part.tree_index for pack in parts for part in pack})  # train_only may leave trees out
+    weights = {t: _node_weights(trees[t], advantages[t], normalize, loss_weights[t] if loss_weights is not None else None,
+                                correction_weights[t] if correction_weights is not None else None) for t in packed}
     return [_serialise(pack, trees, weights, require_logprobs) for pack in parts if pack]
 
 
 def _serialise(
     pack: list[_Part],
     trees: Sequence[RolloutTree],
-    weights: list[dict[int, _NodeWeights]],
+    weights: dict[int, dict[int, _NodeWeights]],
     require_logprobs: bool,
 ) -> PackedBatch:
     """The parts of one pack as its columns (ids, positions, parent, subtree end, ownership,

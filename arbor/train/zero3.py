@@ -46,7 +46,7 @@ SAFETENSORS = "model.safetensors"
 # The DeepSpeed releases whose internals arbor patches or reads were tested against: Init's
 # _zero_init_param and _convert_to_deepspeed_param (partition_without_broadcast), the shard
 # layout of _partition_param (load_partitioned_weights) and comm.torch.build_shm_op
-# (learner.init_distributed). pyproject.toml pins the same range.
+# (deepspeed_setup.init_distributed). pyproject.toml pins the same range.
 TESTED_DEEPSPEED = (">=0.19.8", "<0.20")
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 READ_MB = 64  # the most one read from a checkpoint file holds (sharded loading's transient)
