@@ -27,8 +27,8 @@ class EngineWorker:
         from arbor.engines.launch import launch_engines
 
         if not uses_gpu(cfg):
-            # Ray gives actors one thread; the server has the cores while rollouts run.
-            os.environ["OMP_NUM_THREADS"] = str(cpu_threads(cfg, sharers=1))
+            # Ray gives actors one thread; the server gets its share of the cores (run.cpu_threads).
+            os.environ["OMP_NUM_THREADS"] = str(cpu_threads(cfg))
         host = node_address() if bind_node_address else cfg.engine.host
         self.handle = launch_engines(**launch_options(cfg), num_engines=1, host=host,
                                      log_dir=os.path.join(log_dir, f"engine-{index}"))
