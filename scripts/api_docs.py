@@ -71,7 +71,7 @@ MEANINGS: dict[str, dict[str, str]] = {
         "TextArenaGame": "A TextArena single-player game per episode, forked by copy with its random state (`arbor[textarena]`).",
         "MCPTools": "The tools of a stdio MCP server, called by the environment; forks replay side effects (`arbor[mcp]`).",
         "VerifiersEnv": "A verifiers MultiTurnEnv/ToolEnv rollout with arbor as its client, its rubric the reward (`arbor[verifiers]`).",
-        "OpenEnvClient": "An OpenEnv server driven through its client, one session per branch, forked by replay (`arbor[openenv]`).",
+        "OpenEnvClient": "An OpenEnv server driven through its client, a WebSocket connection per branch, forked by replay (`arbor[openenv]`).",
         "parse_tool_calls": "The Hermes `<tool_call>{...}</tool_call>` calls in a model's text, for adapters of your own.",
     },
     "Rewards": {
