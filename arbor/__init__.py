@@ -81,8 +81,8 @@ _EXPORTS: dict[str, str] = {
     "PackedBatch": "arbor.train.packing",
     "policy_loss": "arbor.train.packed_loss",
     "policy_backward": "arbor.train.packed_loss",
-    "WeightSync": "arbor.train.weight_sync",
-    # engines
+    # engines, and pushing weights to them
+    "WeightSync": "arbor.run.weight_sync",
     "SamplingParams": "arbor.engines.types",
     "GenerateRequest": "arbor.engines.types",
     "GenerateOutput": "arbor.engines.types",
@@ -153,8 +153,8 @@ if TYPE_CHECKING:  # type checkers and IDEs see the names without the lazy table
     from arbor.rollout.sample_stats import SampleStats
     from arbor.rollout.sampler import sample_trees, sample_trees_sync
     from arbor.rollout.tools import ToolPool, ToolResult
+    from arbor.run.weight_sync import WeightSync
     from arbor.train.advantage import compute_advantages
     from arbor.train.packed_loss import policy_backward, policy_loss
     from arbor.train.packing import PackedBatch, pack_trees
-    from arbor.train.weight_sync import WeightSync
     from arbor.tree import Node, RolloutTree, TreeStats

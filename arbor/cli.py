@@ -8,7 +8,9 @@
 
 Every command that takes a config validates it (and its overrides) before any work
 starts; a bad key, or a data file that is missing or malformed, exits with status 2 and one
-line naming the key.
+line naming the key. ``train``, ``eval`` and ``sft`` then share one start-up
+(:func:`arbor.run.startup.start_command`), whose rules on the settled config (the model's
+context, this machine) exit the same way.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import sys
 from collections.abc import Callable
 
 from arbor.config import Config, dump_config
-from arbor.config_load import check_context_length, load_config
+from arbor.config_load import load_config
 from arbor.dataset_files import DataError
 from arbor.errors import ConfigError
 from arbor.plugins import default_search_dirs
@@ -52,30 +54,6 @@ def check_extensions(cfg: Config) -> None:
         from arbor.rollout.environments import require_reward, rollout_env
 
         require_reward(rollout_env(cfg.rollout, default_search_dirs(cfg.source)), cfg.reward)
-
-
-def check_model_context(cfg: Config, command: str) -> None:
-    """``data.max_prompt_tokens`` + the response budget must fit the model's context
-    (:func:`~arbor.config_load.check_context_length`), read once before any work starts: SGLang's
-    ``--context-length`` when ``engine.extra_args`` sets it, else ``max_position_embeddings``
-    of ``model.path``'s config (what SGLang and the embedded engine default to)."""
-    extra = list(cfg.engine.extra_args)
-    for i, arg in enumerate(extra):
-        if cfg.engine.kind != "embedded" and arg.startswith("--context-length"):
-            value = arg.partition("=")[2] or (extra[i + 1] if i + 1 < len(extra) else "")
-            if not value.isdigit():
-                raise ConfigError(f"engine.extra_args: --context-length needs a number of tokens, got {value!r}")
-            check_context_length(cfg, int(value), "--context-length in engine.extra_args", command)
-            return
-    from transformers import AutoConfig
-
-    try:
-        model_config = AutoConfig.from_pretrained(cfg.model.path, trust_remote_code=cfg.model.trust_remote_code)
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"model.path: cannot read the config of {cfg.model.path!r}: {e}") from None
-    context = getattr(model_config.get_text_config(), "max_position_embeddings", None)
-    if context is not None:  # a model without the field: the server's own check is all there is
-        check_context_length(cfg, int(context), f"max_position_embeddings of {cfg.model.path}", command)
 
 
 def print_config(cfg: Config) -> int:
@@ -148,10 +126,8 @@ def main(argv: list[str] | None = None) -> int:
 
             start_ray_early(cfg)  # Ray comes up while the checks, imports and data load run
         check_extensions(cfg)
-        if args.command in ("train", "eval"):
-            check_model_context(cfg, args.command)
         return _resolve(args.command)(cfg)
-    except (ConfigError, DataError) as e:  # also from the command's start-up: one line, no traceback
+    except (ConfigError, DataError) as e:  # also a rule the command's start-up found on the settled config: one line
         kind = "config" if isinstance(e, ConfigError) else "data"
         print(f"arbor {args.command}: {kind} error: {e}", file=sys.stderr)
         return 2
@@ -162,7 +138,7 @@ def dry_run(cfg: Config, command: str) -> int:
     Ray (the extensions, the data files and their rows, the device, the engine kind, the model's
     context), print one line per check and a verdict; 0 when all pass, else 2. Starts nothing."""
     from arbor.engines.launch import resolve_kind
-    from arbor.run.startup import check_device, engine_device, problem_files
+    from arbor.run.startup import check_device, check_model_context, engine_device, problem_files
 
     checks: list[tuple[str, Callable[[], str]]] = [
         ("reward.functions" + (", rollout.agent" if cfg.rollout.agent else ""),
@@ -180,7 +156,7 @@ def dry_run(cfg: Config, command: str) -> int:
         # resolve_kind, as the run's start-up settles it: SGLang must import in engine.python.
         checks.append(("engine.kind", lambda: _engine_kind(
             cfg, resolve_kind(cfg.engine.kind, device=engine_device(cfg), python=cfg.engine.python))))
-        checks.append(("model context", _passes(lambda: check_model_context(cfg, command),
+        checks.append(("model context", _passes(lambda: check_model_context(cfg, "eval" if command == "eval" else "train"),
                                                 f"prompts and responses fit the context of {cfg.model.path}")))
     failed = 0
     for name, check in checks:

@@ -46,7 +46,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
 # -- validation of values and combinations ------------------------------------------------
 
 
-def validate(cfg: Config, where: Callable[[str], str] | None = None) -> None:
+def validate(cfg: Config, where: Callable[[str], str] | None = None, on_gpu: bool | None = None) -> None:
     """Range and cross-field checks; each error names the key(s) involved.
 
     Long on purpose: one ``need(condition, key, message)`` line per rule, grouped by
@@ -54,7 +54,9 @@ def validate(cfg: Config, where: Callable[[str], str] | None = None) -> None:
     move every rule that crosses sections into a third place).
 
     ``where(key)`` says where a key came from (``file:line``, an override); without it,
-    errors say ``<config>`` (a config built in code).
+    errors say ``<config>`` (a config built in code). ``on_gpu``: whether the learners get a
+    GPU on this machine (:func:`arbor.run.startup.settled` knows; None: not known yet, as when
+    a file is loaded, so rules that depend on it judge ``learner.device`` as written).
     """
     where = where or (lambda key: "<config>")
 
@@ -110,7 +112,8 @@ def validate(cfg: Config, where: Callable[[str], str] | None = None) -> None:
     need(0 < e.mem_fraction <= 1, "engine.mem_fraction", f"must be in (0, 1], got {e.mem_fraction}")
     need(e.max_retries >= 0, "engine.max_retries", "must be ≥ 0")
     need(e.tp_size >= 1, "engine.tp_size", f"must be ≥ 1, got {e.tp_size}")
-    on_gpus = e.kind == "sglang" or le.device == "cuda"
+    cpu = le.device == "cpu" if on_gpu is None else not on_gpu  # the learners (and engines) run on CPUs
+    on_gpus = e.kind == "sglang" or le.device == "cuda" or on_gpu is True
     # NCCL cannot pair two ranks on one GPU: learner rank 0 and its colocated engine.
     need(not (cfg.ray.colocate and on_gpus and le.weight_sync == "distributed"), "learner.weight_sync",
          "must be disk with ray.colocate on GPUs (NCCL cannot put the learner's rank and the engine's on one GPU)")
@@ -183,12 +186,12 @@ def validate(cfg: Config, where: Callable[[str], str] | None = None) -> None:
         f"(data.max_prompt_tokens + rollout.segment_tokens = {cfg.data.max_prompt_tokens + r.segment_tokens})",
     )
     need(
-        not (le.device == "cpu" and e.kind == "sglang" and e.deterministic),
+        not (cpu and e.kind == "sglang" and e.deterministic),
         "engine.deterministic",
         "needs a GPU with engine.kind: sglang (SGLang samples seeded requests with a Triton kernel)",
     )
     need(
-        not (le.attention == "flex" and le.device == "cpu"),
+        not (le.attention == "flex" and cpu),
         "learner.attention",
         "flex needs CUDA (FlexAttention has no backward on CPU); use blocks or auto",
     )

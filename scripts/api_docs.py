@@ -91,7 +91,7 @@ MEANINGS: dict[str, dict[str, str]] = {
         "PackedBatch": "One forward/backward of packed tree tokens with the attention structure and loss columns.",
         "policy_loss": "The clipped policy loss of trees under a model (tree-packed, linear or padded).",
         "policy_backward": "The policy loss and its gradients, each pack at once or walked depth first (dfs).",
-        "WeightSync": "Pushes a learner's weights to every engine (torch.distributed broadcast or disk).",
+        "WeightSync": "Pushes weights to every engine: a torch.distributed broadcast, an HF directory or a LoRA adapter.",
     },
     "Engines": {
         "SamplingParams": "Sampling settings of one request (tokens, temperature, top-p/k, n, stop ids, seed).",

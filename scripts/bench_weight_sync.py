@@ -54,7 +54,8 @@ from arbor.engines.client import SGLangClient  # noqa: E402
 from arbor.engines.distributed import close_group, open_group  # noqa: E402
 from arbor.engines.launch import launch_engines  # noqa: E402
 from arbor.engines.ports import free_port  # noqa: E402
-from arbor.train.weight_sync import WeightSync, named_tensor_buckets  # noqa: E402
+from arbor.run.weight_sync import WeightSync  # noqa: E402
+from arbor.train.weight_sync import named_tensor_buckets  # noqa: E402
 
 QWEN25_05B = dict(
     hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
@@ -102,7 +103,7 @@ async def time_lora(url: str, model: torch.nn.Module, sync_dir: Path, rank: int,
                     repeats: int) -> dict[str, float]:
     """Bytes and best seconds of a full bucketed push and of a LoRA adapter push."""
     from arbor.config_load import load_config
-    from arbor.engines.client import adapter_name
+    from arbor.run.weight_sync import adapter_name
     from arbor.train.lora import adapter_state, add_adapter, save_adapter
 
     named = [(name, param.detach()) for name, param in model.named_parameters()]
@@ -114,7 +115,7 @@ async def time_lora(url: str, model: torch.nn.Module, sync_dir: Path, rank: int,
                 param.normal_(0, 0.01)
     out = {"full_s": float("inf"), "adapter_s": float("inf")}
     async with SGLangClient([url], timeout_s=3600) as client:
-        sync = WeightSync(client, "distributed", master_address="127.0.0.1")
+        sync = WeightSync(client, master_address="127.0.0.1")
         out["full_bytes"] = await sync.push(named_tensor_buckets(iter(named), bucket_mb), "warm-up")
         for repeat in range(repeats):
             start = time.perf_counter()
@@ -174,8 +175,7 @@ async def time_pushes(
     named = [(name, param.detach()) for name, param in model.named_parameters()]
     best = {"per_tensor": float("inf"), "bucketed": float("inf"), "disk": float("inf")}
     async with SGLangClient([url], timeout_s=3600) as client:
-        sync = WeightSync(client, "distributed", master_address="127.0.0.1")
-        disk = WeightSync(client, "disk", export_dir=export_dir)
+        sync = WeightSync(client, master_address="127.0.0.1")
         # Not timed: opens the group and touches the reused flat buffers of both ends once
         # (the steady state of a training run, which pushes every step).
         await sync.push(named_tensor_buckets(iter(named), bucket_mb), "warm-up")
@@ -188,7 +188,7 @@ async def time_pushes(
                 print(f"{mode}: {time.perf_counter() - start:.2f} s", flush=True)
             start = time.perf_counter()
             model.save_pretrained(export_dir)
-            await disk.push_directory(export_dir, f"disk-{repeat}")
+            await sync.push_directory(export_dir, f"disk-{repeat}")
             best["disk"] = min(best["disk"], time.perf_counter() - start)
             print(f"disk: {time.perf_counter() - start:.2f} s", flush=True)
     return best

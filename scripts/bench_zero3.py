@@ -111,12 +111,8 @@ def time_syncs(model, rank: int, url: str, bucket_mb: float, repeats: int) -> di
     import torch
 
     from arbor.engines.client import SGLangClient
-    from arbor.train.weight_sync import (
-        WeightSync,
-        gathered_buckets,
-        gathered_parameters,
-        named_tensor_buckets,
-    )
+    from arbor.run.weight_sync import WeightSync
+    from arbor.train.weight_sync import gathered_buckets, gathered_parameters, named_tensor_buckets
 
     def buckets(kind: str):
         if kind == "per_param":
@@ -126,7 +122,7 @@ def time_syncs(model, rank: int, url: str, bucket_mb: float, repeats: int) -> di
     async def pushes() -> dict[str, float]:
         best = {"per_param": float("inf"), "bucketed": float("inf")}
         client = SGLangClient([url], timeout_s=3600) if rank == 0 else None
-        sync = WeightSync(client, "distributed", master_address="127.0.0.1") if client else None
+        sync = WeightSync(client, master_address="127.0.0.1") if client else None
         runs = [("bucketed", "warm-up")] + [(kind, str(i)) for i in range(repeats) for kind in best]
         for kind, tag in runs:
             torch.distributed.barrier()

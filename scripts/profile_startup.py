@@ -9,8 +9,9 @@ and then sends one rollout request (a prompt of the training set, 1 new token), 
 
 - ``python``: the interpreter's start, process start to this script's first line;
 - ``imports``: ``arbor.cli`` and ``arbor.run.trainer`` (torch, transformers, Ray, ...);
-- ``config``: loading the config, resolving rewards/agents, the model's context check;
-- the phases ``start_run`` times itself (``tokenizer``, ``data``, ``metrics``, ``rewards``,
+- ``config``: loading the config, resolving rewards/agents;
+- the phases ``start_run`` times itself (``settle``: the settled config's rules, the model's
+  context among them; ``tokenizer``, ``data``, ``metrics``, ``rewards``,
   ``ray``, ``placement``, ``engines``, ``learners``; engines and learners may overlap;
   ``ray`` is what remains of Ray's start, begun in the background right after the config);
 - ``first_request``: the first ``/generate`` round trip.
@@ -57,7 +58,7 @@ def profile_once(config: str, overrides: list[str]) -> dict[str, float]:
     clock = StartupClock(origin=process_start())
     clock.spans["python"] = (0.0, SCRIPT_START - clock.origin)
     with clock.phase("imports"):
-        from arbor.cli import check_extensions, check_model_context
+        from arbor.cli import check_extensions
         from arbor.config_load import load_config
         from arbor.run.context import start_run
         from arbor.run.orchestration import start_ray_early
@@ -65,7 +66,6 @@ def profile_once(config: str, overrides: list[str]) -> dict[str, float]:
         cfg = load_config(config, overrides)
         start_ray_early(cfg)  # as `arbor train` does: Ray starts while the rest runs
         check_extensions(cfg)
-        check_model_context(cfg, "train")
     with clock.phase("imports_trainer"):
         import arbor.run.trainer  # noqa: F401  (what `arbor train` imports before it starts)
         from arbor.engines.types import GenerateRequest, SamplingParams

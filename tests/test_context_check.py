@@ -8,12 +8,12 @@ from pathlib import Path
 
 import pytest
 
-from arbor.cli import check_model_context
 from arbor.config import DataConfig
 from arbor.config_load import check_context_length, load_config
 from arbor.data import DataError
 from arbor.errors import ConfigError
 from arbor.rollout.agents import fitting_problems
+from arbor.run.startup import check_model_context
 
 REPO = Path(__file__).resolve().parents[1]
 QUICKSTART = REPO / "configs" / "quickstart.yaml"

@@ -145,7 +145,8 @@ from arbor.engines.embedded.engine import LocalEngine
 from arbor.train.learner import Learner
 from arbor.train.packing import loss_denominator, pack_trees
 from arbor.rollout.sampler import sample_trees
-from arbor.train.weight_sync import logprob_gap, probe_samples
+from arbor.run.weight_sync import probe_samples
+from arbor.train.weight_sync import logprob_gap
 
 path = build_tiny_model_dir({path!r}, seed=3, hidden_size=128, num_hidden_layers=4)
 cfg = load_config(None, ["model.path=" + str(path), "learner.backend=deepspeed", "learner.zero_stage=3",

@@ -22,12 +22,8 @@ from arbor.engines.client import SGLangClient
 from arbor.engines.distributed import FlatBuffer, flat_chunks, flatten, unflatten
 from arbor.engines.ports import free_port
 from arbor.engines.wire import rank_layout
-from arbor.train.weight_sync import (
-    WeightSync,
-    accepts_flattened_bucket,
-    engine_ranks,
-    named_tensor_buckets,
-)
+from arbor.run.weight_sync import WeightSync, accepts_flattened_bucket, engine_ranks
+from arbor.train.weight_sync import named_tensor_buckets
 
 RECEIVER = Path(__file__).with_name("sglang_receiver.py")
 
@@ -149,7 +145,7 @@ def test_weight_sync_into_sglangs_own_group_code(tmp_path, version, load_format)
     async def main() -> tuple[str | None, list[str]]:
         async with SGLangClient(urls, timeout_s=120) as client:
             await client.wait_healthy(timeout_s=120)
-            sync = WeightSync(client, "distributed", master_address="127.0.0.1")
+            sync = WeightSync(client, master_address="127.0.0.1")
             await sync.push(named_tensor_buckets(iter(named), bucket_mb=0.01), "7")
             # A second push runs in a new session over the same group.
             await sync.push(named_tensor_buckets(iter(named), bucket_mb=1), "8")

@@ -181,35 +181,46 @@ def test_connection_refused_is_retried_until_the_server_comes_up():
     assert asyncio.run(main())[0].output_ids == [4, 5]
 
 
-def test_a_server_that_stays_down_is_recovered_through_the_constructors_hook_and_the_call_resent():
-    """``recover`` (the run's engine recovery) is awaited once the retries are spent; the
-    call is then sent again, to the server it brought back."""
+def test_a_server_that_stays_down_is_reported_unreachable_and_never_restarted_by_the_client():
+    """Once the retries are spent the client raises, naming the server; restarting it is the
+    run's decision (arbor.run.recovery), not the client's. A 4xx is the request's fault."""
 
     async def main():
-        fake = FakeServer()
-        port = free_port()
-        url = f"http://127.0.0.1:{port}"
-        runners, recovered = [], []
-
-        async def recover(dead_url: str, error: EngineError) -> None:  # start the server, as a restart would
-            recovered.append((dead_url, error.status))
-            app = web.Application()
-            app.router.add_post("/generate", fake.generate)
-            runners.append(web.AppRunner(app))
-            await runners[-1].setup()
-            await web.TCPSite(runners[-1], "127.0.0.1", port).start()
-
-        client = SGLangClient([url], max_retries=1, backoff_s=0.01, recover=recover)
+        url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+        async with SGLangClient([url], max_retries=1, backoff_s=0.01) as client:
+            with pytest.raises(EngineError) as down:
+                await client.generate(REQUEST)
+        bad = FakeServer(status=400)
+        bad_url, runner = await bad.start()
         try:
-            outs = await client.generate(REQUEST)
+            async with SGLangClient([bad_url], max_retries=1, backoff_s=0.01) as client:
+                with pytest.raises(EngineError) as refused:
+                    await client.generate(REQUEST)
         finally:
-            await client.close()
-            for runner in runners:
-                await runner.cleanup()
-        return outs, recovered, url
+            await runner.cleanup()
+        return url, down.value, refused.value
 
-    outs, recovered, url = asyncio.run(main())
-    assert outs[0].output_ids == [4, 5] and recovered == [(url, None)]
+    url, down, refused = asyncio.run(main())
+    assert (down.unreachable, down.server, down.status) == (True, url, None) and "after 2 attempts" in str(down)
+    assert (refused.unreachable, refused.status) == (False, 400)
+
+
+def test_requests_name_their_lora_adapter_one_name_per_batch_or_one_per_prompt():
+    async def main():
+        async with fake_servers(1) as (fakes, urls), SGLangClient(urls) as client:
+            await client.generate(GenerateRequest([1], SamplingParams(2), adapter="arbor-lora-3"))
+            await client.generate(GenerateRequest([1], SamplingParams(2)))
+            await client.generate_many([GenerateRequest([i], SamplingParams(2, n=2), adapter="arbor-lora-3")
+                                        for i in (1, 2)])
+            await client.generate_many([GenerateRequest([7], SamplingParams(2), adapter=name)
+                                        for name in ("arbor-lora-2", "arbor-lora-3")])
+        return fakes[0].bodies
+
+    single, base, commit, forks, mixed = asyncio.run(main())
+    assert single["lora_path"] == "arbor-lora-3" and "lora_path" not in base
+    # The forks' prompt is committed to the cache under the adapter they sample from.
+    assert commit["lora_path"] == forks["lora_path"] == "arbor-lora-3"
+    assert mixed["lora_path"] == ["arbor-lora-2", "arbor-lora-3"]
 
 
 def test_engine_client_is_built_from_the_engine_section():
@@ -217,7 +228,7 @@ def test_engine_client_is_built_from_the_engine_section():
                              "engine.request_timeout_s=7", "engine.max_retries=2"])
     client = engine_client(cfg.engine, ["http://10.0.0.1:30000/"])
     assert (client.urls, client.timeout_s, client.max_retries) == (["http://10.0.0.1:30000"], 7, 2)
-    assert client._headers == {"Authorization": "Bearer k"} and client.recover is None
+    assert client._headers == {"Authorization": "Bearer k"}
 
 
 def test_timeout_raises():

@@ -183,7 +183,7 @@ def test_the_trainers_eval_phase_logs_the_same_metrics(rewards):
     assert metrics["eval/pass@3"] == 2 / 3 and metrics["eval/maj@3"] == 1 / 3
     assert metrics["eval/accuracy"] == pytest.approx(3 / 9)
     assert "eval: sampled 3/3 problems" in statuses
-    assert sampling.client.flushes == 1  # the next step starts from an empty cache, as a resumed run does
+    assert sampling.engine.flushes == 1  # the next step starts from an empty cache, as a resumed run does
 
 
 def test_eval_with_an_agent_runs_one_episode_per_sample(rewards):

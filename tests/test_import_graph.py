@@ -84,7 +84,7 @@ def test_find_cycle_finds_one_and_only_one():
 def test_the_graph_sees_every_kind_of_import():
     graph = import_graph()
     assert "arbor.run.phases" in graph["arbor.run.trainer"]  # from arbor.run import phases
-    assert "arbor.engines.client" in graph["arbor.run.phases"]  # from arbor.engines.client import ...
+    assert "arbor.engines.connect" in graph["arbor.run.phases"]  # from arbor.engines.connect import ...
     assert "arbor.train.learner" in graph["arbor.run.learner_group"]  # inside a function
     assert "arbor.train.packed_loss" in graph["arbor"]  # arbor/__init__.py's lazy table
 
@@ -148,3 +148,12 @@ def test_every_module_lives_in_a_stage_or_is_a_shared_record():
 
 def test_stages_respect_the_layering():
     assert layering_violations(import_graph()) == []
+
+
+def test_the_engines_never_reach_into_the_run_layer():
+    """Control flows down: an engine client reports a dead server, the run decides to restart
+    it (arbor.run.recovery); no module of engines/ imports run/, not even for a type."""
+    graph = import_graph()
+    engines = [m for m in graph if stage_of(m) == "engines"]
+    assert "arbor.engines.client" in engines
+    assert [(m, t) for m in engines for t in sorted(graph[m]) if stage_of(t) == "run"] == []

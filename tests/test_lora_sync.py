@@ -11,13 +11,13 @@ from tiny_model import build_tiny_model_dir
 from transformers import AutoModelForCausalLM
 
 from arbor.config_load import load_config
-from arbor.engines.client import SGLangClient, adapter_name
+from arbor.engines.client import SGLangClient
 from arbor.engines.embedded.lora import MergedAdapters, delta, read_factors
 from arbor.engines.errors import EngineError
 from arbor.engines.launch import launch_engines
 from arbor.run.trainer import train
+from arbor.run.weight_sync import WeightSync, adapter_name, probe_logprob_gap
 from arbor.train.lora import adapter_state, add_adapter, save_adapter
-from arbor.train.weight_sync import WeightSync, probe_logprob_gap
 
 
 def write_adapter(directory, tensors, r=2, alpha=4.0, **extra):
@@ -112,21 +112,18 @@ def test_lora_sync_to_arbor_serve(tmp_path):
 
     async def main(url):
         async with SGLangClient([url]) as client:
-            sync = WeightSync(client, "distributed")
+            sync = WeightSync(client)
             move_adapter()
             before = await probe_logprob_gap(client, learner, prompts)
             gaps, sent = [], []
             for version in ("1", "2", "3"):
                 sent.append(await sync.push_adapter(write(version), version))
-                client.lora_path = adapter_name(version)
-                gaps.append(await probe_logprob_gap(client, learner, prompts))
+                gaps.append(await probe_logprob_gap(client, learner, prompts, adapter=adapter_name(version)))
                 move_adapter()
-            client.lora_path = None
             with pytest.raises(EngineError, match="requests must name it"):
                 await probe_logprob_gap(client, learner, prompts)
-            client.lora_path = adapter_name("1")  # unloaded by the third push (two are kept)
-            with pytest.raises(EngineError, match="'arbor-lora-1' is not loaded"):
-                await probe_logprob_gap(client, learner, prompts)
+            with pytest.raises(EngineError, match="'arbor-lora-1' is not loaded"):  # unloaded by the third push
+                await probe_logprob_gap(client, learner, prompts, adapter=adapter_name("1"))
             return before, gaps, sent, sync.adapters, await client.get_weight_version()
 
     with launch_engines("embedded", model_path=str(path), log_dir=tmp_path / "logs") as handle:

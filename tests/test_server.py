@@ -153,16 +153,17 @@ LEARNER = textwrap.dedent(
     import asyncio, os, sys
     from transformers import AutoModelForCausalLM
     from arbor.engines.client import SGLangClient
-    from arbor.train.weight_sync import WeightSync, named_tensor_buckets
+    from arbor.run.weight_sync import WeightSync
+    from arbor.train.weight_sync import named_tensor_buckets
     url, model_dir = sys.argv[1], sys.argv[2]
     state = AutoModelForCausalLM.from_pretrained(model_dir).state_dict()
 
     async def main():
         async with SGLangClient([url]) as client:
-            sync = WeightSync(client, "distributed", master_address="127.0.0.1")
+            sync = WeightSync(client, master_address="127.0.0.1")
             await sync.push(named_tensor_buckets(iter(state.items()), bucket_mb=0.05), "dist-1")
             print("sent", len(state), sync._load_format, await client.get_weight_version(), flush=True)
-            print("group", sync._group_name, flush=True)
+            print("group", sync.group_name, flush=True)
 
     asyncio.run(main())
     # Skip interpreter teardown: destroying a gloo group whose peer still holds it can

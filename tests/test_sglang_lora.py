@@ -8,7 +8,8 @@ Set ``ARBOR_SGLANG_PYTHON`` to the python of an environment that serves SGLang o
 CUDA: that module's docstring names the lines). Then arbor's own calls push adapters:
 ``/load_lora_adapter`` under a new name per version, ``/flush_cache``,
 ``/update_weight_version``, ``/unload_lora_adapter`` of the oldest, requests naming the
-adapter (``lora_path``, single and batched), and the logprob gap to the peft model.
+adapter (``GenerateRequest.adapter``, sent as ``lora_path``, single and batched), and the logprob
+gap to the peft model.
 """
 
 import asyncio
@@ -24,12 +25,11 @@ from test_lora_sync import MovingAdapter
 from transformers import AutoModelForCausalLM
 
 from arbor.config_load import load_config
-from arbor.engines.client import SGLangClient, adapter_name
+from arbor.engines.client import SGLangClient
 from arbor.engines.embedded.server import free_port
 from arbor.engines.errors import EngineError
 from arbor.engines.types import GenerateRequest, SamplingParams
-from arbor.train.lora import sglang_lora_flags
-from arbor.train.weight_sync import WeightSync, probe_logprob_gap
+from arbor.run.weight_sync import WeightSync, adapter_name, lora_engine_flags, probe_logprob_gap
 
 REPO = Path(__file__).resolve().parents[1]
 MODEL = REPO / "models" / "tiny-arith"
@@ -47,7 +47,7 @@ def sglang_url(tmp_path_factory):
     command = [python, "-m", "sglang.launch_server", "--model-path", str(MODEL), "--device", "cpu",
                "--attention-backend", "torch_native", "--dtype", "float32", "--disable-overlap-schedule",
                "--max-total-tokens", "2048", "--host", "127.0.0.1", "--port", str(port),
-               "--lora-backend", "torch_native", *sglang_lora_flags(MODEL_CFG)]  # the flags arbor starts SGLang with
+               "--lora-backend", "torch_native", *lora_engine_flags(MODEL_CFG)]  # the flags arbor starts SGLang with
     with open(log, "w") as out:
         server = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
     url = f"http://127.0.0.1:{port}"
@@ -74,24 +74,22 @@ def test_adapters_load_serve_and_unload_on_sglang(sglang_url, tmp_path):
 
     async def main():
         async with SGLangClient([sglang_url], timeout_s=300) as client:
-            sync = WeightSync(client, "distributed")
+            sync = WeightSync(client)
             move_adapter()
             out = {"base": await probe_logprob_gap(client, base, prompts),
                    "before": await probe_logprob_gap(client, learner, prompts), "gaps": [], "sent": []}
             for version in ("1", "2", "3"):
                 out["sent"].append(await sync.push_adapter(write(version), version))
-                client.lora_path = adapter_name(version)
-                out["gaps"].append(await probe_logprob_gap(client, learner, prompts))
+                out["gaps"].append(await probe_logprob_gap(client, learner, prompts, adapter=adapter_name(version)))
                 move_adapter()
             # The batched form arbor's rollouts use: one lora_path for every prompt of the batch.
-            forks = await client.generate_many([GenerateRequest(p, SamplingParams(4, n=2, seed=i))
+            forks = await client.generate_many([GenerateRequest(p, SamplingParams(4, n=2, seed=i), adapter=adapter_name("3"))
                                                 for i, p in enumerate(prompts)])
             out["forks"] = [len(outs) for outs in forks]
             out["versions"], out["held"] = await client.get_weight_version(), list(sync.adapters)
-            client.lora_path = adapter_name("1")  # unloaded by the third push
-            with pytest.raises(EngineError, match="arbor-lora-1"):
-                await client.generate(GenerateRequest(prompts[0], SamplingParams(2)))
-            client.lora_path = None  # the base model is still served without a name
+            with pytest.raises(EngineError, match="arbor-lora-1"):  # unloaded by the third push
+                await client.generate(GenerateRequest(prompts[0], SamplingParams(2), adapter=adapter_name("1")))
+            # The base model is still served to requests naming no adapter.
             out["base_after"] = await probe_logprob_gap(client, base, prompts)
             return out
 

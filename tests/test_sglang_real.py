@@ -26,7 +26,8 @@ from arbor.engines.client import SGLangClient, parse_output
 from arbor.engines.errors import EngineError
 from arbor.engines.launch import launch_engines, sglang_cpu_flags
 from arbor.engines.types import GenerateRequest, SamplingParams
-from arbor.train.weight_sync import WeightSync, gathered_buckets, probe_logprob_gap
+from arbor.run.weight_sync import WeightSync, probe_logprob_gap
+from arbor.train.weight_sync import gathered_buckets
 
 T = TypeVar("T")
 KEY = "sglang-test-key-0123456789"
@@ -199,7 +200,7 @@ def test_weights_by_broadcast_in_sessions_move_the_logprobs(server, tokenizer, f
     version = "flat-1" if flatten else "tensor-1"
 
     async def push_and_probe(client: SGLangClient):
-        sync = WeightSync(client, "distributed", master_address="127.0.0.1", flatten=flatten)
+        sync = WeightSync(client, master_address="127.0.0.1", flatten=flatten)
         try:
             await sync.push(gathered_buckets(model, zero_stage=0, bucket_mb=0.05), version=version)
             assert await client.get_weight_version() == [version]
@@ -218,7 +219,7 @@ def test_weights_from_disk_and_an_update_while_requests_run(server, tokenizer, t
     model.save_pretrained(tmp_path / "pushed")
 
     async def update_while_generating(client: SGLangClient):
-        sync = WeightSync(client, "disk", export_dir=tmp_path)
+        sync = WeightSync(client)
         before, = await client.get_weight_version()
         long = asyncio.ensure_future(long_generation(server.urls[0], ids))
         await started(server.urls[0])

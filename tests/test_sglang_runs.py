@@ -1,7 +1,9 @@
 """Whole runs on a real SGLang 0.5.23 CPU server that arbor starts itself (``engine.kind: sglang``,
 ``engine.python: $ARBOR_SGLANG_PYTHON``; tests/sglang_env.py): the quickstart, asynchronous
 with partial rollouts and weights by broadcast, then ``arbor eval`` on its export; a
-synchronous run with weights by disk whose SGLang scheduler is killed mid-rollout; and an
+synchronous run with weights by disk whose SGLang scheduler is killed mid-rollout; an
+asynchronous one whose scheduler is killed while the producer samples; an asynchronous
+LoRA run (its requests name the adapter, which SGLang would otherwise silently ignore); and an
 asynchronous run with an environment (``rollout.env``).
 
 Small on purpose (a few prompts, two or three steps): each run starts a server (~20 s quiet).
@@ -101,6 +103,53 @@ def test_weights_by_disk_and_a_killed_scheduler_restarts_the_server(tmp_path):
     assert [m["engine/restarts"] for m in history] == [0, 1, 0]
     # The restarted server got the run's weights back: the next pushes and probes agree.
     assert all(m["sync/logprob_gap"] < GAP_BOUND and m["train/logprob_gap"] < GAP_BOUND for m in history)
+
+
+def quickstart(tmp_path, *overrides):
+    return load_config(REPO / "configs" / "quickstart.yaml", [
+        "engine.kind=sglang", f"engine.python={sglang_python()}", *SMALL, "run.eval_every=0", "run.save_every=0",
+        f"run.output_dir={tmp_path / 'run'}", f"model.path={REPO / 'models' / 'tiny-arith'}",
+        f"data.train_path={REPO / 'data' / 'arith' / 'train.jsonl'}",
+        f"data.eval_path={REPO / 'data' / 'arith' / 'test.jsonl'}", *overrides,
+    ])
+
+
+def test_async_run_whose_scheduler_is_killed_while_the_producer_samples(tmp_path):
+    from test_trainer import kill_engine_while_the_producer_samples
+
+    cfg = quickstart(tmp_path, "run.steps=3", "algorithm.max_staleness=1")  # weights by broadcast
+    arm, kills = kill_engine_while_the_producer_samples(1, victim=scheduler_of)
+    history = train(cfg, after_step=arm)
+    assert len(kills) == 1 and len(history) == 3  # the run finished
+    assert sum(m["engine/restarts"] for m in history) >= 1
+    # The restarted server got the pushed weights back and joined the next broadcast's group.
+    assert all(m["sync/logprob_gap"] < GAP_BOUND for m in history)
+
+
+def test_lora_async_run_names_the_adapter_and_restores_it_after_a_scheduler_kill(tmp_path):
+    """SGLang serves a request that names no adapter from the base model, silently. Every
+    request of the run names it (the producer's through the same engine wrapper as the probe's;
+    `arbor serve`, which refuses an unnamed request, shows that in tests/test_trainer.py): here
+    the probe after each push matches the learner's adapted policy, the producer's LoRA
+    rollouts run on a real SGLang, and its scheduler killed while the producer samples comes
+    back with the adapters."""
+    from test_trainer import kill_engine_while_the_producer_samples
+
+    # SGLang's LoRA path pins host memory, which needs CUDA: tests/sglang_cpu_pinless makes it
+    # a no-op in SGLang's processes alone (an interpreter that puts it on their path).
+    python = tmp_path / "sglang-pinless"
+    python.write_text(f'#!/bin/sh\nPYTHONPATH="{REPO / "tests" / "sglang_cpu_pinless"}${{PYTHONPATH:+:$PYTHONPATH}}" '
+                      f'exec "{sglang_python()}" "$@"\n')
+    python.chmod(0o755)
+    cfg = quickstart(tmp_path, "run.steps=3", "algorithm.max_staleness=1", "model.lora_rank=8", "model.lora_alpha=16",
+                     "optim.lr=2e-3", f"engine.python={python}", "engine.extra_args=[--lora-backend, torch_native]")
+    arm, kills = kill_engine_while_the_producer_samples(1, victim=scheduler_of)
+    history = train(cfg, after_step=arm)
+    assert len(kills) == 1 and len(history) == 3
+    assert sum(m["engine/restarts"] for m in history) >= 1
+    assert all(m["sync/logprob_gap"] < GAP_BOUND for m in history)
+    assert all(m["async/staleness_mean"] <= 1 for m in history)
+    assert (tmp_path / "run" / "hf" / "adapter_config.json").exists()
 
 
 def test_an_environment_forked_by_replay_on_sglang_asynchronously(tmp_path):

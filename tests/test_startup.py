@@ -1,5 +1,6 @@
 """Start-up: the phase clock, engines and learner ranks started at once, and a failed start stopping all."""
 
+import ast
 import json
 import subprocess
 import sys
@@ -9,6 +10,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+import torch
 from tiny_model import build_tiny_model_dir
 
 from arbor.config_load import load_config
@@ -20,11 +22,14 @@ from arbor.run.engine_group import engine_args
 from arbor.run.startup import StartupClock, check_problem_files, problem_files, settled
 
 TESTS = Path(__file__).resolve().parent
+REPO = TESTS.parent
+QUICKSTART = REPO / "configs" / "quickstart.yaml"
 
 
 def test_settled_decides_the_engine_kind_and_key_once_and_leaves_the_loaded_config_alone(monkeypatch):
     monkeypatch.delenv(API_KEY_ENV, raising=False)
-    loaded = load_config(None, ["engine.kind=auto"])
+    monkeypatch.chdir(REPO)
+    loaded = load_config(QUICKSTART, ["engine.kind=auto"])
     cfg = settled(loaded)
     assert cfg.engine.kind == ("sglang" if sglang_available() else "embedded") == resolve_kind("auto")
     assert cfg.engine.api_key and len(cfg.engine.api_key) >= 40  # a fresh key for engines arbor starts
@@ -32,9 +37,22 @@ def test_settled_decides_the_engine_kind_and_key_once_and_leaves_the_loaded_conf
     assert settled(cfg).engine == cfg.engine  # settling twice changes nothing
     monkeypatch.setenv(API_KEY_ENV, "from-env")
     assert settled(loaded).engine.api_key == "from-env"
-    external = load_config(None, ["engine.kind=external", "engine.urls=[http://10.0.0.1:1]"])
+    external = load_config(QUICKSTART, ["engine.kind=external", "engine.urls=[http://10.0.0.1:1]"])
     monkeypatch.delenv(API_KEY_ENV)
     assert (settled(external).engine.kind, settled(external).engine.api_key) == ("external", None)
+    # arbor sft starts no engines: its engine section is left as written.
+    assert settled(loaded, "sft").engine == loaded.engine
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the rule needs a machine without CUDA")
+def test_settling_checks_the_rules_again_knowing_the_machine(monkeypatch):
+    """learner.device: auto passes as loaded; settled on a CPU machine, flex attention (no
+    backward on CPU) is refused, naming the key, by every command."""
+    monkeypatch.chdir(REPO)
+    cfg = load_config(QUICKSTART, ["learner.device=auto", "learner.attention=flex"])
+    for command in ("train", "eval", "sft"):
+        with pytest.raises(ConfigError, match=r"quickstart.yaml \(settled for this machine\): learner.attention flex needs CUDA"):
+            settled(cfg, command)
 
 
 def test_engine_flags_need_a_settled_kind():
@@ -42,6 +60,18 @@ def test_engine_flags_need_a_settled_kind():
         engine_args(load_config(None, ["engine.kind=auto"]))
     assert engine_args(load_config(None, ["engine.kind=embedded", "engine.max_cached_tokens=64"])) == [
         "--max-cached-tokens", "64"]
+
+
+def test_train_eval_and_sft_share_one_start_up():
+    """Each command's entry calls start_command, and none settles, loads a tokenizer or
+    claims its output directory on its own (read from the source: nothing is run)."""
+    own_startup = {"settled", "load_tokenizer", "save_config", "latest_checkpoint", "from_pretrained"}
+    for module in ("context", "evaluate", "sft"):
+        tree = ast.parse((REPO / "arbor" / "run" / f"{module}.py").read_text())
+        called = {node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", None)
+                  for node in ast.walk(tree) if isinstance(node, ast.Call)}
+        assert "start_command" in called, module
+        assert not called & own_startup, (module, called & own_startup)
 
 
 def test_the_clock_times_phases_and_joins_overlapping_ones():
@@ -93,7 +123,7 @@ def config(model, data, out, *overrides):
         f"model.path={model}", "model.chat_template=true", f"data.train_path={data}", "data.max_prompt_tokens=64",
         "engine.kind=embedded", f"reward.functions=[{{fn: {TESTS}/reward_fixtures.py:one}}]", "reward.workers=1",
         "learner.backend=deepspeed", "learner.zero_stage=3", "learner.device=cpu", "learner.dtype=float32",
-        f"run.output_dir={out}", "run.loggers=[]", *overrides,
+        "rollout.segment_tokens=16", "rollout.max_depth=2", f"run.output_dir={out}", "run.loggers=[]", *overrides,
     ])
 
 
@@ -112,12 +142,15 @@ def actor_processes() -> list[psutil.Process]:
 
 def test_engines_and_learners_start_at_once_and_both_serve(run_inputs, tmp_path):
     model, data = run_inputs
-    with start_run(config(model, data, tmp_path / "out")) as ctx:
+    with start_run(config(model, data, tmp_path / "out", "engine.kind=auto")) as ctx:
         engines_start, engines_end = ctx.startup.spans["engines"]
         learners_start, learners_end = ctx.startup.spans["learners"]
         assert learners_start < engines_end and engines_start < learners_end  # the two overlapped
         assert ctx.run_async(ctx.client.get_weight_version())  # the engine answers
         assert ctx.learners.state_checksum()[0] > 0  # the rank holds its model
+    # The config as run: the engine kind this machine decided, never the key.
+    saved = load_config(tmp_path / "out" / "config.yaml")
+    assert saved.engine.kind == ctx.cfg.engine.kind == resolve_kind("auto") and saved.engine.api_key is None
 
 
 def test_an_engine_that_fails_while_learners_start_stops_everything_naming_it(run_inputs, tmp_path):

@@ -188,6 +188,73 @@ def test_an_engine_killed_mid_rollout_is_restarted_and_the_step_completes(run_in
     assert all(m["sync/logprob_gap"] <= 1e-4 for m in history)
 
 
+def kill_engine_while_the_producer_samples(after_step_number, victim=lambda pid: pid):
+    """An after_step hook that, after step ``after_step_number``, SIGKILLs engine 0's server
+    (``victim(its pid)``: that process or one of its children) at the first moment the
+    asynchronous producer's requests are in flight (the trainer's own engine idle, no push
+    under way): the producer must bring it back."""
+    import os
+    import signal
+    import threading
+    import time
+
+    import ray
+
+    kills = []
+
+    def kill_when_sampling(ctx):
+        pid = victim(ray.get(ctx.engines.workers[0].pid.remote()))
+        deadline = time.monotonic() + 120
+        while not kills and time.monotonic() < deadline:
+            with ctx.weights.held():  # no push starts meanwhile
+                if ctx.recovery.in_flight > ctx.sampling.engine.in_flight:  # the producer's requests
+                    os.kill(pid, signal.SIGKILL)
+                    kills.append(pid)
+            time.sleep(0.002)
+
+    def arm(ctx, step, metrics):
+        if step == after_step_number:
+            threading.Thread(target=kill_when_sampling, args=(ctx,), daemon=True).start()
+
+    return arm, kills
+
+
+def test_an_engine_killed_while_the_asynchronous_producer_samples_is_restarted(run_inputs, tmp_path):
+    root, model, data = run_inputs
+    # Two engines: the survivor leaves the old weight-update group for the next push's new one.
+    cfg = config(root, model, data, tmp_path / "ak", "learner.backend=torch", "learner.zero_stage=0", "run.steps=4",
+                 "engine.num_engines=2", "algorithm.max_staleness=1")
+    arm, kills = kill_engine_while_the_producer_samples(1)
+    history = train(cfg, after_step=arm)
+    assert len(kills) == 1 and len(history) == 4  # the run finished
+    assert sum(m["engine/restarts"] for m in history) >= 1
+    # Every push checks each engine's version: the restarted one took part in the later ones.
+    assert [m["sync/weight_version"] for m in history] == [1, 2, 3, 4]
+    assert all(m["sync/logprob_gap"] <= 1e-4 for m in history)
+    assert all(m["async/dropped"] == 0 for m in history)  # the restored engine served the pushed weights
+
+
+def test_lora_with_an_asynchronous_producer_names_the_adapter_and_survives_an_engine_kill(run_inputs, tmp_path):
+    """`arbor serve` answers 400 to a request that names no adapter once one is loaded: the
+    producer's requests name the adapter of the last push, and a restarted engine gets the
+    adapters the other holds back."""
+    root, model, data = run_inputs
+    out = tmp_path / "al"
+    cfg = config(root, model, data, out, "learner.backend=torch", "learner.zero_stage=0", "run.steps=4",
+                 "engine.num_engines=2", "algorithm.max_staleness=1", "model.lora_rank=4", "run.save_trees_every=1")
+    arm, kills = kill_engine_while_the_producer_samples(2)
+    history = train(cfg, after_step=arm)
+    assert len(kills) == 1 and len(history) == 4
+    assert sum(m["engine/restarts"] for m in history) >= 1
+    assert all(m["sync/logprob_gap"] <= 1e-4 for m in history)
+    # Step 3's trees were sampled after the first push: by the adapter (a base-model sample would
+    # have been refused), one update old at most.
+    trees = [RolloutTree.from_json(line) for line in (out / "trees" / "step-000003.jsonl").read_text().splitlines()]
+    assert {n.weight_version for t in trees for n in t.nodes()} <= {"1", "2"}
+    # Adapters held: the newest 2 + max_staleness (requests in flight may name older ones).
+    assert sorted(p.name for p in (out / "weight-sync").iterdir()) == ["arbor-lora-2", "arbor-lora-3", "arbor-lora-4"]
+
+
 def test_an_engine_that_keeps_dying_stops_the_run_with_its_log_and_checkpoint(run_inputs, tmp_path):
     from arbor.run.recovery import EngineFailedError
 

@@ -9,12 +9,8 @@ from transformers import AutoModelForCausalLM
 
 from arbor.engines.client import SGLangClient
 from arbor.engines.launch import launch_engines
-from arbor.train.weight_sync import (
-    WeightSync,
-    gathered_parameters,
-    named_tensor_buckets,
-    probe_logprob_gap,
-)
+from arbor.run.weight_sync import WeightSync, probe_logprob_gap
+from arbor.train.weight_sync import gathered_parameters, named_tensor_buckets
 
 
 def test_buckets_respect_the_size_bound():
@@ -37,7 +33,7 @@ def test_sync_to_arbor_serve(tmp_path):
     async def main(url):
         async with SGLangClient([url]) as client:
             before = await probe_logprob_gap(client, learner, prompts)
-            sync = WeightSync(client, "distributed")
+            sync = WeightSync(client)
             # Small buckets: several broadcasts, the cache flushed and the version set once.
             await sync.push(named_tensor_buckets(gathered_parameters(learner, 0), bucket_mb=0.05), "1")
             after = await probe_logprob_gap(client, learner, prompts)
@@ -46,7 +42,7 @@ def test_sync_to_arbor_serve(tmp_path):
                 for p in learner.parameters():
                     p.add_(0.05 * torch.randn_like(p))
             learner.save_pretrained(tmp_path / "export")
-            disk = WeightSync(client, "disk", export_dir=tmp_path / "export")
+            disk = WeightSync(client)
             await disk.push_directory(tmp_path / "export", "2")
             after_disk = await probe_logprob_gap(client, learner, prompts)
             return before, after, after_disk, await client.get_weight_version()
@@ -63,7 +59,7 @@ def test_version_mismatch_is_an_error(tmp_path):
 
     async def main(url):
         async with SGLangClient([url]) as client:
-            await WeightSync(client, "disk", export_dir=path).check_version("not-this")
+            await WeightSync(client).check_version("not-this")
 
     with launch_engines("embedded", model_path=str(path), log_dir=tmp_path / "logs") as handle:
         with pytest.raises(RuntimeError, match="weight sync to version 'not-this' failed"):

@@ -14,9 +14,8 @@
 - ``generate_many`` sends a round as one batch per server, forks as seeded items; a
   multi-fork prompt the server has not cached yet is first committed with
   ``max_new_tokens: 0``, so its forks share one prefill (:class:`arbor.engines.prefix_cache.CachedPrefixes`).
-- ``SGLangClient(urls, recover=fn)``: when a retryable call still fails, ``await fn(url, error)``
-  (a run's engine recovery, which builds its client with it, restarts that server and
-  restores its weights) and the call is sent again once; what ``fn`` raises ends the call.
+- A call whose retries are spent raises an ``unreachable`` :class:`~arbor.engines.errors.EngineError`
+  naming the server; the client restarts nothing (a run's :mod:`arbor.run.recovery` decides that).
 - :func:`arbor.engines.connect.engine_client` builds the client a run's config describes (timeouts, retries, key).
 - Control calls (weights, cache, memory, health) go to every server; weight pushes run in
   SGLang's sessions (``/begin_weight_update`` ... ``/end_weight_update``), with generation
@@ -26,8 +25,8 @@
   ``flush_timeout_s``.
 - ``send_seeds=False``: no ``sampling_seed`` (SGLang honours seeds only with
   ``--enable-deterministic-inference``, and then samples with a Triton kernel, GPU only).
-- ``client.lora_path = name``: every ``/generate`` names that LoRA adapter (SGLang's
-  ``lora_path``), the one the last push loaded (:func:`adapter_name`); None: the base weights.
+- ``GenerateRequest.adapter``: the LoRA adapter the request samples from, sent as SGLang's
+  ``lora_path`` (one name for a batch, or one per prompt); None: the base weights.
 - Every request carries ``Authorization: Bearer <api_key>`` (default:
   ``$ARBOR_ENGINE_API_KEY``; none when unset), the key the run gave its engines.
 """
@@ -39,7 +38,7 @@ import hashlib
 import itertools
 import os
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable
 from typing import Any
 
 import aiohttp
@@ -58,9 +57,6 @@ from arbor.engines.wire import (
     sampling_payload,
 )
 
-# What a client awaits when a server stopped answering: bring it back (or raise).
-Recover = Callable[[str, EngineError], Awaitable[None]]
-
 
 class SGLangClient:
     """Implements :class:`~arbor.engines.types.RolloutEngine` over one or more servers."""
@@ -74,7 +70,6 @@ class SGLangClient:
         backoff_s: float = 0.5,
         max_concurrency: int = 1024,
         api_key: str | None = None,
-        recover: Recover | None = None,
         send_seeds: bool = True,
         flush_timeout_s: float = 120.0,
     ) -> None:
@@ -88,8 +83,6 @@ class SGLangClient:
         self.max_concurrency = max_concurrency
         self.send_seeds, self.flush_timeout_s = send_seeds, flush_timeout_s
         self._round_robin = itertools.cycle(range(len(self.urls)))
-        # Awaited when a retryable call to a server kept failing (it died): restart it, or raise.
-        self.recover = recover
         # Both belong to one event loop; a client used from a new loop (e.g. a second
         # asyncio.run) makes new ones.
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -98,9 +91,14 @@ class SGLangClient:
         self.prefixes = CachedPrefixes()
         # /generate calls sent (a batch is one; retries are not counted): rollout/requests.
         self.generate_calls = 0
-        self.lora_path: str | None = None  # the LoRA adapter every /generate names (None: none)
-        api_key = api_key or os.environ.get(API_KEY_ENV)
-        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.api_key = api_key or os.environ.get(API_KEY_ENV)
+        self._headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    def over(self, urls: list[str]) -> SGLangClient:
+        """A client with these settings (timeouts, retries, key) over other servers, e.g. one of them."""
+        return SGLangClient(urls, timeout_s=self.timeout_s, max_retries=self.max_retries, backoff_s=self.backoff_s,
+                            max_concurrency=self.max_concurrency, api_key=self.api_key, send_seeds=self.send_seeds,
+                            flush_timeout_s=self.flush_timeout_s)
 
     async def __aenter__(self) -> SGLangClient:
         return self
@@ -118,7 +116,7 @@ class SGLangClient:
     async def generate(self, request: GenerateRequest) -> list[GenerateOutput]:
         """``request.sampling.n`` continuations (a list even for ``n = 1``)."""
         url = self.server_for(request.affinity_key)
-        body = await self._call(url, "POST", "/generate", self._adapter(generate_payload(request, self.send_seeds)))
+        body = await self._call(url, "POST", "/generate", generate_payload(request, self.send_seeds))
         items = body if isinstance(body, list) else [body]
         if len(items) != request.sampling.n:
             raise EngineError(f"asked n={request.sampling.n}, got {len(items)} outputs", url=url)
@@ -155,7 +153,7 @@ class SGLangClient:
             }
             if any(item.sampling.return_entropy for item in items):
                 payload["top_logprobs_num"] = [entropy_top_k(item.sampling) for item in items]
-            payload = self._adapter(payload)
+            payload |= adapter_field(items)
             body = await self._call(url, "POST", "/generate", payload)
             if not isinstance(body, list) or len(body) != len(items):
                 got = len(body) if isinstance(body, list) else 1
@@ -171,24 +169,18 @@ class SGLangClient:
 
     async def _commit_prefixes(self, url: str, requests: list[GenerateRequest]) -> None:
         """Put the uncached prompts of multi-fork ``requests`` into ``url``'s cache."""
-        uncached: dict[int, list[int]] = {}
+        uncached: dict[tuple[str | None, tuple[int, ...]], GenerateRequest] = {}
         for request in requests:
-            ids = list(request.input_ids)
-            if request.sampling.n > 1 and not self.prefixes.holds(url, ids):
-                uncached.setdefault(hash(tuple(ids)), ids)
+            if request.sampling.n > 1 and not self.prefixes.holds(url, list(request.input_ids)):
+                uncached.setdefault((request.adapter, tuple(request.input_ids)), request)
         if not uncached:
             return
-        payload = self._adapter({"input_ids": list(uncached.values()), "sampling_params": {"max_new_tokens": 0}})
-        body = await self._call(url, "POST", "/generate", payload)
+        prompts = list(uncached.values())
+        payload = {"input_ids": [list(r.input_ids) for r in prompts], "sampling_params": {"max_new_tokens": 0}}
+        body = await self._call(url, "POST", "/generate", payload | adapter_field(prompts))
         replies = body if isinstance(body, list) else [body]
-        for ids, reply in zip(uncached.values(), replies):
-            self.prefixes.add(url, ids, parse_output(reply).weight_version)
-
-    def _adapter(self, payload: dict[str, Any]) -> dict[str, Any]:
-        """``payload`` naming :attr:`lora_path` (SGLang applies one name to every prompt of a batch)."""
-        if self.lora_path is not None:
-            payload["lora_path"] = self.lora_path
-        return payload
+        for request, reply in zip(prompts, replies):
+            self.prefixes.add(url, list(request.input_ids), parse_output(reply).weight_version)
 
     def server_for(self, affinity_key: str | None) -> str:
         """The server a request goes to: rendezvous hash of the key, else round-robin."""
@@ -443,15 +435,7 @@ class SGLangClient:
             return self._once(url, method, path, payload)
 
         async with self._semaphore:
-            try:
-                return await with_retries(attempt, retries, self.backoff_s, url + path)
-            except EngineError as exc:
-                # A 4xx is the request's fault; a call that must not be replayed (retries=0:
-                # health checks, weight broadcasts) is not recovered either.
-                if self.recover is None or exc.status is not None or retries == 0:
-                    raise
-                await self.recover(url, exc)  # the server is back (restarted) or this raises
-            return await with_retries(attempt, retries, self.backoff_s, url + path)
+            return await with_retries(attempt, retries, self.backoff_s, url + path, server=url)
 
     async def _once(self, url: str, method: str, path: str, payload: Any) -> Any:
         if self._session is None or self._session.closed:
@@ -480,7 +464,10 @@ class SGLangClient:
             return text
 
 
-def adapter_name(version: str) -> str:
-    """The LoRA adapter name of weight version ``version``: a new name per push, so an engine
-    never confuses two versions of the adapter."""
-    return f"arbor-lora-{version}"
+def adapter_field(requests: list[GenerateRequest]) -> dict[str, Any]:
+    """The ``lora_path`` of a batch: one name when every request names the same adapter (none
+    when that is the base weights), else one per prompt (SGLang takes either)."""
+    names = [r.adapter for r in requests]
+    if len(set(names)) == 1:
+        return {} if names[0] is None else {"lora_path": names[0]}
+    return {"lora_path": names}

@@ -8,7 +8,7 @@ import asyncio
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from arbor.engines.client import Recover, SGLangClient
+from arbor.engines.client import SGLangClient
 
 if TYPE_CHECKING:
     from arbor.config import EngineConfig
@@ -16,14 +16,14 @@ if TYPE_CHECKING:
 T = TypeVar("T")
 
 
-def engine_client(engine_cfg: EngineConfig, urls: list[str], *, recover: Recover | None = None) -> SGLangClient:
+def engine_client(engine_cfg: EngineConfig, urls: list[str]) -> SGLangClient:
     """The client for a run's engines: ``engine.request_timeout_s``, ``engine.max_retries``
     and the run's key (``engine.api_key``, settled at start-up: :func:`arbor.run.startup.settled`).
     Per-request seeds go only to servers that honour them: SGLang uses them only with
     ``--enable-deterministic-inference`` (``engine.deterministic``)."""
     send_seeds = engine_cfg.deterministic or engine_cfg.kind != "sglang"
     return SGLangClient(urls, timeout_s=engine_cfg.request_timeout_s, max_retries=engine_cfg.max_retries,
-                        api_key=engine_cfg.api_key, recover=recover, send_seeds=send_seeds)
+                        api_key=engine_cfg.api_key, send_seeds=send_seeds)
 
 
 async def closing(client: Any, coroutine: Coroutine[Any, Any, T]) -> T:

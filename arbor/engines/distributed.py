@@ -14,15 +14,13 @@ Two receive formats, as in SGLang's ``receive_weights_from_distributed``:
   buffer holding the tensors' bytes back to back in announced order (SGLang's
   ``FlattenedTensorBucket``); each tensor must start at a multiple of its item size.
 
-Learner side, with an :class:`~arbor.engines.client.SGLangClient` over the engines::
-
-    group = await connect_learner(client, "10.0.0.1", port, tp_sizes=[1, 1])
-    await send_weights(client, group, list(model.state_dict().items()), weight_version="7")
+The learner's end (rank 0, which broadcasts) is :class:`arbor.train.weight_sync.BucketSender`;
+the engine's end, :class:`WeightUpdateGroup`; the requests that tell the engines to join and
+receive, :mod:`arbor.run.weight_sync`.
 """
 
 from __future__ import annotations
 
-import asyncio
 import datetime
 from collections.abc import Iterator
 from typing import Any
@@ -36,9 +34,6 @@ from torch.distributed.distributed_c10d import (
     _world,
     rendezvous,
 )
-
-from arbor.engines.client import SGLangClient
-from arbor.engines.wire import rank_layout
 
 DEFAULT_GROUP = "weight_update_group"
 FLATTENED = "flattened_bucket"  # SGLang's load_format for one broadcast per bucket
@@ -226,71 +221,3 @@ class WeightUpdateGroup:
         if self.group is not None:
             close_group(self.group)
         self.group, self.group_name = None, None
-
-
-async def connect_learner(
-    client: SGLangClient,
-    master_address: str,
-    master_port: int,
-    *,
-    tp_sizes: list[int] | None = None,
-    group_name: str = DEFAULT_GROUP,
-    backend: str = "gloo",
-) -> Any:
-    """Open the group as rank 0 while the servers' TP ranks join it (all block until met).
-
-    ``tp_sizes[i]``: engine i's tensor-parallel size (default 1 each).
-    """
-    tp_sizes = tp_sizes or [1] * len(client.urls)
-    world_size, _ = rank_layout(tp_sizes)
-    _, group = await asyncio.gather(
-        client.init_weights_update_group(
-            master_address, master_port, tp_sizes=tp_sizes, group_name=group_name, backend=backend
-        ),
-        asyncio.to_thread(
-            open_group, master_address, master_port, 0, world_size, group_name, backend
-        ),
-    )
-    return group
-
-
-async def send_weights(
-    client: SGLangClient,
-    group: Any,
-    named_tensors: list[tuple[str, torch.Tensor]],
-    *,
-    group_name: str = DEFAULT_GROUP,
-    load_format: str | None = None,
-    flush_cache: bool = True,
-    weight_version: str | None = None,
-    buffer: FlatBuffer | None = None,
-) -> None:
-    """Send ``named_tensors`` to every server: a POST announcing names, dtypes and shapes,
-    and (concurrently) one broadcast per tensor, or per flat chunk with ``load_format:
-    "flattened_bucket"`` (flattened into ``buffer``, reused across calls, when given).
-    Only the last POST flushes the cache and sets the version."""
-    parts = list(flat_chunks(named_tensors)) if load_format == FLATTENED else [named_tensors]
-    for index, part in enumerate(parts):
-        last = index == len(parts) - 1
-
-        def broadcast_part(part: list[tuple[str, torch.Tensor]] = part) -> None:
-            if load_format == FLATTENED:
-                nbytes = sum(t.numel() * t.element_size() for _, t in part)
-                out = buffer.take(nbytes, part[0][1].device) if buffer is not None else None
-                dist.broadcast(flatten(part, out), src=0, group=group)
-                return
-            for _, tensor in part:
-                dist.broadcast(tensor.detach().contiguous(), src=0, group=group)
-
-        await asyncio.gather(
-            client.update_weights_from_distributed(
-                [name for name, _ in part],
-                [dtype_name(t.dtype) for _, t in part],
-                [list(t.shape) for _, t in part],
-                group_name=group_name,
-                load_format=load_format,
-                flush_cache=flush_cache and last,
-                weight_version=weight_version if last else None,
-            ),
-            asyncio.to_thread(broadcast_part),
-        )

@@ -15,11 +15,20 @@ T = TypeVar("T")
 
 
 class EngineError(RuntimeError):
-    """A request an engine refused (4xx) or that kept failing after retries."""
+    """A request an engine refused (4xx) or that kept failing after retries.
 
-    def __init__(self, message: str, *, url: str, status: int | None = None) -> None:
+    ``unreachable``: the call kept failing to connect, timing out or answering 5xx until
+    its retries were spent (the server at ``server`` is dead or stuck: whether to restart
+    it is the caller's decision, e.g. a run's :mod:`arbor.run.recovery`).
+    """
+
+    def __init__(
+        self, message: str, *, url: str, status: int | None = None, server: str | None = None,
+        unreachable: bool = False,
+    ) -> None:
         super().__init__(f"{url}: {message}" + (f" (HTTP {status})" if status else ""))
         self.url, self.status, self.message = url, status, message
+        self.server, self.unreachable = server, unreachable
 
 
 class Retryable(Exception):
@@ -27,8 +36,10 @@ class Retryable(Exception):
 
 
 async def with_retries(
-    attempt: Callable[[], Awaitable[T]], retries: int, backoff_s: float, where: str
+    attempt: Callable[[], Awaitable[T]], retries: int, backoff_s: float, where: str, server: str | None = None
 ) -> T:
+    """``attempt()`` until it succeeds, at most ``retries`` more times; then an
+    ``unreachable`` :class:`EngineError` naming ``where`` (and ``server``, the base URL)."""
     for tries in itertools.count():
         try:
             return await attempt()
@@ -36,7 +47,7 @@ async def with_retries(
             if tries >= retries:
                 reason = str(exc) or type(exc).__name__
                 raise EngineError(
-                    f"failed after {tries + 1} attempts: {reason}", url=where
+                    f"failed after {tries + 1} attempts: {reason}", url=where, server=server, unreachable=True
                 ) from exc
             await asyncio.sleep(backoff_s * 2**tries)
     raise AssertionError("unreachable")

@@ -32,6 +32,9 @@ class GenerateRequest:
     # Requests with the same key go to the same server so its radix cache hits
     # (e.g. one key per rollout tree). None: any server.
     affinity_key: str | None = None
+    # The LoRA adapter to sample from (SGLang's lora_path), one the engine has loaded; None:
+    # the base weights. A run names the adapter of the weights it last pushed.
+    adapter: str | None = None
 
 
 @dataclass

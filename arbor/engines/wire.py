@@ -29,6 +29,8 @@ def generate_payload(request: GenerateRequest, send_seeds: bool = True) -> dict[
     }
     if request.sampling.return_entropy:
         payload["top_logprobs_num"] = TOP_LOGPROBS_NUM
+    if request.adapter is not None:
+        payload["lora_path"] = request.adapter
     return payload
 
 
@@ -78,11 +80,7 @@ def fork_items(request: GenerateRequest) -> list[GenerateRequest]:
     if sp.n == 1:
         return [request]
     return [
-        GenerateRequest(
-            request.input_ids,
-            replace(sp, n=1, seed=None if sp.seed is None else sp.seed + fork),
-            request.affinity_key,
-        )
+        replace(request, sampling=replace(sp, n=1, seed=None if sp.seed is None else sp.seed + fork))
         for fork in range(sp.n)
     ]
 

@@ -297,6 +297,11 @@ class RewardPool:
         worker.conn.close()
         self._workers[self._workers.index(worker)] = self._start_worker()
 
+    @property
+    def scoring(self) -> bool:
+        """Whether a batch is being scored now (a fault soak kills workers then)."""
+        return self._busy.locked()
+
     def score(
         self, items: Sequence[Item], on_progress: Callable[[int, int], None] | None = None
     ) -> ScoreResult:

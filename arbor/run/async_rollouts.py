@@ -26,10 +26,12 @@ above its oldest node's.
 stream's cursor before the first batch not yet trained, so a resumed run samples the
 problems of the queued and in-flight batches again (under its restored weights).
 
-The producer has its own engine client (an aiohttp session belongs to one event loop and
-thread); the reward pool serialises its batches with the trainer's evals. An engine that
-dies mid-sampling stops an asynchronous run (the restart-and-resend path of
-:mod:`arbor.run.recovery` pushes weights from the trainer's thread only).
+The producer samples through engines of its own (:meth:`RecoveringEngine.fresh
+<arbor.run.recovery.RecoveringEngine.fresh>`: an aiohttp session belongs to one event loop
+and thread) that share the run's recovery and weights: a server that dies mid-sampling is
+restarted with the weights the other engines serve, its requests sent again, and the
+restart counted in ``engine/restarts`` as in a synchronous run; its requests name the LoRA
+adapter of the last push. The reward pool serialises its batches with the trainer's evals.
 """
 
 from __future__ import annotations
@@ -43,7 +45,6 @@ from typing import Any
 
 from arbor.config import Config
 from arbor.data import ProblemStream
-from arbor.engines.connect import engine_client
 from arbor.rollout.rewards import RewardPool
 from arbor.run import phases
 from arbor.run.phases import Batch, Sampling
@@ -111,9 +112,8 @@ class RolloutProducer:
         self, sampling: Sampling, rewards: RewardPool, stream: ProblemStream, cfg: Config, *, first_step: int,
     ) -> None:
         self.cfg, self.max_staleness = cfg, cfg.algorithm.max_staleness
-        client = engine_client(cfg.engine, sampling.client.urls)
         stale = self._overtaken if cfg.engine.partial_rollouts else None
-        self.sampling = replace(sampling, client=client, is_stale=stale)
+        self.sampling = replace(sampling, engine=sampling.engine.fresh(), is_stale=stale)
         self.rewards, self.stream = rewards, stream
         # Labels of the weights pushed so far: a resumed run's engines serve step first_step − 1.
         self.pushed: list[int] = [first_step - 1] if first_step > 1 else []

@@ -1,13 +1,15 @@
 """The pieces one ``arbor train`` run holds, declared in one record, and their start and stop.
 
     with start_run(cfg) as ctx:          # Ray, engines, learner ranks, reward pool, TensorBoard
-        batch = phases.collect_rollouts(ctx.sampling, ctx.rewards, ctx.stream, ctx.log, cfg, step)
+        batch = phases.collect_rollouts(ctx.sampling, ctx.rewards, ctx.stream, ctx.log, ctx.cfg, step)
         ctx.save_checkpoint(step)
     # everything started is stopped again, in reverse order, also after an error
 
-:func:`start_run` refuses an output directory holding another run (unless ``run.resume``),
-saves the resolved config, loads the problems and resumes from the latest checkpoint. The
-phases (:mod:`arbor.run.phases`) never see this record: the trainer hands each the pieces it uses.
+:func:`start_run` begins with the start-up every command shares
+(:func:`arbor.run.startup.start_command`: the settled config, written to the output directory;
+a used directory refused unless ``run.resume``; the tokenizer), loads the problems and
+resumes from the latest checkpoint. The phases (:mod:`arbor.run.phases`) never see this
+record: the trainer hands each the pieces it uses.
 """
 
 from __future__ import annotations
@@ -19,9 +21,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-from arbor.config import Config, config_to_dict, save_config
+from arbor.config import Config, config_to_dict
 from arbor.data import ProblemStream, load_problems
 from arbor.engines.client import SGLangClient
+from arbor.engines.connect import engine_client
 from arbor.rollout.agents import Agent, fitting_problems
 from arbor.rollout.environments import require_reward, rollout_env
 from arbor.rollout.rewards import RewardPool, reward_pool
@@ -31,8 +34,9 @@ from arbor.run.learner_group import LearnerGroup
 from arbor.run.metrics import MetricsLog
 from arbor.run.orchestration import Placement, ray_cpus, start_groups, start_ray
 from arbor.run.phases import Sampling
-from arbor.run.recovery import EngineRecovery
-from arbor.run.startup import StartupClock, load_tokenizer, problem_files, settled
+from arbor.run.recovery import EngineRecovery, RecoveringEngine
+from arbor.run.startup import StartupClock, problem_files, start_command
+from arbor.run.weight_sync import EngineWeights
 
 T = TypeVar("T")
 
@@ -41,8 +45,8 @@ T = TypeVar("T")
 class RunContext:
     """Everything one run holds: config, data, engines, learners, rewards, metrics."""
 
-    cfg: Config
-    sampling: Sampling  # the engine client with the tokenizer, environment and prompt format
+    cfg: Config  # settled (arbor.run.startup.settled): what this run runs with, as config.yaml holds it
+    sampling: Sampling  # the run's engines with the tokenizer, environment and prompt format
     stream: ProblemStream  # training problems, batch after batch (its cursor is checkpointed)
     eval_problems: list[dict]  # eval.path (or data.eval_path) when run.eval_every; else empty
     data_metrics: dict[str, float]  # problems skipped at start-up (data/skipped_long_prompts, ...)
@@ -51,6 +55,7 @@ class RunContext:
     placement: Placement
     engines: EngineGroup
     learners: LearnerGroup
+    weights: EngineWeights  # the weights the engines serve: pushes, restores, the adapter name
     recovery: EngineRecovery  # restarts a dead engine with the run's weights
     schedule_steps: int  # run.steps the LR schedule spans (kept from the first run on resume)
     startup: StartupClock  # seconds per start-up phase (printed once everything is up)
@@ -59,7 +64,8 @@ class RunContext:
 
     @property
     def client(self) -> SGLangClient:
-        return self.sampling.client
+        """The trainer's HTTP client of the engines (control calls; rollouts go through ``sampling.engine``)."""
+        return self.sampling.engine.client
 
     def run_async(self, coroutine: Coroutine[Any, Any, T]) -> T:
         """Run a coroutine on the engine client from this synchronous loop."""
@@ -106,9 +112,7 @@ class RunContext:
         self.learners.load(str(directory / "learner"))
         self.stream.load_state_dict(state["stream"])
         self.start_step = int(state["step"])
-        self.learners.push_weights(self.engines.urls, str(self.start_step))
-        self.client.lora_path = self.learners.adapter
-        self.run_async(self.client.flush_cache())
+        self.weights.push(str(self.start_step))
         print(f"arbor train: resumed from {directory} (step {self.start_step})", flush=True)
 
     def export_hf(self) -> None:
@@ -143,14 +147,10 @@ def start_run(cfg: Config, clock: StartupClock | None = None) -> Iterator[RunCon
 def _start(cfg: Config, closers: list[Callable[[], Any]], clock: StartupClock) -> RunContext:
     from arbor.plugins import default_search_dirs
 
+    started = start_command(cfg, "train", clock)
+    cfg, tokenizer, eos_token_ids, previous = started.cfg, started.tokenizer, started.stop_ids, started.previous
     out = Path(cfg.run.output_dir)
-    previous = checkpoint.check_output_dir(out, cfg.run.resume, "train")  # before anything is written
-    out.mkdir(parents=True, exist_ok=True)
-    save_config(cfg, out / "config.yaml")  # as written: engine.kind auto stays auto on another machine
-    cfg = settled(cfg)
     search = default_search_dirs(cfg.source)  # where rewards/ and agents/ specs resolve
-    with clock.phase("tokenizer"):
-        tokenizer, eos_token_ids = load_tokenizer(cfg.model)
     env = rollout_env(cfg.rollout, search)  # multi-turn episodes (rollout.env, or rollout.agent), or None
     require_reward(env, cfg.reward)
     with clock.phase("data"):
@@ -182,15 +182,16 @@ def _start(cfg: Config, closers: list[Callable[[], Any]], clock: StartupClock) -
     learners = LearnerGroup(cfg, placement, total_steps=schedule_steps * updates_per_step(cfg), wait=False)
     closers.append(learners.shutdown)
     start_groups(engines, learners, clock)
-    # A server that dies mid-step is restarted with the run's weights; its requests are sent
-    # again. The recovery owns the driver's client for that.
-    recovery = EngineRecovery(engines, learners, cfg.engine, cfg.learner.weight_sync, cfg.run.output_dir)
+    # A server that dies mid-step is restarted with the run's weights; its requests are sent again.
+    weights = EngineWeights(cfg, learners, engines.urls)
+    recovery = EngineRecovery(engines, weights, cfg.engine, cfg.run.output_dir)
+    engine = RecoveringEngine(engine_client(cfg.engine, engines.urls), recovery, weights)
     ctx = RunContext(
-        cfg=cfg, sampling=Sampling(recovery.client, tokenizer, env, eos_token_ids, cfg.data, cfg.model.chat_template,
+        cfg=cfg, sampling=Sampling(engine, tokenizer, env, eos_token_ids, cfg.data, cfg.model.chat_template,
                                    env_weight=cfg.reward.env_weight, env_reward_only=not cfg.reward.functions),
         stream=stream, eval_problems=eval_problems, data_metrics=data_metrics, log=log, rewards=rewards,
-        placement=placement, engines=engines, learners=learners, recovery=recovery, schedule_steps=schedule_steps,
-        startup=clock,
+        placement=placement, engines=engines, learners=learners, weights=weights, recovery=recovery,
+        schedule_steps=schedule_steps, startup=clock,
     )
     if previous is not None:
         with clock.phase("resume"):

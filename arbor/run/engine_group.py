@@ -80,16 +80,14 @@ def launch_options(cfg: Config) -> dict[str, Any]:
 
 
 def engine_args(cfg: Config) -> list[str]:
-    """Server flags from a settled config (the embedded server's cache bound, SGLang's memory)."""
+    """Server flags from a settled config (the embedded server's cache bound, SGLang's memory;
+    its rules were checked as it was settled: :func:`arbor.run.startup.settled`)."""
     from arbor.engines.launch import sglang_cpu_flags, sglang_flags
 
     if cfg.engine.kind == "auto":
         raise ValueError("engine.kind is still auto: settle the config first (arbor.run.startup.settled)")
     if cfg.engine.kind == "sglang":
         cpu = engine_device(cfg) == "cpu"
-        if cpu and cfg.engine.deterministic:
-            raise ConfigError("engine.deterministic: SGLang's seeded sampling runs a Triton kernel, which needs "
-                              "a GPU; on a CPU machine set engine.deterministic: false")
         # With model.dtype auto, the learner's (its auto: bfloat16 on GPUs, float32 on CPUs); an
         # explicit model.dtype reaches the server as launch_engines(dtype=...).
         dtype = None if cfg.model.dtype != "auto" else cfg.learner.dtype.replace("auto", "float32" if cpu else "bfloat16")
@@ -100,10 +98,10 @@ def engine_args(cfg: Config) -> list[str]:
         )
         if cpu:
             args += sglang_cpu_flags(cfg.engine.max_cached_tokens)
-        if cfg.model.lora_rank:  # the adapters each sync loads (arbor.train.lora)
-            from arbor.train.lora import sglang_lora_flags
+        if cfg.model.lora_rank:  # the adapters each push loads
+            from arbor.run.weight_sync import lora_engine_flags
 
-            args += sglang_lora_flags(cfg.model)
+            args += lora_engine_flags(cfg.model)
     else:
         args = ["--max-cached-tokens", str(cfg.engine.max_cached_tokens)]
     return args + list(cfg.engine.extra_args)

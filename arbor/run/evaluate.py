@@ -273,9 +273,9 @@ def run_eval(
 def main(cfg: Config) -> int:
     """Start the engines of ``cfg``, evaluate ``eval.path``, write the JSON and TensorBoard.
 
-    The start-up is the run's (:mod:`arbor.run.startup`: the settled engine kind and key, the
-    tokenizer and stop ids; the agent, reward pool and engine launch options as ``arbor
-    train`` builds them), but the engines run in this process, without Ray."""
+    The start-up is every command's (:func:`arbor.run.startup.start_command`: the settled
+    config, the tokenizer and stop ids; the agent, reward pool and engine launch options as
+    ``arbor train`` builds them), but the engines run in this process, without Ray."""
     from arbor.data import format_prompt, load_problems
     from arbor.engines.connect import closing, engine_client
     from arbor.engines.launch import launch_engines
@@ -286,12 +286,12 @@ def main(cfg: Config) -> int:
     from arbor.rollout.rewards import reward_pool
     from arbor.run.engine_group import launch_options
     from arbor.run.orchestration import cpu_threads
-    from arbor.run.startup import engine_device, load_tokenizer, problem_files, settled
+    from arbor.run.startup import engine_device, problem_files, start_command
 
     e = cfg.eval
-    ((key, path),) = problem_files(cfg, "eval").items()  # eval.path, else data.eval_path
-    cfg = settled(cfg)
-    tokenizer, eos = load_tokenizer(cfg.model)
+    ((key, path),) = problem_files(cfg, "eval").items()  # eval.path, else data.eval_path (else a ConfigError)
+    started = start_command(cfg, "eval")
+    cfg, tokenizer, eos = started.cfg, started.tokenizer, started.stop_ids
     search = default_search_dirs(cfg.source)
     env = rollout_env(cfg.rollout, search)  # the episodes the run trains on
     require_reward(env, cfg.reward)

@@ -4,14 +4,16 @@
     learners = LearnerGroup(cfg, placement, total_steps=cfg.run.steps * updates_per_step(cfg), wait=False)
     start_groups(engines, learners, clock)                # arbor.run.orchestration
     results = learners.step(packs_per_rank, denominator)  # one update on every rank
-    learners.push_weights(engines.urls, version="3")      # ZeRO-3 gather → engines
+    learners.export_hf("out/hf")                          # ZeRO-3 gather → rank 0 writes
 
 Each rank (:class:`LearnerWorker`) sets its torch.distributed variables (rank 0's node
 address and a free port there) before DeepSpeed initialises: NCCL on GPUs, gloo on CPU.
-Weight pushes: the rank side (which ranks gather, which one sends, where the disk copy
-goes) is here, with the actor's state; what crosses to the engines is
-:class:`arbor.train.weight_sync.WeightSync`. Nothing here imports torch, transformers or
-DeepSpeed at module level (the actors import them when they set up).
+Weight pushes are :mod:`arbor.run.weight_sync`'s; the ranks only hand over a directory
+(:meth:`LearnerGroup.export_hf`) or buckets: every rank gathers them, rank 0 broadcasts each
+to the engines (the group's :class:`~arbor.run.weight_sync.LearnerEnd` side). Calls from
+several threads (an asynchronous run restores a restarted engine from its producer's) reach
+every rank in one order. Nothing here imports torch, transformers or DeepSpeed at module
+level (the actors import them when they set up).
 """
 
 from __future__ import annotations
@@ -19,17 +21,18 @@ from __future__ import annotations
 import asyncio
 import functools
 import os
-from collections.abc import Sequence
+import threading
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from arbor.config import Config
-from arbor.engines.connect import closing
 from arbor.engines.ports import free_port
 from arbor.run.orchestration import Placement, cpu_threads, gather, node_address, uses_gpu
 
 if TYPE_CHECKING:
     from arbor.train.learner import StepResult
     from arbor.train.packing import PackedBatch
+    from arbor.train.weight_sync import Announcement
 
 
 class LearnerWorker:
@@ -39,7 +42,7 @@ class LearnerWorker:
         self.cfg = cfg
         self.rank = rank
         self.learner: Any = None
-        self.sync: Any = None
+        self.sender: Any = None  # rank 0's end of the weight-update group (a BucketSender), once open
 
     def address(self) -> tuple[str, int]:
         return node_address(), free_port("")  # free on every interface of this node
@@ -75,38 +78,6 @@ class LearnerWorker:
         """π_old of this rank's packs before the update (:meth:`arbor.train.learner.Learner.old_logprobs`)."""
         return self.learner.old_logprobs(packs, filler)
 
-    def push_weights(self, urls: list[str], version: str) -> int:
-        """Gather the parameters (collective) and, on rank 0, send them to every engine; the
-        bytes sent (0 on other ranks). A LoRA run sends only its adapter (``push_adapter``).
-
-        ``learner.weight_sync: distributed`` gathers and broadcasts ``learner.sync_bucket_mb``
-        buckets over a gloo/NCCL group, gathering the next while one is sent; ``disk`` writes an HF directory (``<run.output_dir>/weight-sync``)
-        that the engines load (for engines the learner cannot reach over torch.distributed).
-        """
-        from arbor.engines.client import adapter_name
-        from arbor.train.weight_sync import gathered_buckets
-
-        cfg = self.cfg
-        if cfg.learner.weight_sync == "disk" or self.learner.lora:
-            directory = os.path.join(self.sync_dir, adapter_name(version)) if self.learner.lora else self.sync_dir
-            if self.learner.lora:
-                self.learner.export_hf(directory)  # the adapter alone: the engines have the tokenizer
-            else:
-                self.export_hf(directory)
-            if self.rank != 0:
-                return 0
-            sync = self._weight_sync(urls)
-            push = sync.push_adapter if self.learner.lora else sync.push_directory
-            return asyncio.run(closing(sync.client, push(directory, version)))
-        buckets = gathered_buckets(self.learner.model, self._zero_stage(), cfg.learner.sync_bucket_mb,
-                                   copy=self.rank == 0)
-        if self.rank != 0:
-            for _ in buckets:  # take part in each gather
-                pass
-            return 0
-        sync = self._weight_sync(urls)
-        return asyncio.run(closing(sync.client, sync.push(buckets, version)))
-
     def logprob_gap(self, samples: list[tuple[list[int], list[int], list[float]]]) -> float:
         """Mean |engine − learner| logprob over probe samples (every rank: ZeRO-3 forwards are collective)."""
         from arbor.train.weight_sync import logprob_gap
@@ -119,32 +90,36 @@ class LearnerWorker:
         finally:
             model.train(was_training)
 
-    def reset_weight_sync(self, alive_urls: list[str]) -> None:
-        """An engine of the weight-update group was restarted (outside it now): the engines
-        still in it (``alive_urls``) leave it, and the next push opens a new group with all."""
-        if self.sync is not None:  # only rank 0 holds one, after its first push
-            from arbor.engines.connect import engine_client
+    # -- weight pushes: rank 0 broadcasts, every rank gathers (arbor.run.weight_sync drives them)
 
-            group = self.sync.group_name
-            if group is not None and alive_urls:
-                client = engine_client(self.cfg.engine, alive_urls)
-                asyncio.run(closing(client, client.destroy_weights_update_group(group)))
-            self.sync.close_local()
-        self.sync = None
+    def weight_group_address(self) -> tuple[str, int]:
+        """Where the engines join rank 0's weight-update group: this node, a free port."""
+        return node_address(), free_port("")
 
-    def _weight_sync(self, urls: list[str]) -> Any:
-        if self.sync is None or self.sync.client.urls != [u.rstrip("/") for u in urls]:
-            from arbor.engines.connect import engine_client
-            from arbor.train.weight_sync import WeightSync
+    def open_weight_group(self, address: str, port: int, world_size: int, group_name: str, backend: str) -> None:
+        from arbor.train.weight_sync import BucketSender
 
-            self.sync = WeightSync(engine_client(self.cfg.engine, urls), self.cfg.learner.weight_sync, master_address=node_address(),
-                                   export_dir=self.sync_dir)
-        return self.sync
+        self.sender = BucketSender()
+        self.sender.open(address, port, world_size, group_name, backend)
 
-    @property
-    def sync_dir(self) -> str:
-        """Where ``learner.weight_sync: disk`` writes the weights the engines load."""
-        return os.path.join(self.cfg.run.output_dir, "weight-sync")
+    def send_buckets(self, load_format: str | None) -> Iterator[Announcement]:
+        """Rank 0 (a Ray streaming generator): each bucket's announcement, then its broadcast."""
+        yield from self.sender.send(self._buckets(copy=True), load_format)
+
+    def gather_buckets(self) -> None:
+        """The other ranks: take part in every bucket's gather (collective under ZeRO-3)."""
+        for _ in self._buckets(copy=False):
+            pass
+
+    def _buckets(self, copy: bool) -> Iterator[Any]:
+        from arbor.train.weight_sync import gathered_buckets
+
+        return gathered_buckets(self.learner.model, self._zero_stage(), self.cfg.learner.sync_bucket_mb, copy=copy)
+
+    def close_weight_group(self) -> None:
+        if self.sender is not None:
+            self.sender.close()
+            self.sender = None
 
     def _zero_stage(self) -> int:
         return self.cfg.learner.zero_stage if self.cfg.learner.backend == "deepspeed" else 0
@@ -156,8 +131,8 @@ class LearnerWorker:
         self.learner.load(directory)
         return self.learner.steps
 
-    def export_hf(self, directory: str) -> None:
-        self.learner.export_hf(directory, self.tokenizer if self.rank == 0 else None)
+    def export_hf(self, directory: str, tokenizer: bool = True) -> None:
+        self.learner.export_hf(directory, self.tokenizer if tokenizer and self.rank == 0 else None)
 
     @functools.cached_property
     def tokenizer(self) -> Any:
@@ -193,11 +168,11 @@ class LearnerGroup:
             for rank in range(cfg.learner.num_ranks)
         ]
         self.output_dir = cfg.run.output_dir
-        self.lora = cfg.model.lora_rank > 0
+        self.backend = "nccl" if uses_gpu(cfg) else "gloo"  # of the weight-update group rank 0 opens
+        self._ordered = threading.Lock()  # held while a call is submitted to every rank (see _each)
         # Rank 0's address reaches every setup as a ref: Ray resolves it, nothing blocks here.
         master = self.workers[0].address.remote()
         self.starting = [w.setup.remote(master, total_steps) for w in self.workers]  # ref r: rank r is set up
-        self.weight_version: str | None = None  # what the engines serve; None: model.path's weights
         if wait:
             self.wait_started()
 
@@ -224,63 +199,78 @@ class LearnerGroup:
         """Wait until every rank is set up (after ``wait=False``)."""
         self.results(self.starting)
 
+    def _each(self, submit: Callable[[int, Any], Any]) -> list[Any]:
+        """``submit(rank, worker)`` (one Ray call) for every rank, under one lock: a call another
+        thread submits reaches every rank before this one or after it, never between (the
+        ranks' collectives would wait for each other forever)."""
+        with self._ordered:
+            return [submit(rank, w) for rank, w in enumerate(self.workers)]
+
     def step(
         self, packs_per_rank: Sequence[Sequence[PackedBatch]], denominator: float, filler: PackedBatch | None = None,
         behaviour_cap: float | None = None,
     ) -> list[StepResult]:
         """One update: rank r trains ``packs_per_rank[r]``; a rank without packs runs ``filler`` at zero loss.
         ``behaviour_cap``: off-policy batches' decoupled objective (None: on-policy PPO)."""
-        return self.results([
-            w.step.remote(list(p), denominator, None if p else filler, behaviour_cap)
-            for w, p in zip(self.workers, packs_per_rank)
-        ])
+        return self.results(self._each(lambda r, w: w.step.remote(
+            list(packs_per_rank[r]), denominator, None if packs_per_rank[r] else filler, behaviour_cap)))
 
     def old_logprobs(
         self, packs_per_rank: Sequence[Sequence[PackedBatch]], filler: PackedBatch | None = None
     ) -> list[list[Any]]:
         """Per rank, per pack of its: the learner's log-probs of the trained tokens, no update
         (π_old of ``loss.rollout_correction``); a rank without packs forwards ``filler``."""
-        return self.results([
-            w.old_logprobs.remote(list(p), None if p else filler) for w, p in zip(self.workers, packs_per_rank)
-        ])
+        return self.results(self._each(lambda r, w: w.old_logprobs.remote(
+            list(packs_per_rank[r]), None if packs_per_rank[r] else filler)))
 
     # Every method below runs on all ranks at once (collectives need every rank); results by rank.
 
-    def push_weights(self, urls: list[str], version: str) -> int:
-        """Weights (a LoRA run: the adapter) to every engine; the bytes sent."""
-        sent = self.results([w.push_weights.remote(urls, version) for w in self.workers])[0]
-        self.weight_version = version
-        return sent
-
-    @property
-    def adapter(self) -> str | None:
-        """The LoRA adapter the engines serve, which requests must name (None: no LoRA or no push yet)."""
-        from arbor.engines.client import adapter_name
-
-        return adapter_name(self.weight_version) if self.lora and self.weight_version is not None else None
-
     def logprob_gap(self, samples: list[tuple[list[int], list[int], list[float]]]) -> float:
-        return self.results([w.logprob_gap.remote(samples) for w in self.workers])[0]
+        return self.results(self._each(lambda r, w: w.logprob_gap.remote(samples)))[0]
 
     def save(self, directory: str) -> None:
         """Every rank's model, optimizer and schedule state under ``directory``."""
-        self.results([w.save.remote(directory) for w in self.workers])
+        self.results(self._each(lambda r, w: w.save.remote(directory)))
 
     def load(self, directory: str) -> None:
         """Every rank's state from a :meth:`save` directory."""
-        self.results([w.load.remote(directory) for w in self.workers])
+        self.results(self._each(lambda r, w: w.load.remote(directory)))
 
-    def export_hf(self, directory: str) -> None:
-        """The current weights as an HF directory (gathered from every rank; rank 0 writes)."""
-        self.results([w.export_hf.remote(directory) for w in self.workers])
-
-    def reset_weight_sync(self, alive_urls: list[str]) -> None:
-        """Drop the weight-update group after an engine restart (:meth:`LearnerWorker.reset_weight_sync`)."""
-        self.results([w.reset_weight_sync.remote(alive_urls) for w in self.workers])
+    def export_hf(self, directory: str, tokenizer: bool = True) -> None:
+        """The current weights as an HF directory, with the tokenizer unless ``tokenizer`` is
+        False (gathered from every rank; rank 0 writes); with LoRA the adapter in peft's format."""
+        self.results(self._each(lambda r, w: w.export_hf.remote(directory, tokenizer)))
 
     def state_checksum(self) -> list[float]:
         """Σ |parameters| as each rank sees the whole model (tests: "did weights change")."""
-        return self.results([w.state_checksum.remote() for w in self.workers])
+        return self.results(self._each(lambda r, w: w.state_checksum.remote()))
+
+    # -- the learners' end of a broadcast push (arbor.run.weight_sync.LearnerEnd) ------------
+
+    def group_address(self) -> tuple[str, int]:
+        address, port = self.results([self.workers[0].weight_group_address.remote()])[0]
+        return address, port
+
+    async def open_group(self, address: str, port: int, world_size: int, group_name: str) -> None:
+        ref = self.workers[0].open_weight_group.remote(address, port, world_size, group_name, self.backend)
+        await asyncio.to_thread(self.results, [ref])
+
+    async def announced(self, load_format: str | None) -> AsyncIterator[Announcement]:
+        """Rank 0's announcements as it makes them (it broadcasts each on its own, gathering
+        the buckets with the other ranks)."""
+        import ray
+
+        stream, *others = self._each(
+            lambda r, w: w.send_buckets.remote(load_format) if r == 0 else w.gather_buckets.remote())
+        try:
+            async for ref in stream:
+                yield await ref
+        except ray.exceptions.RayActorError as e:
+            raise self._lost(0, e) from e
+        await asyncio.to_thread(gather, others, ray.exceptions.RayActorError, lambda i, e: self._lost(i + 1, e))
+
+    async def close_group(self) -> None:
+        await asyncio.to_thread(self.results, [self.workers[0].close_weight_group.remote()])
 
     def shutdown(self) -> None:
         import ray

@@ -6,7 +6,7 @@
     learners = LearnerGroup(cfg, placement, total_steps=cfg.run.steps, wait=False)
     start_groups(engines, learners, clock)         # both start at once; engines.urls once healthy
     results = learners.step(packs_per_rank, denominator)  # one update on every rank
-    learners.push_weights(engines.urls, version="3")    # ZeRO-3 gather → engines
+    EngineWeights(cfg, learners, engines.urls).push("3")  # ZeRO-3 gather → engines (arbor.run.weight_sync)
 
 The groups live beside this module: :mod:`arbor.run.learner_group` (each learner rank a Ray
 actor that sets its torch.distributed variables, rank 0's node address and a free port

@@ -2,13 +2,14 @@
 
     batch = collect_rollouts(ctx.sampling, ctx.rewards, ctx.stream, ctx.log, cfg, step)
     advantages = batch_advantages(batch.trees, cfg.algorithm)
-    train = train_on_batch(ctx.learners, batch.trees, advantages, step, cfg.algorithm, cfg.loss,
-                           pack_tokens=pack_budget(cfg.learner.tree_execution, cfg.learner.pack_tokens),
-                           seed=cfg.run.seed)  # PPO epochs × minibatches
-    sync = sync_weights(ctx.learners, ctx.engines, ctx.recovery, ctx.sampling, cfg.rollout,
-                        version=str(step), probe=batch.trees[:2])
+    with ctx.weights.changing():     # no engine is restored between the update and its push
+        train = train_on_batch(ctx.learners, batch.trees, advantages, step, cfg.algorithm, cfg.loss,
+                               pack_tokens=pack_budget(cfg.learner.tree_execution, cfg.learner.pack_tokens),
+                               seed=cfg.run.seed)  # PPO epochs × minibatches
+        sync = push_weights(ctx.weights, ctx.recovery, version=str(step))
+    sync |= probe_weights(ctx.learners, ctx.sampling, cfg.rollout, probe=batch.trees[:2])
 
-Each phase takes the pieces it uses (the engine client in :class:`Sampling`, the learner
+Each phase takes the pieces it uses (the run's engines in :class:`Sampling`, the learner
 group, the reward pool, the sub-configs) by name and owns none of them: the trainer's
 :class:`~arbor.run.context.RunContext` starts and stops them.
 """
@@ -26,7 +27,6 @@ from typing import Any, Protocol, TypeVar
 
 from arbor.config import AlgorithmConfig, Config, DataConfig, EvalConfig, LossConfig, RolloutConfig
 from arbor.data import ProblemStream, format_prompt
-from arbor.engines.client import SGLangClient
 from arbor.engines.connect import closing
 from arbor.rollout.agents import tool_turns
 from arbor.rollout.answers import has_final_answer
@@ -41,9 +41,9 @@ from arbor.rollout.rewards import (
 from arbor.rollout.sample_stats import SampleStats
 from arbor.rollout.sampler import sample_trees
 from arbor.rollout.tools import unsandboxed_calls
-from arbor.run.engine_group import EngineGroup
 from arbor.run.learner_group import LearnerGroup
-from arbor.run.recovery import EngineRecovery
+from arbor.run.recovery import EngineRecovery, RecoveringEngine
+from arbor.run.weight_sync import EngineWeights, probe_samples
 from arbor.train.advantage import compute_advantages, dynamic_sampling_filter
 from arbor.train.loss import LossStats
 from arbor.train.packing import PackedBatch, loss_denominator
@@ -84,10 +84,10 @@ class Batch:
 
 @dataclass
 class Sampling:
-    """What rollouts, evals and the weight-sync probe need of the engines: the client, and the
-    tokenizer, environment and prompt format that turn problems into token ids and back."""
+    """What rollouts, evals and the weight-sync probe need of the engines: the run's engines,
+    and the tokenizer, environment and prompt format that turn problems into token ids and back."""
 
-    client: SGLangClient
+    engine: RecoveringEngine  # the run's engines: names the served adapter, recovers a dead server
     tokenizer: Any  # the policy's transformers tokenizer
     # rollout.env's (or rollout.agent's) multi-turn episodes; None: one prompt, one answer.
     env: EnvSource | None
@@ -107,7 +107,7 @@ class Sampling:
 
     def run(self, coroutine: Coroutine[Any, Any, T]) -> T:
         """Run a coroutine on the engine client from the synchronous loop."""
-        return asyncio.run(closing(self.client, coroutine))
+        return asyncio.run(closing(self.engine, coroutine))
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
@@ -154,14 +154,14 @@ def collect_rollouts(
     batch = Batch(trees=[])
     for round_ in range(rounds):
         problems = stream.next_batch(target - len(batch.trees))
-        calls, unsandboxed = sampling.client.generate_calls, unsandboxed_calls()
+        calls, unsandboxed = sampling.engine.generate_calls, unsandboxed_calls()
         with log.phase("rollout"):
             trees, stats = sample(sampling, problems, cfg.rollout, step_seed(cfg.run.seed, step, round_), log.status)
         with log.phase("reward"):
             correct = score_trees(rewards, sampling.decode, trees, batch, log.status, sampling.env_weight)
         batch.sampled += trees
         batch.stats += stats
-        batch.requests += sampling.client.generate_calls - calls
+        batch.requests += sampling.engine.generate_calls - calls
         batch.unsandboxed_tool_calls += unsandboxed_calls() - unsandboxed
         batch.correct += correct
         batch.rounds = round_ + 1
@@ -197,7 +197,7 @@ def sample(
         status(f"rollout: {done[0]}/{len(problems)} trees")
 
     return sampling.run(sample_trees(
-        sampling.client, problems, sampling.prompts(problems), rollout_cfg, eos_token_ids=sampling.eos_token_ids,
+        sampling.engine, problems, sampling.prompts(problems), rollout_cfg, eos_token_ids=sampling.eos_token_ids,
         seed=seed, is_final_answer=lambda ids: has_final_answer(sampling.decode(ids)), decode=sampling.decode,
         on_progress=progress, env=sampling.episodes(), is_stale=sampling.is_stale,
     ))
@@ -307,25 +307,27 @@ def _filler(per_rank: list[list[PackedBatch]]) -> PackedBatch:
     return next(pack for packs in per_rank for pack in packs)
 
 
-def sync_weights(
-    learners: LearnerGroup, engines: EngineGroup, recovery: EngineRecovery, sampling: Sampling,
-    rollout_cfg: RolloutConfig, version: str, probe: list[RolloutTree],
-) -> dict[str, float]:
-    """Learner weights → every engine (cache flushed, version checked), then the probe gap."""
-    from arbor.train.weight_sync import probe_samples
-
+def push_weights(weights: EngineWeights, recovery: EngineRecovery, version: str) -> dict[str, float]:
+    """Learner weights → every engine (cache flushed, version checked), inside the trainer's
+    ``weights.changing()`` block: :mod:`arbor.run.weight_sync`."""
     recovery.revive_dead()  # a server that died after its last request is restarted first
-    pushed = learners.push_weights(engines.urls, version)
-    sampling.client.lora_path = learners.adapter  # rollouts from now on name the new adapter
-    metrics: dict[str, float] = {"sync/weight_version": float(version), "sync/bytes": float(pushed)}
-    if probe:
-        prompts = [t.prompt_ids for t in probe]
-        samples = sampling.run(probe_samples(sampling.client, prompts, max_new_tokens=rollout_cfg.segment_tokens,
-                                             temperature=rollout_cfg.temperature))
-        metrics["sync/logprob_gap"] = learners.logprob_gap(samples)
-        # The probe's KV must not make the next step's cache state differ from a resumed run's.
-        sampling.run(sampling.client.flush_cache())
-    return metrics
+    sent = weights.push(version)
+    return {"sync/weight_version": float(version), "sync/bytes": float(sent)}
+
+
+def probe_weights(
+    learners: LearnerGroup, sampling: Sampling, rollout_cfg: RolloutConfig, probe: list[RolloutTree],
+) -> dict[str, float]:
+    """``sync/logprob_gap``: the engines sample the probe's prompts (naming the pushed adapter)
+    and the learners score the samples; ~0 when the engines serve the learners' weights."""
+    if not probe:
+        return {}
+    samples = sampling.run(probe_samples(sampling.engine, [t.prompt_ids for t in probe],
+                                         max_new_tokens=rollout_cfg.segment_tokens, temperature=rollout_cfg.temperature))
+    gap = learners.logprob_gap(samples)
+    # The probe's KV must not make the next step's cache state differ from a resumed run's.
+    sampling.run(sampling.engine.flush_cache())
+    return {"sync/logprob_gap": gap}
 
 
 def evaluate(
@@ -338,12 +340,12 @@ def evaluate(
 
     problems = problems[: eval_cfg.max_problems or None]
     report = run_eval(
-        sampling.client, rewards, problems, sampling.prompts(problems), eval_cfg, rollout_cfg, decode=sampling.decode,
+        sampling.engine, rewards, problems, sampling.prompts(problems), eval_cfg, rollout_cfg, decode=sampling.decode,
         eos_token_ids=sampling.eos_token_ids, seed=seed, run_async=sampling.run, status=status,
         env=sampling.episodes(), env_weight=sampling.env_weight,
     )
     # As after the probe: the next step starts from the cache state a resumed run has.
-    sampling.run(sampling.client.flush_cache())
+    sampling.run(sampling.engine.flush_cache())
     return report.metrics
 
 

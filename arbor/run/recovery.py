@@ -1,21 +1,27 @@
 """Engine failures during a run: restart the server, give it the run's weights, send again.
 
-    recovery = EngineRecovery(engines, learners, cfg.engine, cfg.learner.weight_sync, out_dir)
-    recovery.client                       # the run's engine client: it awaits recover() when a server stops answering
-    ...                                   # one RL step
-    metrics |= recovery.step_metrics()    # engine/restarts of the step
+    recovery = EngineRecovery(engines, weights, cfg.engine, out_dir)
+    engine = RecoveringEngine(engine_client(cfg.engine, engines.urls), recovery, weights)
+    outs = await engine.generate_many(requests)   # a server that died meanwhile is back, the calls sent again
+    metrics |= recovery.step_metrics()            # engine/restarts of the step
 
-A server that dies mid-step (killed, out of memory) makes the client's retries of a
-request fail; the client then awaits :meth:`EngineRecovery.recover` and sends the request
-again. Recovery, once per death whichever request noticed it first:
+The engine client only reports that a server stopped answering: an ``unreachable``
+:class:`~arbor.engines.errors.EngineError` once its retries are spent. Whether to restart it
+is the run's decision, made here. The run's engines, as the sampler, the evals and the
+weight-sync probe see them, are a :class:`RecoveringEngine`: every request names the LoRA
+adapter the engines serve (:attr:`arbor.run.weight_sync.EngineWeights.adapter`), and a call
+that finds its server dead has :class:`EngineRecovery` bring it back, then is sent again
+once. Each thread that samples (the trainer's; an asynchronous run's producer, see
+:mod:`arbor.run.async_rollouts`) has its own (an HTTP session belongs to one event loop);
+all share one recovery. Recovery, once per death whichever request noticed it first:
 
 1. nothing, if the server answers ``/health`` (a hiccup, or another request restarted it);
 2. its :class:`~arbor.run.engine_group.EngineWorker` starts it again (same command and port:
-   the URL, and so the client's routing of trees to servers, stays as it was);
-3. it gets the run's weights and version: the learners export them (the HF directory
-   ``learner.weight_sync: disk`` uses) and the server loads them and flushes its cache. With
-   ``learner.weight_sync: distributed`` the other engines leave the weight-update group and
-   the learner drops it, so the next sync opens a new group with every engine.
+   the URL, and so the routing of trees to servers, stays as it was);
+3. it gets the weights and version the other engines serve
+   (:meth:`~arbor.run.weight_sync.EngineWeights.restore`). A recovery waits while the
+   learners' weights are ahead of the engines' (from a step's training to its push), so the
+   restored server serves what the others do.
 
 The requests in flight are sent again as they were (seeded), so the step completes with
 the same trees. An engine that needs more than ``engine.max_restarts`` restarts without a
@@ -26,21 +32,22 @@ log's last lines and the last checkpoint (``run.resume=true`` continues from it)
 from __future__ import annotations
 
 import asyncio
-import os
 import sys
 import threading
-from collections.abc import Awaitable, Callable
-from pathlib import Path
+from collections.abc import Awaitable, Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import replace
 from typing import TypeVar
 
 from arbor.config import EngineConfig
 from arbor.engines.client import SGLangClient
-from arbor.engines.connect import engine_client, run_sync
+from arbor.engines.connect import run_sync
 from arbor.engines.errors import EngineError
 from arbor.engines.launch import EngineLaunchError
+from arbor.engines.types import GenerateOutput, GenerateRequest
 from arbor.run import checkpoint
 from arbor.run.engine_group import EngineGroup
-from arbor.run.learner_group import LearnerGroup
+from arbor.run.weight_sync import EngineWeights
 
 T = TypeVar("T")
 
@@ -50,99 +57,165 @@ class EngineFailedError(RuntimeError):
 
 
 class EngineRecovery:
-    """Owns the driver's engine client (:attr:`client`), restarts the engines that die under
-    it and counts the restarts."""
+    """Restarts the run's engines that die and counts the restarts (from any thread)."""
 
-    def __init__(self, engines: EngineGroup, learners: LearnerGroup, engine_cfg: EngineConfig, weight_sync: str,
-                 output_dir: str) -> None:
-        self.engines, self.learners, self.engine_cfg = engines, learners, engine_cfg
-        self.max_restarts, self.weight_sync, self.output_dir = engine_cfg.max_restarts, weight_sync, output_dir
-        # The client awaits recover() when a server stopped answering, then sends the call again.
-        self.client: SGLangClient = engine_client(engine_cfg, engines.urls, recover=self.recover)
+    def __init__(self, engines: EngineGroup, weights: EngineWeights, engine_cfg: EngineConfig, output_dir: str) -> None:
+        self.engines, self.weights, self.engine_cfg, self.output_dir = engines, weights, engine_cfg, output_dir
+        self.max_restarts = engine_cfg.max_restarts
         self.in_a_row = dict.fromkeys(engines.urls, 0)  # restarts since the engine last served a whole step
         self.died_this_step: set[str] = set()
         self.restarts_this_step = 0
-        self._locks = {url: threading.Lock() for url in engines.urls}
+        self.in_flight = 0  # generate calls of the run's engines awaiting an answer (a soak kills engines then)
+        self._counts = threading.Lock()  # the fields above; never held while waiting for anything
 
-    async def recover(self, url: str, error: EngineError) -> None:
+    def recover(self, url: str, error: EngineError) -> None:
         """Bring the server at ``url`` back with the run's weights, or raise EngineFailedError."""
-        await asyncio.to_thread(self._recover, url, error)
+        with self.weights.held():  # one recovery at a time; no push meanwhile
+            if self._healthy(url):
+                return
+            self._restart(url, error)
+            served = self.weights.restore(url)
+        print(f"arbor train: engine {url} is back, serving {served}", file=sys.stderr, flush=True)
 
     def revive_dead(self) -> None:
         """Recover every server that does not answer ``/health`` now (before a weight sync,
         whose broadcast cannot be replayed: a server that died after its last rollout
         request is found here rather than in the middle of the broadcast)."""
         for url in self.engines.urls:
-            if not self._on(url, lambda c: c.health()):
-                self._recover(url, EngineError("not answering /health before the weight sync", url=url))
-
-    def _on(self, url: str, make_call: Callable[[SGLangClient], Awaitable[T]]) -> T:
-        """One call to the server at ``url`` alone, from this thread (its own client and loop)."""
-        return run_sync(make_call, [url], timeout_s=self.engine_cfg.request_timeout_s, api_key=self.engine_cfg.api_key)
+            if not self._healthy(url):
+                self.recover(url, EngineError("not answering /health before the weight sync", url=url))
 
     def step_metrics(self) -> dict[str, float]:
-        """``engine/restarts`` of the step now ending; engines that did not die in it start
-        counting their restarts in a row from 0 again."""
-        for url in self.in_a_row:
-            if url not in self.died_this_step:
-                self.in_a_row[url] = 0
-        metrics = {"engine/restarts": float(self.restarts_this_step)}
-        self.died_this_step, self.restarts_this_step = set(), 0
+        """``engine/restarts`` since the last call (the step now ending); engines that did not
+        die meanwhile start counting their restarts in a row from 0 again."""
+        with self._counts:
+            for url in self.in_a_row:
+                if url not in self.died_this_step:
+                    self.in_a_row[url] = 0
+            metrics = {"engine/restarts": float(self.restarts_this_step)}
+            self.died_this_step, self.restarts_this_step = set(), 0
         return metrics
 
-    def _recover(self, url: str, error: EngineError) -> None:
-        with self._locks[url]:  # the other requests to this server wait for its restart
-            if self._on(url, lambda c: c.health()):
-                return
-            worker = self.engines.worker(url)
-            if worker is None:
-                raise EngineFailedError(
-                    f"engine {url} stopped answering ({error}); it is external (engine.kind: external), "
-                    f"so arbor cannot restart it. {checkpoint.resume_hint(self.output_dir)}"
-                )
-            import ray
+    @contextmanager
+    def generating(self) -> Iterator[None]:
+        """Counts a generate call in :attr:`in_flight` while it runs."""
+        with self._counts:
+            self.in_flight += 1
+        try:
+            yield
+        finally:
+            with self._counts:
+                self.in_flight -= 1
 
-            while True:
+    def _healthy(self, url: str) -> bool:
+        """Whether the server at ``url`` answers ``/health`` (a client and loop of this thread's own)."""
+        return run_sync(lambda c: c.health(), [url], timeout_s=self.engine_cfg.request_timeout_s,
+                        api_key=self.engine_cfg.api_key)
+
+    def _restart(self, url: str, error: EngineError) -> None:
+        worker = self.engines.worker(url)
+        if worker is None:
+            raise EngineFailedError(
+                f"engine {url} stopped answering ({error}); it is external (engine.kind: external), "
+                f"so arbor cannot restart it. {checkpoint.resume_hint(self.output_dir)}"
+            )
+        import ray
+
+        while True:
+            with self._counts:
                 self.in_a_row[url] += 1
-                if self.in_a_row[url] > self.max_restarts:
-                    tail = ray.get(worker.log_tail.remote())
-                    raise EngineFailedError(
-                        f"engine {url} died {self.in_a_row[url]} times without serving a whole step in between "
-                        f"(engine.max_restarts={self.max_restarts}); last error: {error}. {checkpoint.resume_hint(self.output_dir)}{tail}"
-                    )
-                print(f"arbor train: engine {url} stopped answering ({error}); restarting it "
-                      f"({self.in_a_row[url]}/{self.max_restarts} in a row)", file=sys.stderr, flush=True)
-                try:
-                    ray.get(worker.restart.remote())
-                    break
-                except EngineLaunchError as e:  # died again while starting: counts as another failure
-                    error = EngineError(str(e).splitlines()[0], url=url)
+                in_a_row = self.in_a_row[url]
+            if in_a_row > self.max_restarts:
+                tail = ray.get(worker.log_tail.remote())
+                raise EngineFailedError(
+                    f"engine {url} died {in_a_row} times without serving a whole step in between "
+                    f"(engine.max_restarts={self.max_restarts}); last error: {error}. "
+                    f"{checkpoint.resume_hint(self.output_dir)}{tail}"
+                )
+            print(f"arbor train: engine {url} stopped answering ({error}); restarting it "
+                  f"({in_a_row}/{self.max_restarts} in a row)", file=sys.stderr, flush=True)
+            try:
+                ray.get(worker.restart.remote())
+                break
+            except EngineLaunchError as e:  # died again while starting: counts as another failure
+                error = EngineError(str(e).splitlines()[0], url=url)
+        with self._counts:
             self.restarts_this_step += 1
             self.died_this_step.add(url)
-            self._restore_weights(url)
 
-    def _restore_weights(self, url: str) -> None:
-        """The restarted server serves model.path's weights: give it the run's current ones."""
-        version = self.learners.weight_version
-        if version is not None:
-            sync_dir = os.path.join(self.output_dir, "weight-sync")  # where disk and LoRA sync write too
-            if self.learners.adapter is not None:
-                # LoRA: every adapter the other engines hold (their directories are kept until
-                # unloaded), oldest first, so the current one is loaded last and served.
-                held = sorted(Path(sync_dir).glob("arbor-lora-*"), key=lambda p: p.stat().st_mtime)
-                for path in held:
-                    name, directory = path.name, str(path)
-                    self._on(url, lambda c: c.load_lora_adapter(name, directory))  # noqa: B023 (awaited at once)
-                self._on(url, lambda c: c.update_weight_version(version))
-            else:
-                self.learners.export_hf(sync_dir)
-                self._on(url, lambda c: c.update_weights_from_disk(sync_dir, weight_version=version))
-            self._on(url, lambda c: c.flush_cache())
-            served = self._on(url, lambda c: c.get_weight_version())
-            if served != [version]:
-                raise EngineFailedError(f"engine {url} restarted but serves weight version {served}, not {version!r}")
-        if self.weight_sync == "distributed" and not self.learners.lora:  # LoRA pushes open no group
-            # The old group had the dead server in it: the others leave, the next sync opens a new one.
-            self.learners.reset_weight_sync([u for u in self.engines.urls if u != url])
-        print(f"arbor train: engine {url} is back, serving weight version {version or 'of model.path'}",
-              file=sys.stderr, flush=True)
+
+class RecoveringEngine:
+    """The run's engines as the sampler, evals and probe see them (a
+    :class:`~arbor.engines.types.RolloutEngine` with the client's batch call): requests name
+    the served adapter; a dead server is recovered and the call sent again once."""
+
+    def __init__(self, client: SGLangClient, recovery: EngineRecovery, weights: EngineWeights) -> None:
+        self.client, self.recovery, self.weights = client, recovery, weights
+        self.in_flight = 0  # this one's generate calls awaiting an answer (the recovery counts all)
+
+    @contextmanager
+    def _generating(self) -> Iterator[None]:
+        self.in_flight += 1  # this engine's own loop is its only user
+        try:
+            with self.recovery.generating():
+                yield
+        finally:
+            self.in_flight -= 1
+
+    def fresh(self) -> RecoveringEngine:
+        """One for another thread: a client of its own (a session belongs to one event loop)."""
+        return RecoveringEngine(self.client.over(self.client.urls), self.recovery, self.weights)
+
+    def server_for(self, affinity_key: str | None) -> str:
+        return self.client.server_for(affinity_key)
+
+    @property
+    def generate_calls(self) -> int:
+        """``/generate`` calls this one's client sent (``rollout/requests``)."""
+        return self.client.generate_calls
+
+    async def close(self) -> None:
+        """Close the client's HTTP session (it belongs to the event loop that made it)."""
+        await self.client.close()
+
+    async def generate(self, request: GenerateRequest) -> list[GenerateOutput]:
+        with self._generating():
+            return await self._sent(lambda: self.client.generate(self._named(request)))
+
+    async def generate_many(self, requests: list[GenerateRequest]) -> list[list[GenerateOutput]]:
+        """The client's batch call, one per server, each recovered on its own (a survivor's
+        requests are not sent twice when another server died)."""
+        by_server: dict[str | None, list[int]] = {}
+        for i, request in enumerate(requests):
+            key = request.affinity_key
+            by_server.setdefault(None if key is None else self.client.server_for(key), []).append(i)
+
+        async def send(indices: list[int]) -> list[list[GenerateOutput]]:
+            return await self._sent(lambda: self.client.generate_many([self._named(requests[i]) for i in indices]))
+
+        results: list[list[GenerateOutput]] = [[] for _ in requests]
+        with self._generating():
+            for indices, outputs in zip(by_server.values(), await asyncio.gather(*map(send, by_server.values()))):
+                for i, output in zip(indices, outputs):
+                    results[i] = output
+        return results
+
+    async def flush_cache(self) -> None:
+        await self._sent(self.client.flush_cache)
+
+    def _named(self, request: GenerateRequest) -> GenerateRequest:
+        """``request`` naming the adapter the engines serve now (named when sent: a call sent
+        again after a push samples the pushed weights)."""
+        adapter = self.weights.adapter
+        return request if request.adapter == adapter else replace(request, adapter=adapter)
+
+    async def _sent(self, call: Callable[[], Awaitable[T]]) -> T:
+        try:
+            return await call()
+        except EngineError as exc:
+            if not exc.unreachable or exc.server is None:
+                raise  # the request's fault (4xx) or a reply arbor cannot read: not a dead server
+            # In a thread: a recovery may wait for a push (and a restart takes seconds) while
+            # this loop's other requests go on.
+            await asyncio.to_thread(self.recovery.recover, exc.server, exc)
+        return await call()

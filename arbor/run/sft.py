@@ -63,11 +63,12 @@ from typing import Any
 
 import torch
 
-from arbor.config import Config, DataConfig, SftConfig, config_to_dict, save_config
+from arbor.config import Config, DataConfig, SftConfig, config_to_dict
 from arbor.data import DataError, format_prompt, read_rows, stop_token_ids
 from arbor.engines.ports import free_port
 from arbor.run import checkpoint
 from arbor.run.metrics import MetricsLog
+from arbor.run.startup import start_command
 from arbor.train.dfs import pack_budget
 from arbor.train.learner import Learner, resolve_device
 from arbor.train.packed_loss import pack_sft_loss, sft_token_loss
@@ -88,16 +89,19 @@ class SftExample:
 
 
 def load_examples(
-    path: str | Path, tokenizer: Any, data_cfg: DataConfig, chat_template: bool, max_tokens: int
+    path: str | Path, tokenizer: Any, data_cfg: DataConfig, chat_template: bool, max_tokens: int,
+    stop_ids: Sequence[int] | None = None,
 ) -> list[SftExample]:
     """Every line of a jsonl file as an :class:`SftExample`; the first bad line raises DataError.
-    An assistant turn is trained up to its last stop token (:func:`arbor.data.stop_token_ids`)."""
+    An assistant turn is trained up to its last stop token (``stop_ids``, default
+    :func:`arbor.data.stop_token_ids` of the tokenizer)."""
     path = Path(path)
     if not path.exists():
         raise DataError(f"{path}: no such file or directory (sft.train_path)")
     if path.suffix != ".jsonl":
         raise DataError(f"{path}: sft.train_path must be a .jsonl file (one JSON object a line)")
-    stop_ids = stop_token_ids(tokenizer)  # once: it reads the model's config files
+    if stop_ids is None:
+        stop_ids = stop_token_ids(tokenizer)  # once: it reads the model's config files
     examples = [
         encode_example(row, where, tokenizer, data_cfg, chat_template, max_tokens, stop_ids)
         for where, row in read_rows(path)
@@ -323,17 +327,16 @@ def main(cfg: Config) -> int:
 def run_sft(cfg: Config) -> list[dict[str, float]]:
     """Train ``cfg`` (or resume it); returns the metrics of the steps this call ran."""
     _default_distributed_env(cfg)
-    from transformers import AutoTokenizer
-
     rank, world_size = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     if cfg.learner.backend == "torch" and world_size > 1:
         raise SystemExit(f"arbor sft: learner.backend: torch is single-process, but WORLD_SIZE is {world_size}; "
                          "use learner.backend: deepspeed")
+    # Every rank settles and checks; rank 0 writes config.yaml.
+    started = start_command(cfg, "sft", writes=rank == 0)
+    cfg, tokenizer, previous = started.cfg, started.tokenizer, started.previous
     out = Path(cfg.run.output_dir)
-    previous = checkpoint.check_output_dir(out, cfg.run.resume, "sft")  # before anything is written
-    tokenizer = AutoTokenizer.from_pretrained(cfg.model.path, trust_remote_code=cfg.model.trust_remote_code)
     examples = load_examples(cfg.sft.train_path, tokenizer, cfg.data, cfg.model.chat_template,
-                             max_tokens=cfg.learner.pack_tokens)
+                             max_tokens=cfg.learner.pack_tokens, stop_ids=started.stop_ids)
     batches = step_batches(len(examples), cfg.sft, cfg.run.seed)
     if resolve_device(cfg.learner.device).type == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
@@ -347,7 +350,6 @@ def run_sft(cfg: Config) -> list[dict[str, float]]:
         start = int(checkpoint.read_driver_state(previous)["step"])
     log = None
     if rank == 0:
-        save_config(cfg, out / "config.yaml")
         # MetricsLog's console line shows RL metrics; the SFT line is printed below.
         log = MetricsLog(cfg.run, len(batches), stream=open(os.devnull, "w"),  # noqa: SIM115 (closed with log)
                          config=config_to_dict(cfg))

@@ -36,7 +36,7 @@ def train(cfg: Config, after_step: Callable[[RunContext, int, dict], None] | Non
     history = []
     with start_run(cfg) as ctx, producer_for(ctx.cfg, ctx.sampling, ctx.rewards, ctx.stream,
                                              ctx.start_step + 1) as producer:
-        cfg = ctx.cfg  # settled: engine.kind and engine.api_key decided (arbor.run.startup.settled)
+        cfg = ctx.cfg  # settled: what this run runs with (arbor.run.startup.start_command)
 
         def evaluate() -> dict[str, float]:
             with ctx.log.phase(phases.EVAL_PHASE):
@@ -60,13 +60,15 @@ def train(cfg: Config, after_step: Callable[[RunContext, int, dict], None] | Non
             if batch.trees:  # else every prompt's leaves scored the same: nothing to learn
                 with ctx.log.phase("advantage"):
                     advantages = phases.batch_advantages(batch.trees, cfg.algorithm)
-                with ctx.log.phase("train"), ctx.engines_released():
-                    metrics |= phases.train_on_batch(ctx.learners, batch.trees, advantages, step, cfg.algorithm,
-                                                     cfg.loss, pack_tokens=pack_tokens, seed=cfg.run.seed,
-                                                     behaviour_cap=behaviour_cap)
+                with ctx.weights.changing():  # a restarted engine waits for the push (arbor.run.weight_sync)
+                    with ctx.log.phase("train"), ctx.engines_released():
+                        metrics |= phases.train_on_batch(ctx.learners, batch.trees, advantages, step, cfg.algorithm,
+                                                         cfg.loss, pack_tokens=pack_tokens,
+                                                         seed=cfg.run.seed, behaviour_cap=behaviour_cap)
+                    with ctx.log.phase("sync"):
+                        metrics |= phases.push_weights(ctx.weights, ctx.recovery, str(step))
                 with ctx.log.phase("sync"):
-                    metrics |= phases.sync_weights(ctx.learners, ctx.engines, ctx.recovery, ctx.sampling, cfg.rollout,
-                                                   str(step), probe=batch.trees[:2])
+                    metrics |= phases.probe_weights(ctx.learners, ctx.sampling, cfg.rollout, probe=batch.trees[:2])
             if producer is not None:
                 producer.step_done(step, pushed=bool(batch.trees))  # the next batch may start sampling
             if cfg.run.eval_every and step % cfg.run.eval_every == 0 and ctx.eval_problems:

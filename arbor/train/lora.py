@@ -43,15 +43,6 @@ def lora_targets(model_cfg: ModelConfig, model_type: str) -> list[str]:
     return list(DEFAULT_TARGETS[model_type])
 
 
-def sglang_lora_flags(model_cfg: ModelConfig) -> list[str]:
-    """SGLang's launch flags for serving this run's adapters: LoRA on, its rank, its targets."""
-    from transformers import AutoConfig
-
-    model_type = AutoConfig.from_pretrained(model_cfg.path, trust_remote_code=model_cfg.trust_remote_code).model_type
-    return ["--enable-lora", "--max-lora-rank", str(model_cfg.lora_rank),
-            "--lora-target-modules", *lora_targets(model_cfg, model_type)]
-
-
 def add_adapter(model: Any, model_cfg: ModelConfig) -> Any:
     """``model`` wrapped in a peft LoRA adapter (``model.lora_*``); only the adapter trains.
 
