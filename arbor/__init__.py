@@ -56,6 +56,14 @@ _EXPORTS: dict[str, str] = {
     "Message": "arbor.rollout.agents",
     "Env": "arbor.rollout.environments",
     "Step": "arbor.rollout.environments",
+    # environment adapters (each needs its optional extra: pip install 'arbor[envs]')
+    "reasoning_gym_score": "arbor.rollout.adapters.reasoning_gym",
+    "reasoning_gym_score_boxed": "arbor.rollout.adapters.reasoning_gym",
+    "TextArenaGame": "arbor.rollout.adapters.textarena",
+    "MCPTools": "arbor.rollout.adapters.mcp",
+    "VerifiersEnv": "arbor.rollout.adapters.verifiers",
+    "OpenEnvClient": "arbor.rollout.adapters.openenv",
+    "parse_tool_calls": "arbor.rollout.adapters.tool_calls",
     "ToolPool": "arbor.rollout.tools",
     "ToolResult": "arbor.rollout.tools",
     "RewardFn": "arbor.rollout.rewards",
@@ -124,6 +132,12 @@ if TYPE_CHECKING:  # type checkers and IDEs see the names without the lazy table
     from arbor.engines.errors import EngineError
     from arbor.engines.types import GenerateOutput, GenerateRequest, RolloutEngine, SamplingParams
     from arbor.errors import ConfigError
+    from arbor.rollout.adapters.mcp import MCPTools
+    from arbor.rollout.adapters.openenv import OpenEnvClient
+    from arbor.rollout.adapters.reasoning_gym import reasoning_gym_score, reasoning_gym_score_boxed
+    from arbor.rollout.adapters.textarena import TextArenaGame
+    from arbor.rollout.adapters.tool_calls import parse_tool_calls
+    from arbor.rollout.adapters.verifiers import VerifiersEnv
     from arbor.rollout.agents import Agent, Message
     from arbor.rollout.answers import final_boxes, last_boxed
     from arbor.rollout.environments import Env, Step

@@ -45,7 +45,8 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    train_path: str = "data/math/train.jsonl"  # jsonl / parquet / HF dataset directory
+    # jsonl / parquet / HF dataset directory, or a generated set: reasoning_gym:NAME?options
+    train_path: str = "data/math/train.jsonl"
     # Held-out problems for the periodic eval (run.eval_every) and `arbor eval`; None: no eval set.
     eval_path: str | None = None
     # Column (or dotted path into a nested one) holding a problem's id; absent: its place, file:line.
@@ -380,9 +381,10 @@ class RunConfig:
     # MLFLOW_TRACKING_URI, MLFLOW_EXPERIMENT_NAME); [] for none. wandb and mlflow are the
     # extras arbor[wandb] and arbor[mlflow] (docs/metrics.md, Where metrics go).
     loggers: list[Literal["tensorboard", "wandb", "mlflow"]] = field(default_factory=lambda: ["tensorboard"])
-    # torch threads of each CPU process (the engine server, each learner rank); 0: the machine's
-    # cores (the engine all of them, each learner rank its share). Set 1 where other jobs share
-    # the cores: OpenMP threads waiting for a busy core slowed SmolLM2 decoding over 10x here.
+    # torch threads of each CPU process (each engine server, each learner rank); 0: the cores
+    # split between the engines, the learner ranks and the driver, at least 1 each (on 2 cores:
+    # 1 each, the fastest measured). Set 1 where other jobs share the cores: OpenMP threads
+    # waiting for a busy core slowed SmolLM2 decoding over 10x.
     cpu_threads: int = 0
 
 

@@ -9,7 +9,8 @@
 A problem is its row as a dict (``id``, ``prompt``, ``answer`` plus every column of the
 row, which reward functions receive untouched). Files: ``.jsonl``, ``.json``,
 ``.parquet``, ``.arrow``, a ``save_to_disk`` directory or a directory of shards
-(:mod:`arbor.dataset_files`). ``data.id_key``, ``data.prompt_key`` and
+(:mod:`arbor.dataset_files`), or a set a library generates (``reasoning_gym:NAME``,
+:mod:`arbor.dataset_sources`). ``data.id_key``, ``data.prompt_key`` and
 ``data.answer_key`` name columns, or dotted paths into nested ones: verl's rows
 (``prompt`` = chat messages, ``reward_model: {style, ground_truth}``, ``extra_info:
 {split, index}``) load with ``answer_key: reward_model.ground_truth`` and ``id_key:
@@ -32,6 +33,7 @@ from typing import Any
 
 from arbor.config import DataConfig
 from arbor.dataset_files import DataError, read_rows
+from arbor.dataset_sources import is_source, source_rows
 
 log = logging.getLogger(__name__)
 
@@ -39,14 +41,18 @@ Message = dict[str, Any]  # {"role": "system" | "user" | "assistant" | "tool", "
 
 
 def load_problems(path: str | Path, data_cfg: DataConfig, key: str = "data.train_path") -> list[dict[str, Any]]:
-    """Read every row, normalised to the keys ``id``, ``prompt``, ``answer`` (+ the rest).
+    """Read every row, normalised to the keys ``id``, ``prompt``, ``answer`` (+ the rest);
+    ``path`` may also name a generated set (``reasoning_gym:NAME``, :mod:`arbor.dataset_sources`).
     ``key`` is the config key that named ``path``, for the error when it does not exist."""
-    path = Path(path)
-    if not path.exists():
+    if is_source(str(path)):
+        rows = source_rows(str(path))
+    elif not Path(path).exists():
         raise DataError(f"{key}: {path}: no such file or directory")
+    else:
+        rows = read_rows(Path(path))
     problems: list[dict[str, Any]] = []
     seen: dict[str, str] = {}
-    for where, row in read_rows(path):
+    for where, row in rows:
         problem = problem_from_row(row, where, data_cfg)
         if problem["id"] in seen:
             raise DataError(f"{where}: duplicate problem id {problem['id']!r} (first at {seen[problem['id']]})")
@@ -195,9 +201,15 @@ def _id_set(ids: int | list[int] | None) -> set[int]:
     return set() if ids is None else {int(i) for i in (ids if isinstance(ids, list) else [ids])}
 
 
-def chat_template_ids(tokenizer: Any, messages: Sequence[Mapping[str, Any]], generation_prompt: bool) -> list[int]:
-    """Token ids of ``messages`` rendered by the tokenizer's chat template."""
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=True)
+def chat_template_ids(
+    tokenizer: Any, messages: Sequence[Mapping[str, Any]], generation_prompt: bool,
+    tools: Sequence[Mapping[str, Any]] | None = None,
+) -> list[int]:
+    """Token ids of ``messages`` rendered by the tokenizer's chat template; ``tools`` (OpenAI
+    function format) are rendered the template's way, where it has one (an environment's
+    ``tools``, :mod:`arbor.rollout.adapters.tool_calls`)."""
+    extra = {"tools": list(tools)} if tools else {}
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=True, **extra)
     if isinstance(ids, dict) or hasattr(ids, "input_ids"):  # BatchEncoding in newer transformers
         ids = ids["input_ids"]
     return [int(t) for t in ids]

@@ -65,6 +65,15 @@ MEANINGS: dict[str, dict[str, str]] = {
         "ToolPool": "Runs sandboxed tool calls (Python) concurrently with time, memory and output limits.",
         "ToolResult": "The outcome of one tool call: output, time, and why it failed if it did.",
     },
+    "Environment adapters": {
+        "reasoning_gym_score": "Reward: a `reasoning_gym:NAME` problem's dataset scores the completion's last `<answer>` (docs/env-adapters.md).",
+        "reasoning_gym_score_boxed": "Reward: the same, for the completion's last `\\boxed{}`.",
+        "TextArenaGame": "A TextArena single-player game per episode, forked by copy with its random state (`arbor[textarena]`).",
+        "MCPTools": "The tools of a stdio MCP server, called by the environment; forks replay side effects (`arbor[mcp]`).",
+        "VerifiersEnv": "A verifiers MultiTurnEnv/ToolEnv rollout with arbor as its client, its rubric the reward (`arbor[verifiers]`).",
+        "OpenEnvClient": "An OpenEnv server driven through its client, a WebSocket connection per branch, forked by replay (`arbor[openenv]`).",
+        "parse_tool_calls": "The Hermes `<tool_call>{...}</tool_call>` calls in a model's text, for adapters of your own.",
+    },
     "Rewards": {
         "RewardFn": "The reward protocol: `fn(problem, completion) -> float`.",
         "RewardTerm": "A reward function spec with its weight.",

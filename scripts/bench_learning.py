@@ -44,7 +44,9 @@ arms; ``auc_<arm>`` for every arm: the area under accuracy-vs-seconds over the b
 it (the mean accuracy over the budget). Before it a ``SPREAD`` line with every seed's values, a
 ``SIGNAL`` line (per arm, means over seeds: ``signal_<arm>``, the share of sampled leaves in
 trees whose rewards differ, the only leaves with a learning signal, and ``tokens_per_step_<arm>``),
-written per step to ``steps.csv`` and ``signal_vs_step.png``, and
+written per step to ``steps.csv`` and ``signal_vs_step.png``, a ``SHARING`` line (per arm, means
+over seeds: ``cached_ratio_<arm>``, the share of request input tokens the engines' radix cache
+served, ``tokens_per_step_<arm>`` and ``seconds_per_step_<arm>``: what prefix sharing saves), and
 ``TRAIN_REWARD reward_time_ratio=...``: the same ratio asked of the training
 reward (the sampled leaves' accuracy at temperature 1, averaged over a sixth of the budget),
 which every step measures, where the greedy evals are few and noisy (±0.03 on 200 problems).
@@ -81,13 +83,15 @@ ARMS = {
     "grpo": ["rollout.mode=independent", "algorithm.advantage=grpo", "loss.mode=linear"],
     # TreeRL's EPTree: whole answers forked at their highest-entropy tokens (docs/fork-policies.md),
     # with TreePO's subgroup advantages, then with TreeRL's per-step global + local advantage.
-    # entropy_init=2: the paper's share of initial paths (M = 6 of its 30 leaves) at cot.yaml's width 8.
-    "entropy": ["rollout.mode=tree", "rollout.fork_at=entropy", "rollout.entropy_init=2",
+    # entropy_init=2: the paper's share of initial paths (M = 6 of its 30 leaves) at cot.yaml's width 8;
+    # branch=2: the paper's T copies per fork point, whatever the config's TreePO branching
+    # (configs/paged_lookup.yaml forks 8 ways after its page).
+    "entropy": ["rollout.mode=tree", "rollout.fork_at=entropy", "rollout.entropy_init=2", "rollout.branch=2",
                 "algorithm.advantage=treepo", "loss.mode=tree"],
-    "entropy_treerl": ["rollout.mode=tree", "rollout.fork_at=entropy", "rollout.entropy_init=2",
+    "entropy_treerl": ["rollout.mode=tree", "rollout.fork_at=entropy", "rollout.entropy_init=2", "rollout.branch=2",
                        "algorithm.advantage=treerl", "loss.mode=tree"],
     # Not run by default: forks scored by the distribution's entropy (the engine's) instead of -log p.
-    "entropy_dist": ["rollout.mode=tree", "rollout.fork_at=entropy", "rollout.entropy_init=2",
+    "entropy_dist": ["rollout.mode=tree", "rollout.fork_at=entropy", "rollout.entropy_init=2", "rollout.branch=2",
                      "rollout.fork_entropy=distribution", "algorithm.advantage=treepo", "loss.mode=tree"],
 }
 DEFAULT_ARMS = ("tree", "grpo", "entropy", "entropy_treerl")
@@ -111,6 +115,7 @@ class Curve:
     # the leaves with a learning signal at all; and the tokens computed (engines + learner).
     signals: list[float] = field(default_factory=list)
     step_tokens: list[float] = field(default_factory=list)
+    cached: list[float] = field(default_factory=list)  # per step: rollout/cached_ratio (prefix sharing)
     steps: int = 0
     train_s: float = 0.0  # training seconds over all steps (eval excluded)
 
@@ -125,6 +130,11 @@ class Curve:
     @property
     def tokens_per_step(self) -> float:
         return sum(self.step_tokens) / max(len(self.step_tokens), 1)
+
+    @property
+    def cached_ratio(self) -> float:
+        """Mean over steps of the share of request input tokens the engines' radix cache served."""
+        return sum(self.cached) / max(len(self.cached), 1)
 
     @property
     def signal(self) -> float:
@@ -162,6 +172,7 @@ def run_arm(config: str, arm: str, seed: int, budget_s: float, evals: int, out: 
         curve.rewards.append((curve.train_s, metrics["reward/mean"]))
         curve.signals.append(metrics["reward/signal_leaves"])
         curve.step_tokens.append(step_tokens)
+        curve.cached.append(metrics["rollout/cached_ratio"])
         done = curve.train_s >= budget_s
         if done or curve.train_s >= next_eval[0]:
             accuracy = phases.evaluate(ctx.sampling, ctx.rewards, ctx.eval_problems, cfg.eval, cfg.rollout,
@@ -283,7 +294,7 @@ def arm_figures(arm: Curve, grpo: Curve, budget_s: float) -> dict[str, float]:
     """One arm's figures in one seed, against that seed's GRPO run (GRPO's own ratio is 1)."""
     return {"time_to_80pct_ratio": time_to_80pct_ratio(arm, grpo), "final_acc": arm.final_accuracy,
             "auc": area_under_accuracy(arm.points, budget_s), "tokens_per_step": arm.tokens_per_step,
-            "signal": arm.signal, "seconds_per_step": arm.seconds_per_step}
+            "signal": arm.signal, "seconds_per_step": arm.seconds_per_step, "cached_ratio": arm.cached_ratio}
 
 
 def write_csv(curves: list[Curve], path: Path) -> None:
@@ -373,7 +384,7 @@ def main() -> None:
               f"time_to_acc_ratio {f['time_to_acc_ratio']:.2f}", flush=True)
         for arm, a in per_arm[-1].items():
             print(f"  {arm}: {runs[arm].steps} steps ({a['seconds_per_step']:.1f} s, {a['tokens_per_step']:.3g} tokens "
-                  f"each), leaves with signal {a['signal']:.2f}, final {a['final_acc']:.3f}, area {a['auc']:.3f}, "
+                  f"each, {a['cached_ratio']:.2f} of the input from cache), leaves with signal {a['signal']:.2f}, final {a['final_acc']:.3f}, area {a['auc']:.3f}, "
                   f"time_to_80pct_ratio {a['time_to_80pct_ratio']:.2f}", flush=True)
     write_csv(curves, out / "curves.csv")
     write_steps_csv(curves, out / "steps.csv")
@@ -401,6 +412,12 @@ def main() -> None:
     # and what a step costs, means over seeds.
     print("SIGNAL " + " ".join(f"signal_{a}={sum(seeds(a, 'signal')) / len(per_arm):.3f} "
                                f"tokens_per_step_{a}={sum(seeds(a, 'tokens_per_step')) / len(per_arm):.0f}" for a in arms))
+    # What prefix sharing saves per arm, means over seeds: the engines' cache hits on request input,
+    # tokens computed (engines + learner) and training seconds per step.
+    print("SHARING " + " ".join(f"cached_ratio_{a}={sum(seeds(a, 'cached_ratio')) / len(per_arm):.3f} "
+                                f"tokens_per_step_{a}={sum(seeds(a, 'tokens_per_step')) / len(per_arm):.0f} "
+                                f"seconds_per_step_{a}={sum(seeds(a, 'seconds_per_step')) / len(per_arm):.2f}"
+                                for a in arms))
     # Not part of RESULT (its fields are fixed): the training reward's answer to the same question.
     print(f"TRAIN_REWARD reward_time_ratio={sum(f['reward_time_ratio'] for f in figures) / len(figures):.3f}")
     print("RESULT " + " ".join(f"{k}={v:.3f}" for k, v in ({k: mean[k] for k in keys} | extra).items()), flush=True)

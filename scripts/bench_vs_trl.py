@@ -3,20 +3,25 @@
     pip install -e ".[bench]"          # TRL
     python scripts/bench_vs_trl.py [--seeds 0 1 2] [--systems arbor trl] [--tag NAME]
         [--config configs/quickstart.yaml] [--eval-problems 200] [--plot docs/figures/vs-trl.png]
-        [section.key=value ...]
+        [--clear-thread-vars] [section.key=value ...]
 
 Per seed, each system trains models/tiny-arith on the same problems (``data.train_path``),
 prompts (the chat template with ``data.prompt_suffix``), reward (``rewards/math.py:boxed_accuracy``)
 and settings, all read from the config (``section.key=value`` overrides apply to both):
 
 - **arbor**: ``arbor train CONFIG`` as a user runs it (Ray, ``arbor serve``, DeepSpeed ZeRO-3,
-  tree rollouts of ``rollout.width`` leaves), with ``run.eval_every=0``: evals are done
-  here, the same way for both systems;
+  tree rollouts of ``rollout.width`` leaves), its periodic evals (``run.eval_every``) and
+  checkpoints included: the config as shipped;
 - **TRL**: ``GRPOTrainer`` with ``data.prompts_per_step`` prompts x ``rollout.width``
   completions per step (one optimizer step each), ``rollout.max_response_tokens`` tokens,
   ``rollout.temperature``, ``optim.lr`` with ``optim.warmup_steps`` and ``optim.schedule``,
   ``optim.max_grad_norm``, clipping ``loss.clip_low`` / ``loss.clip_high``, ``loss_type:
   dapo``, ``beta`` = ``loss.kl_coef`` (0: no KL), ``run.steps`` steps, no checkpoints, on the CPU.
+
+Each system runs at its own defaults: no thread setting favours either. The script refuses
+to start when a thread variable (``OMP_NUM_THREADS`` and the like) is set, since both
+children would inherit it (with ``OMP_NUM_THREADS=1`` TRL runs on one core of the machine);
+``--clear-thread-vars`` removes them for both, saying so.
 
 Each system runs in its own process, timed from its start to its exit (``wall_s``), and its
 whole process tree's CPU time is summed (``cpu_s``: Ray's workers and the engine server
@@ -38,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -51,6 +57,24 @@ sys.path.insert(0, str(ROOT))
 
 from arbor.config import Config  # noqa: E402
 from arbor.config_load import load_config  # noqa: E402
+
+# Variables that set the threads of torch (OpenMP, MKL, OpenBLAS) or of other numeric libraries.
+THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "NUMEXPR_NUM_THREADS",
+               "VECLIB_MAXIMUM_THREADS", "TORCH_NUM_THREADS")
+
+
+def thread_vars_check(clear: bool) -> None:
+    """Each system at its defaults: refuse set thread variables, or clear them (``clear``) for both."""
+    found = {name: os.environ[name] for name in THREAD_VARS if name in os.environ}
+    if not found:
+        return
+    shown = ", ".join(f"{k}={v}" for k, v in found.items())
+    if not clear:
+        raise SystemExit(f"bench_vs_trl: {shown} is set: both systems would inherit it and run off their own "
+                         "defaults (TRL on fewer cores); unset it, or pass --clear-thread-vars")
+    for name in found:
+        del os.environ[name]
+    print(f"bench_vs_trl: cleared {shown} for both systems (--clear-thread-vars)", flush=True)
 
 
 @dataclass
@@ -96,7 +120,7 @@ def timed(command: list[str], log: Path) -> tuple[float, float]:
 def run_arbor(config: str, overrides: list[str], seed: int, out: Path) -> tuple[Run, Path]:
     """``arbor train`` on ``seed``; the run and its exported model directory."""
     command = [sys.executable, "-m", "arbor", "train", config, *overrides, f"run.seed={seed}",
-               "run.eval_every=0", f"run.output_dir={out}"]
+               f"run.output_dir={out}"]
     wall, cpu = timed(command, out.parent / f"{out.name}.log")
     from arbor.run.metrics import read_metrics
 
@@ -218,6 +242,8 @@ def main() -> int:
     parser.add_argument("--eval-problems", type=int, default=200, help="the first N of data.eval_path")
     parser.add_argument("--plot", default="docs/figures/vs-trl.png", help="'' for none")
     parser.add_argument("--tag", default="", help="a name for this comparison in the printed lines")
+    parser.add_argument("--clear-thread-vars", action="store_true",
+                        help="remove OMP_NUM_THREADS and the like for both systems instead of refusing to run")
     parser.add_argument("--trl-child", metavar="OUT", help=argparse.SUPPRESS)
     parser.add_argument("overrides", nargs="*", metavar="section.key=value")
     args = parser.parse_args()
@@ -225,6 +251,7 @@ def main() -> int:
     if args.trl_child:
         trl_child(cfg, Path(args.trl_child))
         return 0
+    thread_vars_check(args.clear_thread_vars)
     if cfg.data.eval_path is None:
         raise SystemExit("bench_vs_trl: the config has no data.eval_path to evaluate on")
     from arbor.data import load_problems

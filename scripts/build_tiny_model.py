@@ -116,6 +116,28 @@ def build_tokenizer(corpus: list[str], vocab_size: int, out: Path) -> Any:
     return AutoTokenizer.from_pretrained(out)
 
 
+def tiny_qwen2(tokenizer: Any, hidden: int, layers: int, max_positions: int = 256) -> Any:
+    """A randomly initialised Qwen2 for ``tokenizer``: heads of 32, an MLP 3x wide, tied embeddings."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(
+        vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=3 * hidden,
+        num_hidden_layers=layers, num_attention_heads=hidden // 32, num_key_value_heads=hidden // 32,
+        max_position_embeddings=max_positions, tie_word_embeddings=True, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id, bos_token_id=None, attn_implementation="sdpa",
+    )
+    return Qwen2ForCausalLM(config)
+
+
+def save_model(model: Any, tokenizer: Any, out: Path) -> None:
+    """The warmed-up model in eval mode, saved with a generation config that stops on the EOS."""
+    model.eval()
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.save_pretrained(out)
+    model.generation_config.save_pretrained(out)
+
+
 def prompt_ids(tokenizer: Any, problem: dict[str, str]) -> list[int]:
     """Exactly what ``arbor train`` feeds the policy for this problem."""
     return format_prompt(problem, DATA_CFG, tokenizer, chat_template=True)
@@ -243,8 +265,6 @@ def main() -> None:
     args.eval_from = args.eval_from if args.eval_from is not None else (250 if cot else 0)
     max_new_tokens = 128 if cot else 32  # cot answers are ~65 tokens, arith's ~14
 
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
     t_start = time.monotonic()
     torch.manual_seed(args.seed)
     rng = random.Random(args.seed)
@@ -262,13 +282,7 @@ def main() -> None:
     out = Path(args.out)
     corpus = [CHAT_TEMPLATE] + [f"user\n{p['prompt']}{PROMPT_SUFFIX}\nassistant\n{p['solution']}" for p in problems]
     tokenizer = build_tokenizer(corpus, args.vocab, out)
-    config = Qwen2Config(
-        vocab_size=len(tokenizer), hidden_size=args.hidden, intermediate_size=3 * args.hidden,
-        num_hidden_layers=args.layers, num_attention_heads=args.hidden // 32, num_key_value_heads=args.hidden // 32,
-        max_position_embeddings=256, tie_word_embeddings=True, eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id, bos_token_id=None, attn_implementation="sdpa",
-    )
-    model = Qwen2ForCausalLM(config)
+    model = tiny_qwen2(tokenizer, args.hidden, args.layers)
     n_params = sum(p.numel() for p in model.parameters())
     # Linear warm-up, then cosine decay to 10 %; gradients clipped at norm 1.
     optim = OptimConfig(lr=args.lr, weight_decay=0.01, betas=[0.9, 0.98], warmup_steps=min(100, max(args.steps // 10, 1)),
@@ -300,11 +314,7 @@ def main() -> None:
                 break
     print(f"loss: first {first_loss:.3f} last {last_loss:.3f}", flush=True)
 
-    model.eval()
-    model.generation_config.eos_token_id = tokenizer.eos_token_id
-    model.generation_config.pad_token_id = tokenizer.pad_token_id
-    model.save_pretrained(out)
-    model.generation_config.save_pretrained(out)
+    save_model(model, tokenizer, out)
     evaluated = test[: args.eval_problems]
     sampled = evaluate(model, tokenizer, evaluated, samples=args.eval_samples, seed=args.seed + 1,
                        max_new_tokens=max_new_tokens)

@@ -51,6 +51,9 @@ def test_smoke_run_trains_the_arms_and_writes_csv_plots_and_result(tmp_path):
                      r"auc_tree=[\d.]+ auc_grpo=[\d.]+ auc_entropy_treerl=[\d.]+$", run.stdout, re.M), run.stdout
     assert re.search(r"^SPREAD time_to_acc_ratio=\S+ final_acc_tree=[\d.]+ .* time_to_80pct_ratio=\S+ ", run.stdout, re.M)
     assert re.search(r"^SIGNAL signal_tree=[\d.]+ tokens_per_step_tree=\d+ signal_grpo=[\d.]+ ", run.stdout, re.M)
+    sharing = re.search(r"^SHARING cached_ratio_tree=([\d.]+) tokens_per_step_tree=\d+ seconds_per_step_tree=[\d.]+ "
+                        r"cached_ratio_grpo=([\d.]+) ", run.stdout, re.M)
+    assert sharing and all(0 <= float(r) <= 1 for r in sharing.groups()), run.stdout
     rows = list(csv.DictReader((tmp_path / "curves.csv").open()))
     by_arm = {arm: [r for r in rows if r["arm"] == arm] for arm in ("tree", "grpo", "entropy_treerl")}
     for arm_rows in by_arm.values():

@@ -4,6 +4,7 @@ The arbor side is `arbor train` itself (tests/test_trainer.py runs the quickstar
 a whole comparison takes minutes, so only TRL's run is exercised here end to end.
 """
 
+import os
 import re
 import subprocess
 import sys
@@ -19,10 +20,11 @@ def test_trl_side_runs_and_reports_its_result_line(tmp_path):
     plot = tmp_path / "vs-trl.png"
     run = subprocess.run(
         [sys.executable, str(REPO / "scripts/bench_vs_trl.py"), "--systems", "trl", "--eval-problems", "4",
-         "--plot", str(plot), "run.steps=1", "data.prompts_per_step=2", "rollout.width=4"],
-        capture_output=True, text=True, timeout=600, cwd=REPO,
+         "--plot", str(plot), "--clear-thread-vars", "run.steps=1", "data.prompts_per_step=2", "rollout.width=4"],
+        capture_output=True, text=True, timeout=600, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
+    assert "cleared OMP_NUM_THREADS=1 for both systems" in run.stdout
     seed = re.search(r"^seed 0 trl +wall_s=([\d.]+) cpu_s=([\d.]+) eval ([\d.]+) -> ([\d.]+) reward first/last "
                      r"([\d.]+)/([\d.]+)$", run.stdout, re.M)
     assert seed, run.stdout
@@ -48,3 +50,13 @@ def test_the_greedy_eval_scores_the_starting_model_in_its_known_range():
     problems = load_problems(REPO / cfg.data.eval_path, cfg.data)[:20]
     accuracy = greedy_accuracy(REPO / cfg.model.path, cfg, problems)
     assert 0.1 <= accuracy <= 0.7
+
+
+def test_a_thread_variable_is_refused_before_anything_runs():
+    """Each system at its own defaults: a set OMP_NUM_THREADS would reach both (TRL on one core)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
+    run = subprocess.run([sys.executable, str(REPO / "scripts/bench_vs_trl.py"), "--systems", "arbor"],
+                         capture_output=True, text=True, timeout=120, cwd=REPO, env={**env, "MKL_NUM_THREADS": "2"})
+    assert run.returncode != 0
+    assert "MKL_NUM_THREADS=2 is set" in run.stderr and "--clear-thread-vars" in run.stderr
+    assert "greedy eval" not in run.stdout  # refused before the first eval

@@ -96,6 +96,21 @@ def test_data_errors_are_one_line_naming_the_key(tmp_path):
     assert out.returncode == 2 and "FAIL  eval.path: arbor eval has no set to evaluate" in out.stdout
 
 
+def test_a_generated_set_passes_the_start_up_file_check():
+    """`data.train_path: reasoning_gym:NAME` names no file: the check before Ray starts lets it
+    through (the set is generated and checked when it loads); a missing file still stops."""
+    from arbor.config_load import load_config
+    from arbor.errors import ConfigError
+    from arbor.run.startup import check_problem_files
+
+    cfg = load_config(REPO / "configs" / "env_reasoning_gym.yaml")
+    assert cfg.data.train_path.startswith("reasoning_gym:")
+    check_problem_files(cfg, "train")
+    with pytest.raises(ConfigError, match="data.train_path: nowhere.jsonl: no such file"):
+        check_problem_files(load_config(REPO / "configs" / "env_reasoning_gym.yaml", ["data.train_path=nowhere.jsonl"]),
+                            "train")
+
+
 def test_bad_reward_function_name_fails_naming_the_key():
     out = arbor("config", "configs/math.yaml", "reward.functions=[{fn: rewards/math.py:boxd_accuracy}]")
     assert out.returncode == 2

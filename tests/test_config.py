@@ -165,10 +165,16 @@ def test_cpu_threads_names_the_key_and_sets_each_process_share(tmp_path, monkeyp
     with pytest.raises(ConfigError, match=r"run.cpu_threads must be ≥ 0 \(0: all cores\), got -1"):
         load_config(write(tmp_path, "run:\n  cpu_threads: -1\n"))
     monkeypatch.setattr("os.cpu_count", lambda: 8)
-    cfg = Config()
-    assert (cpu_threads(cfg, sharers=1), cpu_threads(cfg, sharers=2), cpu_threads(cfg, sharers=16)) == (8, 4, 1)
-    cfg.run.cpu_threads = 1  # a shared machine: one thread each, however many cores
-    assert (cpu_threads(cfg, sharers=1), cpu_threads(cfg, sharers=2)) == (1, 1)
+    cfg = Config()  # one engine, one learner rank and the driver split 8 cores
+    assert (cpu_threads(cfg), cpu_threads(cfg, processes=2), cpu_threads(cfg, processes=16)) == (2, 4, 1)
+    cfg.engine.num_engines, cfg.learner.num_ranks = 2, 2
+    assert cpu_threads(cfg) == 1
+    cfg.algorithm.max_staleness = 1  # the same rule asynchronous
+    assert cpu_threads(cfg) == 1
+    monkeypatch.setattr("os.cpu_count", lambda: 2)
+    assert cpu_threads(Config()) == 1  # 2 cores: one thread per process, the fastest measured there
+    cfg.run.cpu_threads = 3  # set: every process, however many cores
+    assert (cpu_threads(cfg), cpu_threads(cfg, processes=2)) == (3, 3)
 
 
 def test_max_staleness_refuses_what_cannot_overlap():

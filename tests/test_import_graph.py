@@ -110,7 +110,7 @@ FORBIDDEN = {
     "engines": {"rollout", "train", "run"},
     "run": set(),
 }
-TOP_RECORDS = {"arbor.config", "arbor.config_load", "arbor.config_override", "arbor.config_parse", "arbor.data", "arbor.dataset_files", "arbor.tree", "arbor.errors", "arbor.plugins"}
+TOP_RECORDS = {"arbor.config", "arbor.config_load", "arbor.config_override", "arbor.config_parse", "arbor.data", "arbor.dataset_files", "arbor.dataset_sources", "arbor.tree", "arbor.errors", "arbor.plugins"}
 
 
 def stage_of(module: str) -> str | None:

@@ -119,13 +119,16 @@ def episode_inputs(
     return prompts, functools.partial(continuation_ids, tokenizer)
 
 
-def episode_prompt(tokenizer: Any, messages: list[Message], data_cfg: DataConfig) -> list[int]:
+def episode_prompt(
+    tokenizer: Any, messages: list[Message], data_cfg: DataConfig, tools: list[dict] | None = None,
+) -> list[int]:
     """The prompt ids of an episode's first messages: ``data.system_prompt`` first (unless the
-    messages hold a system message), chat-templated with the generation prompt."""
+    messages hold a system message), chat-templated with the generation prompt and ``tools``
+    (an environment's, OpenAI function format) the template's way."""
     if data_cfg.system_prompt and not any(m["role"] == "system" for m in messages):
         messages = [{"role": "system", "content": data_cfg.system_prompt}, *messages]
     chat = [{k: v for k, v in m.items() if k not in CHAT_KEYS_DROPPED} for m in messages]
-    return chat_template_ids(tokenizer, chat, generation_prompt=True)
+    return chat_template_ids(tokenizer, chat, generation_prompt=True, tools=tools)
 
 
 def fitting_problems(

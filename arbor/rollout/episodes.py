@@ -50,9 +50,10 @@ class EpisodeSetup:
 
     source: EnvSource  # rollout.env's instances (or rollout.agent's, as AgentEnv)
     render: Render  # an environment's messages after a model turn -> the ids appended
-    # The reset messages -> the tree's prompt ids (system prompt, chat template, length check);
-    # None: sample_trees' prompts are the prompts (the reset messages only start the history).
-    prompt: Callable[[list[Message]], list[int]] | None = None
+    # The reset messages (and the environment's tools) -> the tree's prompt ids (system prompt,
+    # chat template, length check); None: sample_trees' prompts are the prompts (the reset
+    # messages only start the history).
+    prompt: Callable[..., list[int]] | None = None
     # No reward functions: an episode whose environment gives no reward (a timed-out call)
     # cannot be scored and is dropped; a reward() of None is then an error.
     needs_reward: bool = False
@@ -152,12 +153,21 @@ class TreeEpisodes:
         self.forks.begin(mode, env, problem, seed, self.start)
         if self.setup.prompt is None:
             return None
-        prompt = self.setup.prompt(self.start)
+        prompt = self.setup.prompt(self.start, tools=self._tools(env))
         if self.setup.max_prompt_tokens and len(prompt) > self.setup.max_prompt_tokens:
             raise self._error("reset", 0, f"gave a prompt of {len(prompt)} tokens, more than data.max_prompt_tokens="
                               f"{self.setup.max_prompt_tokens} (an environment's prompts are only known when its "
                               "episode starts)")
         return prompt
+
+    def _tools(self, env: Any) -> list[dict] | None:
+        """The environment's optional ``tools`` after ``reset`` (OpenAI function format, rendered in
+        the prompt the chat template's way: the adapters to MCP servers and verifiers' ToolEnv set it)."""
+        tools = getattr(env, "tools", None)
+        if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
+            raise self._error("reset", 0, f"left tools={tools!r:.120}: it must be a list of tool dicts "
+                              '({"type": "function", "function": {"name", "description", "parameters"}})')
+        return tools or None
 
     async def close(self, tree: RolloutTree | None) -> None:
         """Close every instance left; drop the branches that must never be trained on."""

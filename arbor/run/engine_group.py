@@ -34,8 +34,8 @@ class EngineWorker:
 
         check_node_paths(cfg, output_token, f"engine {index}")
         if not uses_gpu(cfg):
-            # Ray gives actors one thread; the server has the cores while rollouts run.
-            os.environ["OMP_NUM_THREADS"] = str(cpu_threads(cfg, sharers=1))
+            # Ray gives actors one thread; the server gets its share of the cores (run.cpu_threads).
+            os.environ["OMP_NUM_THREADS"] = str(cpu_threads(cfg))
         host = node_address() if bind_node_address else cfg.engine.host
         # The server's end of the weight-update group (gloo/NCCL) uses this node's address too.
         bind_collectives(node_address(), reason=f"Ray's address of engine {index}'s node")

@@ -313,8 +313,8 @@ def main(cfg: Config) -> int:
     def decode(ids: list[int]) -> str:
         return tokenizer.decode(ids, skip_special_tokens=True)
 
-    if engine_device(cfg) == "cpu":  # the servers inherit it: one process has the cores (run.cpu_threads)
-        os.environ["OMP_NUM_THREADS"] = str(cpu_threads(cfg, sharers=cfg.engine.num_engines))
+    if engine_device(cfg) == "cpu":  # the servers inherit it: the cores split with this process (run.cpu_threads)
+        os.environ["OMP_NUM_THREADS"] = str(cpu_threads(cfg, processes=cfg.engine.num_engines + 1))
     t0 = time.perf_counter()
     with reward_pool(cfg.reward, search) as rewards, launch_engines(
         **launch_options(cfg), num_engines=cfg.engine.num_engines, host=cfg.engine.host, log_dir=out_dir / "logs" / "eval",

@@ -72,8 +72,7 @@ class LearnerWorker:
             MASTER_ADDR=master[0], MASTER_PORT=str(master[1]),
         )
         if not uses_gpu(cfg):
-            # Rollout and training take turns, so each rank may use its share of the cores.
-            torch.set_num_threads(cpu_threads(cfg, sharers=cfg.learner.num_ranks))
+            torch.set_num_threads(cpu_threads(cfg))  # its share of the cores (run.cpu_threads)
         torch.manual_seed(cfg.run.seed + self.rank)
         from arbor.train.learner import Learner
 

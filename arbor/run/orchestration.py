@@ -351,12 +351,18 @@ def start_groups(engines: StartingGroup, learners: StartingGroup, clock: Startup
             clock.end(name)
 
 
-def cpu_threads(cfg: Config, sharers: int) -> int:
-    """Torch threads for a CPU process: ``run.cpu_threads``, or the cores split ``sharers`` ways.
+def cpu_threads(cfg: Config, processes: int | None = None) -> int:
+    """Torch threads of each CPU process of a run: ``run.cpu_threads``, or the cores split
+    between the ``processes`` that compute (default: every engine server, every learner rank
+    and the driver), at least one each; the same rule synchronous and asynchronous.
 
-    Asynchronous runs (``algorithm.max_staleness`` ≥ 1) sample while they train: every engine
-    and learner rank is busy at once, so they split the cores between all of them (OpenMP
-    threads waiting for a busy core slow decoding tenfold: ``run.cpu_threads``)."""
-    if cfg.algorithm.max_staleness:
-        sharers = cfg.learner.num_ranks + cfg.engine.num_engines
-    return cfg.run.cpu_threads or max(1, (os.cpu_count() or 1) // sharers)
+    Each process gets its share even when they take turns (a synchronous run samples, then
+    trains): an OpenMP thread spinning for a core another process holds stalls the rest, and
+    the driver, the reward workers and Ray's own processes run beside them. On 2 cores the
+    quickstart as shipped took 84 s with one thread per process and 112 s with the engine on
+    both cores (docs/benchmarks.md, "CPU threads")."""
+    if cfg.run.cpu_threads:
+        return cfg.run.cpu_threads
+    if processes is None:
+        processes = cfg.engine.num_engines + cfg.learner.num_ranks + 1
+    return max(1, (os.cpu_count() or 1) // processes)

@@ -170,9 +170,12 @@ def problem_files(cfg: Config, command: str) -> dict[str, str]:
 
 
 def check_problem_files(cfg: Config, command: str) -> None:
-    """:class:`ConfigError` naming the key of the first of :func:`problem_files` that does not exist."""
+    """:class:`ConfigError` naming the key of the first of :func:`problem_files` that does not
+    exist (a generated set, ``reasoning_gym:NAME``, is no file: it is checked when it loads)."""
+    from arbor.dataset_sources import is_source
+
     for key, path in problem_files(cfg, command).items():
-        if not Path(path).exists():
+        if not is_source(path) and not Path(path).exists():
             raise ConfigError(f"{key}: {path}: no such file or directory")
 
 

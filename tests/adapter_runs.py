@@ -1,0 +1,121 @@
+"""Short ``arbor train`` runs of the adapter configs, for tests/test_adapters_*.py.
+
+    history, trees = train_steps(tmp_path, "configs/env_textarena.yaml", "rollout.width=4")
+    # history: each step's metrics; trees: every tree the run saved ({step: [RolloutTree]})
+
+Two RL steps on a few problems, on the plain-torch learner, every tree saved: enough to see
+what the environment returned in the trees and the rewards, in minutes on two cores.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from arbor.config_load import load_config
+from arbor.run.trainer import train
+from arbor.tree import Node, RolloutTree
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def train_steps(tmp_path: Path, config: str, *overrides: str) -> tuple[list[dict], dict[int, list[RolloutTree]]]:
+    out = tmp_path / "run"
+    cfg = load_config(REPO / config, [
+        f"run.output_dir={out}", "run.steps=2", "run.eval_every=0", "run.save_every=0", "run.save_trees_every=1",
+        "run.cpu_threads=1", "data.prompts_per_step=4", "learner.backend=torch", "learner.zero_stage=0",
+        "reward.workers=1", *overrides,
+    ])
+    history = train(cfg)
+    trees = {int(p.stem.split("-")[1]): [RolloutTree.from_json(line) for line in p.read_text().splitlines()]
+             for p in sorted((out / "trees").glob("step-*.jsonl"))}
+    return history, trees
+
+
+def forks_after_a_turn(tree: RolloutTree, is_env_turn) -> int:
+    """Nodes with two or more children below an environment turn: forks mid-episode."""
+    def below_turn(node: Node) -> bool:
+        return any(is_env_turn(n) for n in tree.path(node))
+
+    return sum(1 for node in tree.nodes() if len(node.children) >= 2 and node.parent is not None and below_turn(node))
+
+
+def env_turn(node: Node) -> bool:
+    """A node the model sampled none of (loss mask all 0): an environment's answer."""
+    return bool(node.loss_mask) and not any(node.loss_mask)
+
+
+def model_turns(tree: RolloutTree, leaf: Node) -> list[tuple[list[int], list[int] | None]]:
+    """The episode to ``leaf`` as ``[(a model turn's ids, the environment turn's ids after it
+    or None), ...]``: what a replay of the same turns must reproduce."""
+    turns: list[tuple[list[int], list[int] | None]] = []
+    model: list[int] = []
+    for node in tree.path(leaf):
+        if node.parent is None:
+            continue
+        if env_turn(node):
+            turns.append((model, node.token_ids))
+            model = []
+        else:
+            model += node.token_ids
+    if model:
+        turns.append((model, None))
+    return turns
+
+
+def replay_leaf(make_env, tree: RolloutTree, leaf: Node, tokenizer, seed: int = 0) -> tuple[list[list[int]], float | None]:
+    """Replay the episode to ``leaf`` on a fresh instance of the real environment: the ids of
+    its answers, rendered as arbor renders them, and its reward. A final model turn that ended
+    on the stop token was stepped too (the episode ended there because the environment said so)."""
+    import asyncio
+    import inspect
+
+    from arbor.rollout.agents import continuation_ids
+
+    async def run():
+        async def call(fn, *args):
+            result = fn(*args)
+            return await result if inspect.isawaitable(result) else result
+
+        env = make_env()
+        try:
+            history = list(await call(env.reset, tree.problem, seed))
+            rendered = []
+            for ids, answer in model_turns(tree, leaf):
+                stopped = bool(ids) and ids[-1] == tokenizer.eos_token_id
+                if answer is None and not stopped:
+                    break  # cut by the length budget: never stepped
+                text = tokenizer.decode(ids[:-1] if stopped else ids, skip_special_tokens=True)
+                history.append({"role": "assistant", "content": text})
+                step = await call(env.step, history)
+                if answer is not None:
+                    rendered.append(continuation_ids(tokenizer, step.messages))
+                    history += step.messages
+            reward = await call(env.reward) if hasattr(env, "reward") else None
+            return rendered, reward
+        finally:
+            await call(env.close)
+
+    return asyncio.run(run())
+
+
+def check_episodes(trees: dict[int, list[RolloutTree]], make_env, tokenizer, reward_fn=None) -> tuple[int, int]:
+    """Every leaf's episode replayed on the real environment: each environment turn in the tree
+    is the ids of what the environment answered, and the leaf's reward is its ``reward()``
+    (``reward.env_weight`` 1) plus ``reward_fn(problem, completion)``. Returns (environment
+    turns checked, forks after an environment turn)."""
+    import pytest
+
+    turns = forks = 0
+    for tree in (t for step in trees.values() for t in step):
+        forks += forks_after_a_turn(tree, env_turn)
+        for leaf in tree.leaves():
+            if leaf.reward is None:  # dropped (a diverged replay, a timeout): never trained on
+                continue
+            rendered, env_reward = replay_leaf(make_env, tree, leaf, tokenizer)
+            assert [n.token_ids for n in tree.path(leaf) if env_turn(n)] == rendered
+            expected = env_reward or 0.0
+            if reward_fn is not None:
+                expected += reward_fn(tree.problem, tokenizer.decode(tree.response_ids(leaf), skip_special_tokens=True))
+            assert leaf.reward == pytest.approx(expected), (tree.problem["id"], leaf.id)
+            turns += len(rendered)
+    return turns, forks
