@@ -182,7 +182,7 @@ def test_sft_by_deepspeeds_launcher_on_both_nodes_equals_one_process(cluster, tm
     run's loss and gradient norm at every step, and its weights."""
     tiny = build_tiny_model_dir(tmp_path / "tiny")
     config = write_config(tmp_path, tiny, "")
-    steps = ["sft.max_steps=3", "run.tensorboard=false"]
+    steps = ["sft.max_steps=3", "run.loggers=[]"]
     a, b = cluster.address(1), cluster.address(2)
     hostfile = tmp_path / "hostfile"
     hostfile.write_text(f"{a} slots=1\n{b} slots=1\n")
