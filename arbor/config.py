@@ -319,6 +319,11 @@ class RayConfig:
     colocate: bool = False
     # Ray placement-group strategy for learner ranks and engines (STRICT_SPREAD: one bundle per node).
     placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
+    # Custom Ray resources each learner rank's bundle asks for besides its CPU/GPU, e.g.
+    # {trainer: 1} puts the ranks on nodes started with `ray start --resources='{"trainer": 4}'`.
+    learner_resources: dict[str, float] = field(default_factory=dict)
+    # The same for each engine's bundle (e.g. {rollout: 1}: engines on the nodes that offer it).
+    engine_resources: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass

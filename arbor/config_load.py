@@ -119,6 +119,12 @@ def validate(cfg: Config, where: Callable[[str], str] | None = None, on_gpu: boo
          "must be disk with ray.colocate on GPUs (NCCL cannot put the learner's rank and the engine's on one GPU)")
     need(not (cfg.ray.colocate and e.tp_size > 1), "engine.tp_size",
          f"must be 1 with ray.colocate (a colocated engine gets one learner GPU), got {e.tp_size}")
+    for key, resources in (("ray.learner_resources", cfg.ray.learner_resources),
+                           ("ray.engine_resources", cfg.ray.engine_resources)):
+        for name, amount in resources.items():
+            need(name not in ("CPU", "GPU"), key, f"names custom resources; {name} is set by arbor from the run's device")
+            need(isinstance(amount, (int, float)) and not isinstance(amount, bool) and amount > 0, key,
+                 f"{name} must be a number > 0, got {amount!r}")
     need(e.max_restarts >= 0, "engine.max_restarts", f"must be ≥ 0 (0: a dead engine stops the run), got {e.max_restarts}")
 
     need(bool(cfg.reward.functions) or r.env is not None, "reward.functions",

@@ -79,6 +79,7 @@ def test_two_ranks_on_two_nodes_give_the_single_process_gradient(tmp_path, monke
         probes = [probe.options(**placement.learner_options(rank)).remote(cfg, rank) for rank in range(2)]
         nodes = ray.get([p.node.remote() for p in probes])
         assert len(set(nodes)) == 2, "the two ranks share a node"
+        assert nodes[0] == ray.get_runtime_context().get_node_id(), "rank 0 is not on the driver's node"
         master = ray.get(probes[0].address.remote())
         ray.get([p.setup.remote(master) for p in probes])
         grads = ray.get([p.gradients.remote() for p in probes], timeout=300)
@@ -125,3 +126,41 @@ def test_a_run_needing_more_gpus_than_the_local_ray_instance_fails_at_once(tmp_p
                        "engine.urls=[http://127.0.0.1:1]")
     message = gpu_shortfall(two_ranks, [{"CPU": 1, "GPU": 1}] * 2, 1)
     assert message == "this run places 2 GPUs (learner.num_ranks=2), and the local Ray instance has 1"
+    on_a_cluster = gpu_shortfall(two_ranks, [{"CPU": 1, "GPU": 1}] * 2, 1, "the Ray cluster's alive nodes have")
+    assert on_a_cluster == "this run places 2 GPUs (learner.num_ranks=2), and the Ray cluster's alive nodes have 1"
+
+
+def test_a_placement_that_waits_says_what_for_and_gives_up_with_the_reason(tmp_path, monkeypatch, capsys):
+    """Another placement group holds the local instance's 2 CPUs: the run's group (2 bundles)
+    could fit, so it waits, saying every WAIT_REPORT_S which bundles and what is free; past
+    PLACEMENT_TIMEOUT_S it stops with that reason. Freed, it is placed."""
+    import threading
+
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    import arbor.run.orchestration as orchestration
+    from arbor.run.orchestration import Placement, PlacementError, start_ray
+
+    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
+    monkeypatch.setattr(orchestration, "WAIT_REPORT_S", 1.0)
+    monkeypatch.setattr(orchestration, "PLACEMENT_TIMEOUT_S", 2.5)
+    if ray.is_initialized():
+        ray.shutdown()
+    cfg = config(tiny_model_dir(tmp_path / "m"), "engine.kind=embedded", "ray.num_cpus=2")
+    start_ray(cfg.ray, needs_cpus=2)
+    try:
+        blocker = placement_group([{"CPU": 2}])
+        ray.get(blocker.ready(), timeout=60)
+        with pytest.raises(PlacementError, match=r"could not place 2 bundles with ray.placement_strategy=PACK within "
+                                                 r"2 s: learner rank 0 \{CPU: 1\}, engine 0 \{CPU: 1\} not placed yet"):
+            Placement(cfg)
+        err = capsys.readouterr().err
+        assert "still waiting for Ray to place 2 bundles with ray.placement_strategy=PACK (1 s): learner rank 0 " \
+               "{CPU: 1}, engine 0 {CPU: 1} not placed yet" in err and "free in the cluster now: {}" in err, err
+        threading.Timer(1.5, remove_placement_group, [blocker]).start()
+        monkeypatch.setattr(orchestration, "PLACEMENT_TIMEOUT_S", 60.0)
+        placement = Placement(cfg)  # placed once the blocker is gone
+        assert "still waiting" in capsys.readouterr().err
+        placement.remove()
+    finally:
+        ray.shutdown()

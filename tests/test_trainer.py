@@ -287,7 +287,7 @@ def test_a_lost_learner_rank_stops_the_run_naming_it_and_resume_continues(run_in
         if step == 2:
             os.kill(ray.get(ctx.learners.workers[1].pid.remote()), signal.SIGKILL)
 
-    with pytest.raises(LearnerFailedError, match=r"learner rank 1 died .*step-000001: continue with run.resume=true"):
+    with pytest.raises(LearnerFailedError, match=r"learner rank 1 on node \S+ died .*step-000001: continue with run.resume=true"):
         train(cfg, after_step=kill_rank_1)
     cfg.run.resume = True
     resumed = train(cfg)

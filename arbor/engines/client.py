@@ -432,7 +432,7 @@ class SGLangClient:
         assert self._semaphore is not None
 
         def attempt() -> Awaitable[Any]:
-            return self._once(url, method, path, payload)
+            return self._once(url, method, path, payload)  # url: the recovered server's, after recovery
 
         async with self._semaphore:
             return await with_retries(attempt, retries, self.backoff_s, url + path, server=url)

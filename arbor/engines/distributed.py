@@ -35,6 +35,8 @@ from torch.distributed.distributed_c10d import (
     rendezvous,
 )
 
+from arbor.engines.interfaces import bind_collectives_towards
+
 DEFAULT_GROUP = "weight_update_group"
 FLATTENED = "flattened_bucket"  # SGLang's load_format for one broadcast per bucket
 
@@ -53,6 +55,9 @@ def open_group(
     Any other construction (a plain ``ProcessGroupGloo``, another store prefix) waits on
     store keys SGLang never writes, and both ends time out.
     """
+    # The others dial this process at its interface towards the master (unless a node
+    # address was bound already, or the user set GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME).
+    bind_collectives_towards(master_address)
     timeout = datetime.timedelta(seconds=timeout_s)
     url = f"tcp://{master_address}:{master_port}"
     store, _, _ = next(rendezvous(url, rank, world_size, timeout=timeout))

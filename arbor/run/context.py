@@ -32,6 +32,7 @@ from arbor.run import checkpoint
 from arbor.run.engine_group import EngineGroup
 from arbor.run.learner_group import LearnerGroup
 from arbor.run.metrics import MetricsLog
+from arbor.run.nodes import mark_output_dir, with_absolute_paths
 from arbor.run.orchestration import Placement, ray_cpus, start_groups, start_ray
 from arbor.run.phases import Sampling
 from arbor.run.recovery import EngineRecovery, RecoveringEngine
@@ -150,6 +151,9 @@ def _start(cfg: Config, closers: list[Callable[[], Any]], clock: StartupClock) -
     started = start_command(cfg, "train", clock)
     cfg, tokenizer, eos_token_ids, previous = started.cfg, started.tokenizer, started.stop_ids, started.previous
     out = Path(cfg.run.output_dir)
+    # Actors on other nodes read the paths as the driver resolves them, and check they see them.
+    cfg = with_absolute_paths(cfg)
+    output_token = mark_output_dir(cfg.run.output_dir)
     search = default_search_dirs(cfg.source)  # where rewards/ and agents/ specs resolve
     env = rollout_env(cfg.rollout, search)  # multi-turn episodes (rollout.env, or rollout.agent), or None
     require_reward(env, cfg.reward)
@@ -176,10 +180,11 @@ def _start(cfg: Config, closers: list[Callable[[], Any]], clock: StartupClock) -
     # Engines and learner ranks start together (model load and DeepSpeed init overlap); both
     # are stopped when either fails.
     clock.begin("engines")
-    engines = EngineGroup(cfg, placement, str(out / "logs"), wait=False)
+    engines = EngineGroup(cfg, placement, str(out.resolve() / "logs"), wait=False, output_token=output_token)
     closers.append(engines.shutdown)
     clock.begin("learners")
-    learners = LearnerGroup(cfg, placement, total_steps=schedule_steps * updates_per_step(cfg), wait=False)
+    learners = LearnerGroup(cfg, placement, total_steps=schedule_steps * updates_per_step(cfg), wait=False,
+                            output_token=output_token)
     closers.append(learners.shutdown)
     start_groups(engines, learners, clock)
     # A server that dies mid-step is restarted with the run's weights; its requests are sent again.
@@ -201,7 +206,7 @@ def _start(cfg: Config, closers: list[Callable[[], Any]], clock: StartupClock) -
     le = cfg.learner
     print(
         f"arbor train: {cfg.run.name}, steps {ctx.start_step + 1}..{cfg.run.steps} -> {out}; "
-        f"engines {', '.join(engines.urls)}; {le.num_ranks} learner rank(s), "
+        f"engines {', '.join(engines.urls)}; {le.num_ranks} learner rank(s) on {learners.node_addresses()}, "
         + (f"DeepSpeed ZeRO-{le.zero_stage}" if le.backend == "deepspeed" else "plain torch")
         + f"; {clock.summary()}",
         flush=True,

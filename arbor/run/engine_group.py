@@ -12,30 +12,43 @@ process with :func:`launch_options`.
 from __future__ import annotations
 
 import os
+import sys
 from typing import Any
 
 from arbor.config import Config
+from arbor.engines.interfaces import bind_collectives
 from arbor.errors import ConfigError
-from arbor.run.orchestration import Placement, cpu_threads, gather, node_address
+from arbor.run.nodes import check_node_paths, node_address, node_id
+from arbor.run.orchestration import Placement, cpu_threads, gather
 from arbor.run.startup import engine_device, uses_gpu
 
 
 class EngineWorker:
     """Owns one engine server process on its node (a Ray actor)."""
 
-    def __init__(self, cfg: Config, index: int, log_dir: str, bind_node_address: bool) -> None:
+    def __init__(self, cfg: Config, index: int, log_dir: str, bind_node_address: bool,
+                 output_token: str | None = None) -> None:
+        """``output_token``: :func:`arbor.run.nodes.mark_output_dir`'s, checked on this node
+        with the model's path before the server starts (:func:`~arbor.run.nodes.check_node_paths`)."""
         from arbor.engines.launch import launch_engines
 
+        check_node_paths(cfg, output_token, f"engine {index}")
         if not uses_gpu(cfg):
             # Ray gives actors one thread; the server gets its share of the cores (run.cpu_threads).
             os.environ["OMP_NUM_THREADS"] = str(cpu_threads(cfg))
         host = node_address() if bind_node_address else cfg.engine.host
+        # The server's end of the weight-update group (gloo/NCCL) uses this node's address too.
+        bind_collectives(node_address(), reason=f"Ray's address of engine {index}'s node")
         self.handle = launch_engines(**launch_options(cfg), num_engines=1, host=host,
                                      log_dir=os.path.join(log_dir, f"engine-{index}"))
         self.startup_timeout_s = cfg.engine.startup_timeout_s
 
     def urls(self) -> list[str]:
         return self.handle.urls
+
+    def node(self) -> tuple[str, str]:
+        """This engine's Ray node id and address."""
+        return node_id(), node_address()
 
     def pid(self) -> int:
         """The server's process id (what a fault test or scripts/soak.py kills)."""
@@ -114,30 +127,64 @@ class EngineGroup:
     require the key it names.
     """
 
-    def __init__(self, cfg: Config, placement: Placement, log_dir: str, wait: bool = True) -> None:
-        """Start the engines; with ``wait=False`` return at once and fill ``urls`` in :meth:`started`."""
-        import ray
-
+    def __init__(self, cfg: Config, placement: Placement, log_dir: str, wait: bool = True,
+                 output_token: str | None = None) -> None:
+        """Start the engines; with ``wait=False`` return at once and fill ``urls`` in :meth:`started`.
+        ``output_token``: :func:`arbor.run.nodes.mark_output_dir`'s, which every engine checks on its node."""
         self.workers: list[Any] = []
         self.starting: list[Any] = []  # ref i: engine i's URLs, once its server is healthy
         self.startup_timeout_s = cfg.engine.startup_timeout_s
         self.urls: list[str] = []
+        self.cfg, self.placement, self.log_dir, self.output_token = cfg, placement, log_dir, output_token
+        self.starts = [1] * cfg.engine.num_engines  # actors started per engine (a replaced one logs apart)
+        self.nodes: list[tuple[str, str]] = []  # engine i's Ray node id and address, once started
         if cfg.engine.kind == "external":
             from arbor.engines.launch import launch_engines
 
             self.urls = launch_engines("external", urls=cfg.engine.urls,
                                        startup_timeout_s=cfg.engine.startup_timeout_s).urls
             return
-        actor = ray.remote(EngineWorker)
-        self.workers = [
-            actor.options(**placement.engine_options(i, cfg.engine.tp_size)).remote(
-                cfg, i, log_dir, cfg.ray.address is not None
-            )
-            for i in range(cfg.engine.num_engines)
-        ]
+        self.workers = [self._actor(i) for i in range(cfg.engine.num_engines)]
         self.starting = [w.urls.remote() for w in self.workers]
         if wait:
             self.wait_started()
+
+    def _actor(self, index: int) -> Any:
+        """A new actor starting engine ``index``'s server on the engine's bundle."""
+        import ray
+
+        log_dir = os.path.join(self.log_dir, f"engine-{index}" + (f"-{self.starts[index]}" if self.starts[index] > 1 else ""))
+        return ray.remote(EngineWorker).options(**self.placement.engine_options(index, self.cfg.engine.tp_size)).remote(
+            self.cfg, index, log_dir, self.cfg.ray.address is not None, self.output_token
+        )
+
+    def replace(self, url: str) -> str:
+        """Start the engine at ``url``, whose actor is gone (its node lost, its process killed),
+        in a new actor on the engine's bundle, which Ray re-places on an alive node when the old
+        one died; its URL once healthy. :class:`EngineLaunchError` when it does not come up
+        within ``engine.startup_timeout_s`` (plus the placement's wait), with the reason."""
+        import ray
+
+        from arbor.engines.launch import EngineLaunchError
+        from arbor.run.orchestration import PLACEMENT_TIMEOUT_S, WAIT_REPORT_S
+
+        index = self.urls.index(url)
+        ray.kill(self.workers[index])
+        self.starts[index] += 1
+        self.workers[index] = self._actor(index)
+        ref = self.workers[index].urls.remote()
+        waited, limit = 0.0, PLACEMENT_TIMEOUT_S + self.startup_timeout_s
+        while not ray.wait([ref], timeout=WAIT_REPORT_S)[0]:
+            waited += WAIT_REPORT_S
+            if waited >= limit:
+                raise EngineLaunchError(f"engine {index} (was {url}) did not start again within {limit:.0f} s: "
+                                        f"{self.placement.waiting_for()}")
+            print(f"arbor train: engine {index} (was {url}) is still starting again ({waited:.0f} s; "
+                  f"{self.placement.waiting_for()})", file=sys.stderr, flush=True)
+        (new_url,) = gather([ref], ray.exceptions.RayError, lambda _, e: _not_started(index, e))[0]
+        self.urls[index] = new_url
+        self.nodes[index] = ray.get(self.workers[index].node.remote())
+        return new_url
 
     def wait_started(self) -> None:
         """Wait until every engine is healthy and take their URLs (after ``wait=False``);
@@ -147,6 +194,11 @@ class EngineGroup:
         if not self.workers:
             return  # external engines: their URLs were taken at __init__
         self.urls = [u for urls in gather(self.starting, ray.exceptions.RayError, _not_started) for u in urls]
+        self.nodes = ray.get([w.node.remote() for w in self.workers])
+
+    def node_of(self, url: str) -> tuple[str, str] | None:
+        """The Ray node id and address of the engine at ``url`` (None: external)."""
+        return self.nodes[self.urls.index(url)] if self.nodes else None
 
     def worker(self, url: str) -> Any:
         """The actor owning the server at ``url`` (one server per actor); None for external engines."""

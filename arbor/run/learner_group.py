@@ -21,13 +21,18 @@ from __future__ import annotations
 import asyncio
 import functools
 import os
+import sys
 import threading
+import time
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from arbor.config import Config
+from arbor.engines.interfaces import bind_collectives
 from arbor.engines.ports import free_port
-from arbor.run.orchestration import Placement, cpu_threads, gather, node_address, uses_gpu
+from arbor.errors import ConfigError
+from arbor.run.nodes import check_node_paths, node_address, node_alive, node_id, node_lost
+from arbor.run.orchestration import Placement, cpu_threads, uses_gpu
 
 if TYPE_CHECKING:
     from arbor.train.learner import StepResult
@@ -51,11 +56,17 @@ class LearnerWorker:
         """This rank's process id (fault tests kill it)."""
         return os.getpid()
 
-    def setup(self, master: tuple[str, int], total_steps: int) -> None:
-        """Join the learner group and build the model, DeepSpeed engine and optimizer."""
+    def setup(self, master: tuple[str, int], total_steps: int, output_token: str | None = None) -> tuple[str, str]:
+        """Join the learner group and build the model, DeepSpeed engine and optimizer; this
+        node's Ray id and address. ``output_token``: :func:`arbor.run.nodes.mark_output_dir`'s,
+        checked first with the model's path (:func:`~arbor.run.nodes.check_node_paths`)."""
         import torch
 
         cfg = self.cfg
+        check_node_paths(cfg, output_token, f"learner rank {self.rank}")
+        # Gloo/NCCL listen on the interface of the address Ray knows for this node (the one
+        # the other nodes reach it by), chosen here on the rank's own node.
+        bind_collectives(node_address(), reason=f"Ray's address of learner rank {self.rank}'s node")
         os.environ.update(
             RANK=str(self.rank), WORLD_SIZE=str(cfg.learner.num_ranks), LOCAL_RANK="0",
             MASTER_ADDR=master[0], MASTER_PORT=str(master[1]),
@@ -67,6 +78,7 @@ class LearnerWorker:
 
         self.learner = Learner(cfg.model, cfg.learner, cfg.optim, cfg.loss, total_steps=total_steps,
                                temperature=cfg.rollout.temperature)
+        return node_id(), node_address()
 
     def step(
         self, packs: Sequence[PackedBatch], denominator: float, filler: PackedBatch | None = None,
@@ -150,16 +162,24 @@ class LearnerFailedError(RuntimeError):
     """A learner rank died (its Ray actor was lost): the run stops; the last checkpoint is intact."""
 
 
+LOST_RANK_GRACE_S = 60.0  # after a rank's error, how long to wait for a lost rank or node to show
+
+
 class LearnerGroup:
     """``learner.num_ranks`` :class:`LearnerWorker` actors forming one data-parallel group.
 
     A rank that dies (killed, out of memory, node lost) stops the run with
-    :class:`LearnerFailedError` naming the rank and the last checkpoint, at once: the other
-    ranks may be blocked in a collective with it, so results are awaited as they come.
+    :class:`LearnerFailedError` naming the rank, its node and the last checkpoint, at once:
+    the other ranks may be blocked in a collective with it, so results are awaited as they
+    come. When a node is lost its peers' collectives fail first (``Connection closed by
+    peer``) while Ray takes seconds to declare the node dead: a rank's error is held up to
+    ``LOST_RANK_GRACE_S`` for a lost rank to show, which is then the error reported.
     """
 
-    def __init__(self, cfg: Config, placement: Placement, total_steps: int, wait: bool = True) -> None:
-        """Start the ranks; with ``wait=False`` return at once (:func:`start_groups` awaits ``starting``)."""
+    def __init__(self, cfg: Config, placement: Placement, total_steps: int, wait: bool = True,
+                 output_token: str | None = None) -> None:
+        """Start the ranks; with ``wait=False`` return at once (:func:`start_groups` awaits ``starting``).
+        ``output_token``: :func:`arbor.run.nodes.mark_output_dir`'s, which every rank checks on its node."""
         import ray
 
         actor = ray.remote(LearnerWorker)
@@ -172,7 +192,8 @@ class LearnerGroup:
         self._ordered = threading.Lock()  # held while a call is submitted to every rank (see _each)
         # Rank 0's address reaches every setup as a ref: Ray resolves it, nothing blocks here.
         master = self.workers[0].address.remote()
-        self.starting = [w.setup.remote(master, total_steps) for w in self.workers]  # ref r: rank r is set up
+        self.starting = [w.setup.remote(master, total_steps, output_token) for w in self.workers]  # ref r: rank r is set up
+        self.nodes: list[tuple[str, str] | None] = [None] * len(self.workers)  # rank r's (Ray node id, address), once set up
         if wait:
             self.wait_started()
 
@@ -180,24 +201,79 @@ class LearnerGroup:
     def world_size(self) -> int:
         return len(self.workers)
 
-    def results(self, refs: list[Any]) -> list[Any]:
-        """``ray.get(refs)`` (ref r from rank r), or LearnerFailedError as soon as a rank is lost."""
+    def results(self, refs: list[Any], first_rank: int = 0) -> list[Any]:
+        """``ray.get(refs)`` (ref r from rank ``first_rank`` + r), or LearnerFailedError as soon as
+        a rank is lost; a rank's own error (a bug, a config problem) is raised as it is."""
         import ray
 
-        return gather(refs, ray.exceptions.RayActorError, self._lost)
+        pending = list(refs)
+        while pending:
+            ready, pending = ray.wait(pending, num_returns=1)
+            try:
+                ray.get(ready[0])
+            except ray.exceptions.RayActorError as e:
+                raise self._lost(first_rank + refs.index(ready[0]), _first_line(e)) from e
+            except ray.exceptions.RayError as e:
+                cause = getattr(e, "cause", None)  # what a rank raised (Ray's RayTaskError)
+                if isinstance(cause, ConfigError):  # its node lacks a path: say so at once
+                    raise ConfigError(str(cause)) from None
+                lost = self._lost_meanwhile(refs, first_rank, refs.index(ready[0]), e, pending)
+                if lost is None:
+                    raise
+                raise lost from e
+        return ray.get(refs)
 
-    def _lost(self, rank: int, e: Exception) -> LearnerFailedError:
+    def _lost_meanwhile(self, refs: list[Any], first_rank: int, index: int, error: Exception,
+                        pending: list[Any]) -> LearnerFailedError | None:
+        """After rank ``first_rank + index`` raised ``error``: the LearnerFailedError of a rank found lost
+        within ``LOST_RANK_GRACE_S`` (the cause of the error, when a node died), else None."""
+        import ray
+
+        if pending:
+            print(f"arbor train: learner rank {first_rank + index} failed ({_first_line(error)}); waiting up to {LOST_RANK_GRACE_S:.0f} s "
+                  "for whether another rank or its node was lost", file=sys.stderr, flush=True)
+        deadline = time.monotonic() + LOST_RANK_GRACE_S
+        while pending and time.monotonic() < deadline:
+            ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+            for ref in ready:
+                try:
+                    ray.get(ref)
+                except ray.exceptions.RayActorError as e:
+                    return self._lost(first_rank + refs.index(ref), _first_line(e))
+                except ray.exceptions.RayError:
+                    continue  # another rank's error: the peers of a lost one fail alike
+        return None
+
+    def _lost(self, rank: int, cause: str) -> LearnerFailedError:
+        """The error naming rank ``rank``, its node (and whether Ray lists the node as lost),
+        ``cause`` and the last checkpoint."""
         from arbor.run import checkpoint
 
-        cause = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        node = self.nodes[rank]
+        where = ""
+        if node is not None:
+            where = f" on node {node[1]}"
+            if node_lost(node[0]):  # waits for Ray's verdict when it has none yet
+                where += " (the node is lost: Ray lists it as dead)"
         return LearnerFailedError(
-            f"learner rank {rank} died ({type(e).__name__}: {cause}); the run stops. "
-            f"{checkpoint.resume_hint(self.output_dir)}"
+            f"learner rank {rank}{where} died ({cause}); the run stops. {checkpoint.resume_hint(self.output_dir)}"
         )
+
+    def lost_rank_error(self) -> LearnerFailedError | None:
+        """A LearnerFailedError for the first rank whose node Ray lists as dead, else None
+        (an engine's recovery asks before moving the engine off a lost node)."""
+        for rank, node in enumerate(self.nodes):
+            if node is not None and not node_alive(node[0]):
+                return self._lost(rank, "found when an engine on a lost node stopped answering")
+        return None
+
+    def node_addresses(self) -> str:
+        """Where the ranks run, rank by rank: ``10.0.0.1, 10.0.0.2`` (after :meth:`wait_started`)."""
+        return ", ".join(node[1] if node is not None else "?" for node in self.nodes)
 
     def wait_started(self) -> None:
         """Wait until every rank is set up (after ``wait=False``)."""
-        self.results(self.starting)
+        self.nodes = self.results(self.starting)
 
     def _each(self, submit: Callable[[int, Any], Any]) -> list[Any]:
         """``submit(rank, worker)`` (one Ray call) for every rank, under one lock: a call another
@@ -266,8 +342,8 @@ class LearnerGroup:
             async for ref in stream:
                 yield await ref
         except ray.exceptions.RayActorError as e:
-            raise self._lost(0, e) from e
-        await asyncio.to_thread(gather, others, ray.exceptions.RayActorError, lambda i, e: self._lost(i + 1, e))
+            raise self._lost(0, _first_line(e)) from e
+        await asyncio.to_thread(self.results, others, 1)
 
     async def close_group(self) -> None:
         await asyncio.to_thread(self.results, [self.workers[0].close_weight_group.remote()])
@@ -278,3 +354,10 @@ class LearnerGroup:
         for w in self.workers:
             ray.kill(w)
         self.workers = []
+
+
+def _first_line(error: BaseException) -> str:
+    """The first line of what ``error`` says (of a rank's own exception, for Ray's task errors)."""
+    cause = getattr(error, "cause", None) or error  # RayTaskError.cause: the exception the rank raised
+    text = str(cause).strip()
+    return f"{type(cause).__name__}: {text.splitlines()[0]}" if text else type(cause).__name__

@@ -37,6 +37,8 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from arbor.config import Config, RayConfig
+from arbor.engines.interfaces import user_socket_ifnames
+from arbor.run.nodes import cluster_nodes, placement_problem, show_resources
 from arbor.run.startup import StartupClock, uses_gpu
 
 # Nothing here imports torch, transformers or DeepSpeed at module level: an engine actor
@@ -126,6 +128,9 @@ def _start_ray(ray_cfg: RayConfig, needs_cpus: int) -> None:
     if not torch.cuda.is_available():
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     env = {k: os.environ[k] for k in _ACTOR_ENV if k in os.environ}
+    # A user's GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME reach every actor and win over the
+    # interface each rank chooses from its node's address.
+    env |= user_socket_ifnames()
     # torch.distributed's deprecation notices, once per collective, would flood the console.
     env.setdefault("PYTHONWARNINGS", "ignore::FutureWarning")
     # Ray forwards actors' stderr to the driver's console, where a progress bar (transformers'
@@ -154,23 +159,40 @@ def _start_ray(ray_cfg: RayConfig, needs_cpus: int) -> None:
     _started_here = True
 
 
-def gpu_shortfall(cfg: Config, bundles: list[dict[str, float]], gpus: float) -> str | None:
-    """Why ``bundles`` cannot be placed on a cluster of ``gpus`` GPUs (None: they can)."""
+def gpu_shortfall(cfg: Config, bundles: list[dict[str, float]], gpus: float,
+                  where: str = "the local Ray instance has") -> str | None:
+    """Why ``bundles`` cannot be placed where there are ``gpus`` GPUs (None: they can);
+    ``where`` says what has them."""
     needed = sum(b.get("GPU", 0) for b in bundles)
     if needed <= gpus:
         return None
     engines = len(bundles) - cfg.learner.num_ranks
     message = (f"this run places {needed:g} GPUs (learner.num_ranks={cfg.learner.num_ranks}"
                + (f" + engine.num_engines={engines} × engine.tp_size={cfg.engine.tp_size}" if engines else "")
-               + f"), and the local Ray instance has {gpus:g}")
+               + f"), and {where} {gpus:g}")
     if engines and not cfg.ray.colocate:
         message += (": set ray.colocate: true to put each engine on a learner's GPU (with "
                     "learner.weight_sync: disk), or use fewer learner ranks or engines")
     return message
 
 
+class PlacementError(ValueError):
+    """Ray cannot place the run's bundles on the cluster's alive nodes (the reason is the message)."""
+
+
+PLACEMENT_TIMEOUT_S = 600.0  # how long a placement that could fit may wait for free resources
+WAIT_REPORT_S = 30.0  # a placement still waiting says what for, this often
+
+
 class Placement:
-    """One placement group: learner bundles first, then engine bundles (unless colocated)."""
+    """One placement group: learner bundles first, then engine bundles (unless colocated).
+    Learner ranks are numbered node by node, the driver's node first.
+
+    A placement that can never fit the cluster's alive nodes (more GPUs than they have, more
+    ``STRICT_SPREAD`` bundles than nodes, a bundle no node offers) fails at once with the
+    reason (:func:`arbor.run.nodes.placement_problem`); one that waits for resources others
+    hold says what it waits for every ``WAIT_REPORT_S`` seconds, up to ``PLACEMENT_TIMEOUT_S``.
+    """
 
     def __init__(self, cfg: Config) -> None:
         from ray.util.placement_group import placement_group
@@ -186,24 +208,73 @@ class Placement:
                 f"ray.colocate puts each engine on a learner GPU: engine.num_engines={engines} "
                 f"> learner.num_ranks={self.num_ranks}"
             )
-        bundles = [learner_bundle] * self.num_ranks
+        self.bundles = [learner_bundle | cfg.ray.learner_resources] * self.num_ranks
+        self.labels = [f"learner rank {r}" for r in range(self.num_ranks)]
         if not self.colocate:
-            bundles += [engine_bundle] * engines
+            self.bundles += [engine_bundle | cfg.ray.engine_resources] * engines
+            self.labels += [f"engine {i}" for i in range(engines)]
+        self.strategy = cfg.ray.placement_strategy
+        nodes = cluster_nodes()
+        where = "the local Ray instance has" if _started_here else "the Ray cluster's alive nodes have"
+        problem = (gpu_shortfall(cfg, self.bundles, sum(n.resources.get("GPU", 0) for n in nodes), where)
+                   or placement_problem(self.bundles, self.labels, self.strategy, nodes))
+        if problem:
+            raise PlacementError(f"Ray cannot place this run: {problem}")
+        self.group = placement_group(self.bundles, strategy=self.strategy)
+        self._wait_placed()
+        self.rank_bundles = self._ranks_by_node()  # rank r runs on learner bundle rank_bundles[r]
+        for rank, bundle in enumerate(self.rank_bundles):
+            self.labels[bundle] = f"learner rank {rank}"
+
+    def _ranks_by_node(self) -> list[int]:
+        """The learner bundles in rank order: those on the driver's node first, then node by
+        node (by address), so rank 0 runs beside the driver where it can and each node's
+        ranks are consecutive (Ray numbers bundles in no such order)."""
+        import ray
+        from ray.util.placement_group import placement_group_table
+
+        placed = placement_group_table(self.group).get("bundles_to_node_id", {})
+        driver = ray.get_runtime_context().get_node_id()
+        address = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes()}
+
+        def order(bundle: int) -> tuple[bool, str, str, int]:
+            node = placed.get(bundle, "")
+            return node != driver, address.get(node, ""), node, bundle
+
+        return sorted(range(self.num_ranks), key=order)
+
+    def describe(self) -> str:
+        return f"{len(self.bundles)} bundles with ray.placement_strategy={self.strategy}"
+
+    def _wait_placed(self) -> None:
         import ray
 
-        # A local instance never grows: a group it cannot hold would wait the full 600 s.
-        if _started_here:
-            problem = gpu_shortfall(cfg, bundles, ray.cluster_resources().get("GPU", 0))
-            if problem:
-                raise ValueError(problem)
-        self.group = placement_group(bundles, strategy=cfg.ray.placement_strategy)
+        ready_ref = self.group.ready()
+        waited = 0.0
+        while not ray.wait([ready_ref], timeout=min(WAIT_REPORT_S, PLACEMENT_TIMEOUT_S - waited))[0]:
+            waited = min(waited + WAIT_REPORT_S, PLACEMENT_TIMEOUT_S)
+            if waited >= PLACEMENT_TIMEOUT_S:
+                reason = self.waiting_for()
+                self.remove()  # else the pending group would take the resources once they free up
+                raise PlacementError(
+                    f"Ray could not place {self.describe()} within {PLACEMENT_TIMEOUT_S:.0f} s: {reason} "
+                    "(check `ray status`, learner.num_ranks, engine.num_engines)"
+                )
+            print(f"arbor train: still waiting for Ray to place {self.describe()} ({waited:.0f} s): {self.waiting_for()}",
+                  file=sys.stderr, flush=True)
 
-        ready, _ = ray.wait([self.group.ready()], timeout=600)
-        if not ready:
-            raise RuntimeError(
-                f"Ray could not place {len(bundles)} bundles ({bundles}) within 600 s: the "
-                "cluster lacks the resources (check `ray status`, learner.num_ranks, engine.num_engines)"
-            )
+    def waiting_for(self) -> str:
+        """Which bundles are not placed yet and what the cluster has free now."""
+        import ray
+        from ray.util.placement_group import placement_group_table
+
+        table = placement_group_table(self.group)
+        placed = table.get("bundles_to_node_id", {})
+        waiting = [f"{label} {show_resources(self.bundles[i])}" for i, label in enumerate(self.labels) if not placed.get(i)]
+        state = table.get("stats", {}).get("scheduling_state", table.get("state", "?"))
+        free = show_resources(ray.available_resources())
+        placement = f"{', '.join(waiting)} not placed yet ({state})" if waiting else "every bundle is placed"
+        return f"{placement}; free in the cluster now: {free}"
 
     def options(self, bundle: int, gpus: float) -> dict[str, Any]:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -217,7 +288,7 @@ class Placement:
         }
 
     def learner_options(self, rank: int) -> dict[str, Any]:
-        return self.options(rank, (0.5 if self.colocate else 1.0) if self.gpu else 0)
+        return self.options(self.rank_bundles[rank], (0.5 if self.colocate else 1.0) if self.gpu else 0)
 
     def engine_options(self, index: int, tp_size: int) -> dict[str, Any]:
         if self.colocate:
@@ -228,12 +299,6 @@ class Placement:
         from ray.util.placement_group import remove_placement_group
 
         remove_placement_group(self.group)
-
-
-def node_address() -> str:
-    import ray
-
-    return ray.util.get_node_ip_address()
 
 
 def gather(refs: list[Any], catch: type[Exception], failure: Callable[[int, Exception], Exception]) -> list[Any]:

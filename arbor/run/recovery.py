@@ -17,7 +17,10 @@ all share one recovery. Recovery, once per death whichever request noticed it fi
 
 1. nothing, if the server answers ``/health`` (a hiccup, or another request restarted it);
 2. its :class:`~arbor.run.engine_group.EngineWorker` starts it again (same command and port:
-   the URL, and so the routing of trees to servers, stays as it was);
+   the URL, and so the routing of trees to servers, stays as it was); when the worker itself
+   is gone (its node lost, its process killed), a new one starts where Ray re-places the
+   engine's bundle (an alive node), and every client sends that engine's requests to its new
+   URL (:meth:`EngineRecovery.recover` returns it);
 3. it gets the weights and version the other engines serve
    (:meth:`~arbor.run.weight_sync.EngineWeights.restore`). A recovery waits while the
    learners' weights are ahead of the engines' (from a step's training to its push), so the
@@ -47,7 +50,10 @@ from arbor.engines.launch import EngineLaunchError
 from arbor.engines.types import GenerateOutput, GenerateRequest
 from arbor.run import checkpoint
 from arbor.run.engine_group import EngineGroup
+from arbor.run.nodes import node_lost
 from arbor.run.weight_sync import EngineWeights
+
+HEALTH_TIMEOUT_S = 30.0  # a lost machine answers nothing: a health check waits no longer
 
 T = TypeVar("T")
 
@@ -66,22 +72,27 @@ class EngineRecovery:
         self.died_this_step: set[str] = set()
         self.restarts_this_step = 0
         self.in_flight = 0  # generate calls of the run's engines awaiting an answer (a soak kills engines then)
+        self.moved: dict[str, str] = {}  # an engine's old URL -> its URL after it started in a new actor
         self._counts = threading.Lock()  # the fields above; never held while waiting for anything
 
-    def recover(self, url: str, error: EngineError) -> None:
-        """Bring the server at ``url`` back with the run's weights, or raise EngineFailedError."""
+    def recover(self, url: str, error: EngineError) -> str:
+        """Bring the server at ``url`` back with the run's weights, or raise EngineFailedError;
+        the URL it answers at now (another one when it moved to a new actor)."""
         with self.weights.held():  # one recovery at a time; no push meanwhile
+            while url in self.moved:  # another request moved it already
+                url = self.moved[url]
             if self._healthy(url):
-                return
-            self._restart(url, error)
+                return url
+            url = self._restart(url, error)
             served = self.weights.restore(url)
         print(f"arbor train: engine {url} is back, serving {served}", file=sys.stderr, flush=True)
+        return url
 
     def revive_dead(self) -> None:
         """Recover every server that does not answer ``/health`` now (before a weight sync,
         whose broadcast cannot be replayed: a server that died after its last rollout
         request is found here rather than in the middle of the broadcast)."""
-        for url in self.engines.urls:
+        for url in list(self.engines.urls):  # a moved engine changes its entry
             if not self._healthy(url):
                 self.recover(url, EngineError("not answering /health before the weight sync", url=url))
 
@@ -108,11 +119,14 @@ class EngineRecovery:
                 self.in_flight -= 1
 
     def _healthy(self, url: str) -> bool:
-        """Whether the server at ``url`` answers ``/health`` (a client and loop of this thread's own)."""
-        return run_sync(lambda c: c.health(), [url], timeout_s=self.engine_cfg.request_timeout_s,
+        """Whether the server at ``url`` answers ``/health`` within ``HEALTH_TIMEOUT_S`` (a client
+        and loop of this thread's own; a lost machine answers nothing, and a health check must
+        not wait engine.request_timeout_s)."""
+        return run_sync(lambda c: c.health(), [url], timeout_s=min(HEALTH_TIMEOUT_S, self.engine_cfg.request_timeout_s),
                         api_key=self.engine_cfg.api_key)
 
-    def _restart(self, url: str, error: EngineError) -> None:
+    def _restart(self, url: str, error: EngineError) -> str:
+        """Start the engine at ``url`` again; the URL it answers at now."""
         worker = self.engines.worker(url)
         if worker is None:
             raise EngineFailedError(
@@ -139,9 +153,38 @@ class EngineRecovery:
                 break
             except EngineLaunchError as e:  # died again while starting: counts as another failure
                 error = EngineError(str(e).splitlines()[0], url=url)
+            except ray.exceptions.RayActorError:
+                url = self._move(url)  # its actor is gone with its node (or process): start it anew
+                break
         with self._counts:
             self.restarts_this_step += 1
             self.died_this_step.add(url)
+        return url
+
+    def _move(self, url: str) -> str:
+        """Start the engine at ``url``, whose actor is gone, in a new actor (on an alive node when
+        its own was lost); its new URL. A learner rank on a lost node stops the run instead."""
+        node = self.engines.node_of(url)
+        # Wait for Ray's verdict on the node: until it declares a lost node dead, the engine's
+        # bundle stays there and a new actor would be sent to a dead machine.
+        if node is not None and node_lost(node[0]):
+            lost = self.weights.learners.lost_rank_error()
+            if lost is not None:
+                raise lost
+            print(f"arbor train: engine {url}'s node {node[1]} is lost; starting the engine again where Ray "
+                  "re-places its bundle", file=sys.stderr, flush=True)
+        else:
+            print(f"arbor train: engine {url}'s actor is gone; starting it again", file=sys.stderr, flush=True)
+        try:
+            new_url = self.engines.replace(url)
+        except EngineLaunchError as e:
+            raise EngineFailedError(f"{e}. {checkpoint.resume_hint(self.output_dir)}") from e
+        with self._counts:
+            self.moved[url] = new_url
+            self.in_a_row[new_url] = self.in_a_row.pop(url)
+        self.weights.moved(url, new_url)
+        print(f"arbor train: engine {url} now runs at {new_url}", file=sys.stderr, flush=True)
+        return new_url
 
 
 class RecoveringEngine:
@@ -217,5 +260,7 @@ class RecoveringEngine:
                 raise  # the request's fault (4xx) or a reply arbor cannot read: not a dead server
             # In a thread: a recovery may wait for a push (and a restart takes seconds) while
             # this loop's other requests go on.
-            await asyncio.to_thread(self.recovery.recover, exc.server, exc)
+            url = await asyncio.to_thread(self.recovery.recover, exc.server, exc)
+            if url != exc.server and exc.server in self.client.urls:  # it moved: its requests follow
+                self.client.urls[self.client.urls.index(exc.server)] = url
         return await call()

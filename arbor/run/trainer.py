@@ -16,11 +16,13 @@ import time
 from collections.abc import Callable
 
 from arbor.config import Config
+from arbor.errors import ConfigError
 from arbor.rollout.rewards import RewardFailureError
 from arbor.run import phases
 from arbor.run.async_rollouts import busy_metrics, producer_for
 from arbor.run.context import RunContext, start_run
 from arbor.run.learner_group import LearnerFailedError
+from arbor.run.orchestration import PlacementError
 from arbor.run.recovery import EngineFailedError
 from arbor.train.dfs import pack_budget
 
@@ -95,9 +97,12 @@ def train(cfg: Config, after_step: Callable[[RunContext, int, dict], None] | Non
 def main(cfg: Config) -> int:
     try:
         history = train(cfg)
-    except (EngineFailedError, LearnerFailedError, RewardFailureError) as e:  # the message says what broke and how to go on
+    except (EngineFailedError, LearnerFailedError, RewardFailureError, PlacementError) as e:  # the message says what broke and how to go on
         print(f"arbor train: stopped: {e}", file=sys.stderr)
         return 1
+    except ConfigError as e:  # found at start-up on a node (a path it lacks) or by an engine
+        print(f"arbor train: config error: {e}", file=sys.stderr)
+        return 2
     if history:
         last = history[-1]
         summary = {k: round(last[k], 4) for k in ("reward/mean", "reward/accuracy") if k in last}

@@ -329,6 +329,13 @@ class EngineWeights:
             return await self._sync.push_directory(self.sync_dir, version)
         return await self._sync.push_from(self.learners, version)
 
+    def moved(self, url: str, new_url: str) -> None:
+        """The engine at ``url`` answers at ``new_url`` now (started in a new actor): pushes go there."""
+        with self._lock:
+            self.urls[self.urls.index(url)] = new_url
+            urls = self._sync.client.urls
+            urls[urls.index(url)] = new_url
+
     def restore(self, url: str) -> str:
         """The restarted server at ``url`` (serving model.path's weights) gets the others';
         what it serves now, in words."""

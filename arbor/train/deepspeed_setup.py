@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from arbor.config import LearnerConfig, OptimConfig
+from arbor.engines.interfaces import bind_collectives_towards
 from arbor.train.zero3 import require_tested_deepspeed
 
 
@@ -25,6 +26,10 @@ def init_distributed(backend: str) -> None:
     missing = [k for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
     if missing:
         raise RuntimeError(f"DeepSpeed learner ranks need the environment variables {missing}")
+    # The peers dial this rank at the address of the interface that reaches the rendezvous,
+    # not the one gloo guesses from the host name (often loopback). A Ray rank has already
+    # bound its node's address (arbor.run.learner_group); a user's GLOO_SOCKET_IFNAME wins.
+    bind_collectives_towards(os.environ["MASTER_ADDR"])
     # DeepSpeed compiles a shared-memory op at first init on CPU (tens of seconds) that
     # training never uses: skip it, in the release where that hook was checked.
     require_tested_deepspeed("distributed start-up (comm.torch.build_shm_op)")
