@@ -233,3 +233,38 @@ def test_a_step_whose_every_episode_is_dropped_stops_the_run_naming_the_budget(t
         phases.collect_rollouts(sampling, pool, ProblemStream(PROBLEMS, 0, False), _ThreadLog(), cfg, 1)
     assert caplog.text.count("the branch is dropped (message_too_long") == 1
     assert "step 1: 100% of the episodes ended at the response budget" in caplog.text
+
+
+class FloodingOnP0(ScriptedAgent):
+    """Floods the budget on problem p0 only."""
+
+    def step(self, problem, history):
+        reply = super().step(problem, history)
+        if reply is None or problem["id"] != "p0":
+            return reply
+        return [{"role": "tool", "content": "Traceback line\n" * 400}]
+
+
+def test_an_eval_whose_episodes_are_dropped_counts_them_or_stops_naming_the_budget(tokenizer):
+    """Issue 47's run evaluated first, and crashed on a problem with no answer left (pass@k of
+    0 samples). A problem whose every episode was dropped is counted in eval/dropped_problems
+    and left out of the accuracy; when every problem's were, the eval stops naming the keys."""
+    from arbor.rollout.environments import agent_source
+    from arbor.rollout.rewards import RewardPool
+    from arbor.run import phases
+
+    cfg = load_config(None, ["eval.samples=2", "eval.temperature=1.0", "rollout.segment_tokens=64",
+                             "rollout.max_depth=12"])
+
+    def evaluate(agent):
+        sampling = phases.Sampling(ScriptedEngine(tokenizer), tokenizer, agent_source(agent),
+                                   [tokenizer.eos_token_id], cfg.data, chat_template=True)
+        with RewardPool("rewards/math.py:boxed_accuracy", workers=1, timeout_s=5) as pool:
+            return phases.evaluate(sampling, pool, PROBLEMS, cfg.eval, cfg.rollout, 0, lambda text: None)
+
+    metrics = evaluate(FloodingOnP0())
+    assert metrics["eval/dropped_problems"] == 1.0 and metrics["eval/dropped_problems"] < len(PROBLEMS)
+    assert 0.0 <= metrics["eval/accuracy"] <= 1.0  # over p1 alone
+    with pytest.raises(phases.EpisodesDroppedError, match=r"eval: all \d+ episodes were dropped, \d+ of them because "
+                                                          r".*rollout.segment_tokens × rollout.max_depth = 64 × 12"):
+        evaluate(FloodingAgent())

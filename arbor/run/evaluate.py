@@ -235,6 +235,15 @@ def run_eval(
         eos_token_ids=eos_token_ids, seed=seed, decode=decode, on_progress=sampled,
         agent=agent, render=render, env=env,
     ))
+    # A problem whose every episode was dropped (its messages over the response budget, a
+    # diverged replay) has no answer to score: counted in eval/dropped_problems, left out of
+    # the accuracy; when no problem kept one, the eval stops naming the budget's keys.
+    kept = [tree for tree in trees if tree.leaves()]
+    if not kept and trees:
+        from arbor.run.phases import check_some_kept
+
+        check_some_kept(stats, rollout_cfg, "eval", "evaluate")
+    dropped_problems, trees = len(trees) - len(kept), kept
     leaves = [(tree, leaf) for tree in trees for leaf in tree.leaves()]
     texts = [decode(tree.response_ids(leaf)) for tree, leaf in leaves]
     result = rewards.score([(tree.problem or {}, text) for (tree, _), text in zip(leaves, texts)],
@@ -253,7 +262,8 @@ def run_eval(
             ))
             at += 1
         records.append(problem_record(tree.problem or {}, samples, k))
-    metrics = summarise(records, k) | {"eval/reward_timeouts": float(result.timeouts)}
+    metrics = summarise(records, k) | {"eval/reward_timeouts": float(result.timeouts),
+                                       "eval/dropped_problems": float(dropped_problems)}
     if agent is not None or env is not None:
         metrics |= {
             "eval/tool_calls_per_episode": sum(s.tool_calls for r in records for s in r.samples)

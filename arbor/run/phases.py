@@ -20,7 +20,7 @@ import asyncio
 import logging
 import math
 import random
-from collections.abc import Callable, Coroutine, Mapping
+from collections.abc import Callable, Coroutine, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol, TypeVar
@@ -173,17 +173,26 @@ def collect_rollouts(
     check_failure_fraction(batch.reward_timeouts + batch.reward_crashed, len(batch.correct),
                            cfg.reward.max_failure_fraction, batch.reward_failures)
     warn_budget(batch, cfg.rollout, step, sampling.budget_warned)
-    dropped = sum(s.env_dropped for s in batch.stats)
-    if dropped and not any(tree.leaves() for tree in batch.sampled):
-        too_long = sum(s.dropped_too_long for s in batch.stats)
-        rest = f"; {dropped - too_long} by diverged replays or unscored timeouts" if dropped > too_long else ""
-        raise EpisodesDroppedError(
-            f"step {step}: all {dropped} episodes were dropped, {too_long} of them because an agent's or "
-            f"environment's messages did not fit the response budget (rollout.segment_tokens × rollout.max_depth "
-            f"= {cfg.rollout.segment_tokens} × {cfg.rollout.max_depth} = {cfg.rollout.max_response_tokens} tokens; "
-            f"their messages count against it){rest} (env/errors, env/timeouts): nothing is left to train on"
-        )
+    if not any(tree.leaves() for tree in batch.sampled):
+        check_some_kept(batch.stats, cfg.rollout, f"step {step}", "train on")
     return batch
+
+
+def check_some_kept(stats: Sequence[SampleStats], rollout_cfg: RolloutConfig, where: str, purpose: str) -> None:
+    """:class:`EpisodesDroppedError` naming the response budget's keys when sampling kept no
+    episode because every one was dropped (``where``: the step or the eval; ``purpose``: what
+    nothing is left for)."""
+    dropped = sum(s.env_dropped for s in stats)
+    if not dropped:
+        return
+    too_long = sum(s.dropped_too_long for s in stats)
+    rest = f"; {dropped - too_long} by diverged replays or unscored timeouts" if dropped > too_long else ""
+    raise EpisodesDroppedError(
+        f"{where}: all {dropped} episodes were dropped, {too_long} of them because an agent's or "
+        f"environment's messages did not fit the response budget (rollout.segment_tokens × rollout.max_depth "
+        f"= {rollout_cfg.segment_tokens} × {rollout_cfg.max_depth} = {rollout_cfg.max_response_tokens} tokens; "
+        f"their messages count against it){rest} (env/errors, env/timeouts): nothing is left to {purpose}"
+    )
 
 
 def sample(
