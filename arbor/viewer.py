@@ -396,7 +396,8 @@ def render_html(
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="arbor view",
                                      description="Render saved rollout trees as a self-contained HTML page.")
-    parser.add_argument("path", type=Path, help="trees as JSON lines (arbor train's trees/*.jsonl) or one tree as JSON")
+    parser.add_argument("path", type=Path, help="trees as JSON lines (arbor train's trees/*.jsonl), one tree as "
+                        "JSON, or a run directory (its latest trees file)")
     parser.add_argument("--out", type=Path, help="HTML file to write (default: PATH with .html)")
     parser.add_argument(
         "--tokenizer",
@@ -445,9 +446,23 @@ def run_tokenizer(path: Path) -> tuple[Any | None, str]:
     return None, f"showing token ids: {'; '.join(reasons)}; pass --tokenizer MODEL_DIR"
 
 
+def latest_trees(path: Path) -> Path:
+    """``path``, or for a run directory (or its ``trees/``) the trees file of its latest step."""
+    if not path.is_dir():
+        return path
+    folder = path / "trees" if (path / "trees").is_dir() else path
+    steps = sorted(folder.glob("step-*.jsonl"), key=lambda p: int(p.stem.split("-")[1]) if p.stem.split("-")[1].isdigit() else -1)
+    if not steps:
+        raise ViewError(f"{path} is a directory without saved trees (trees/step-N.jsonl: run.save_trees_every)")
+    return steps[-1]
+
+
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
     try:
+        if args.path.is_dir():
+            args.path = latest_trees(args.path)
+            print(f"arbor view: {args.path}", file=sys.stderr)
         trees = load_trees(args.path)
         advantages = leaf_advantages(trees)  # over the whole file: it is the batch we have
         indices = list(range(len(trees)))

@@ -184,6 +184,26 @@ def test_the_runs_tokenizer_decodes_by_default(tmp_path, capsys):
     assert "showing token ids: no run's config.yaml next to" in capsys.readouterr().err
 
 
+def test_a_run_directory_shows_its_latest_trees(tmp_path, capsys):
+    """`arbor view runs/quickstart`: the trees of the run's latest saved step (step 10 after 9,
+    by number), decoded with the run's tokenizer; a directory without trees says what it lacks."""
+    model = REPO / "models/tiny-arith"
+    tree = RolloutTree([1])
+    tree.add_segment(tree.root, [2, 3]).reward = 1.0
+    run = tmp_path / "run"
+    (run / "trees").mkdir(parents=True)
+    for step in (9, 10):
+        write_jsonl(run / "trees" / f"step-{step:06d}.jsonl", [tree])
+    (run / "config.yaml").write_text(f"model:\n  path: {model}\n")
+    assert main([str(run)]) == 0
+    out = capsys.readouterr()
+    assert out.out.strip() == str(run / "trees" / "step-000010.html") and "step-000010.jsonl" in out.err
+    assert main([str(tmp_path / "run" / "trees")]) == 0
+    (tmp_path / "empty").mkdir()
+    assert main([str(tmp_path / "empty")]) == 2
+    assert "is a directory without saved trees (trees/step-N.jsonl: run.save_trees_every)" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize(
     "content, args, message",
     [
