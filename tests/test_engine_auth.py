@@ -99,6 +99,9 @@ def test_run_key_and_the_bind_warning(no_env_key, monkeypatch):
     assert run_api_key(None, launch=False) is None  # external servers started without a key
     fresh = {run_api_key(None, launch=True) for _ in range(3)}
     assert len(fresh) == 3 and all(len(k) >= 40 for k in fresh)  # 32 random bytes each
+    # SGLang parses its --config file as arguments: a key starting with "-" reads as a flag
+    # ("--admin-api-key: expected one argument"; 1 in 64 URL-safe keys did).
+    assert not any(run_api_key(None, launch=True).startswith("-") for _ in range(2000))
     monkeypatch.setenv(API_KEY_ENV, "from-env")
     assert run_api_key(None, launch=True) == "from-env" and run_api_key("mine", launch=True) == "mine"
     for host in ("127.0.0.1", "::1", "localhost"):

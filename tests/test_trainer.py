@@ -441,7 +441,8 @@ def test_a_too_small_local_ray_instance_is_restarted_or_refused():
         orchestration.start_ray(RayConfig(), needs_cpus=needs)
         assert ray.cluster_resources()["CPU"] == needs
         ray.shutdown()
-        ray.init(num_cpus=1, include_dashboard=False, configure_logging=False)
+        # address="local": a new instance even when another cluster runs on the machine.
+        ray.init(address="local", num_cpus=1, include_dashboard=False, configure_logging=False)
         orchestration._started_here = False  # as after a user's own ray.init
         with pytest.raises(RuntimeError, match=f"has 1 CPUs but this run places {needs}"):
             orchestration.start_ray(RayConfig(), needs_cpus=needs)

@@ -106,7 +106,9 @@ def run_api_key(configured: str | None, *, launch: bool) -> str | None:
     given no key (servers the user started without one)."""
     key = configured or os.environ.get(API_KEY_ENV)
     if not key and launch:
-        key = secrets.token_urlsafe(32)  # 256 bits
+        # 256 bits in hex: a URL-safe key may start with "-", which SGLang's argument parser
+        # (fed from its --config file) takes for a flag: "--admin-api-key: expected one argument".
+        key = secrets.token_hex(32)
     return key or None
 
 
