@@ -141,11 +141,13 @@ def test_lora_async_run_names_the_adapter_and_restores_it_after_a_scheduler_kill
     python.write_text(f'#!/bin/sh\nPYTHONPATH="{REPO / "tests" / "sglang_cpu_pinless"}${{PYTHONPATH:+:$PYTHONPATH}}" '
                       f'exec "{sglang_python()}" "$@"\n')
     python.chmod(0o755)
-    cfg = quickstart(tmp_path, "run.steps=3", "algorithm.max_staleness=1", "model.lora_rank=8", "model.lora_alpha=16",
+    # 5 steps: the kill waits for the producer to sample between a push and the next update
+    # (no push under way), a window a 3-step run on a fast machine could miss.
+    cfg = quickstart(tmp_path, "run.steps=5", "algorithm.max_staleness=1", "model.lora_rank=8", "model.lora_alpha=16",
                      "optim.lr=2e-3", f"engine.python={python}", "engine.extra_args=[--lora-backend, torch_native]")
     arm, kills = kill_engine_while_the_producer_samples(1, victim=scheduler_of)
     history = train(cfg, after_step=arm)
-    assert len(kills) == 1 and len(history) == 3
+    assert len(kills) == 1 and len(history) == 5
     assert sum(m["engine/restarts"] for m in history) >= 1
     assert all(m["sync/logprob_gap"] < GAP_BOUND for m in history)
     assert all(m["async/staleness_mean"] <= 1 for m in history)
