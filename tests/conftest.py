@@ -26,7 +26,8 @@ SLOW_FILES = {
     "test_sglang_lora.py", "test_build_tiny_model.py", "test_profile_learner_step.py",
     "test_bench_async.py", "test_bench_learning.py", "test_bench_lora_memory.py", "test_bench_loss_memory.py",
     "test_bench_packing.py", "test_bench_rollout.py", "test_bench_train_step.py", "test_bench_vs_trl.py",
-    "test_bench_weight_sync.py", "test_ray_start.py",
+    "test_bench_weight_sync.py", "test_ray_start.py", "test_two_nodes.py", "test_env_runs.py",
+    "test_build_env_model.py",
 }
 # Slow tests of files whose other tests are fast: file -> test functions (all their parameters).
 SLOW_TESTS = {
@@ -57,6 +58,13 @@ SLOW_TESTS = {
     "test_lora_sync.py": {"test_lora_sync_to_arbor_serve", "test_a_lora_run_syncs_only_the_adapter",
                           "test_a_restarted_engine_gets_the_adapters_back"},
     "test_loggers.py": {"test_arbor_sft_logs_to_every_logger"},
+    # The adapters' and the paged lookup's arbor train runs (tests/adapter_runs.py).
+    "test_adapters_mcp.py": {"test_two_rl_steps_of_arbor_train_with_the_servers_tools"},
+    "test_adapters_openenv.py": {"test_two_rl_steps_of_arbor_train_replay_to_the_trees_and_rewards"},
+    "test_adapters_reasoning_gym.py": {"test_two_rl_steps_of_arbor_train_on_a_generated_set_scored_by_its_dataset"},
+    "test_adapters_textarena.py": {"test_two_rl_steps_of_arbor_train_replay_to_the_trees_and_rewards"},
+    "test_adapters_verifiers.py": {"test_two_rl_steps_of_arbor_train_run_the_environments_loop"},
+    "test_paged_lookup.py": {"test_the_config_forks_after_the_page_and_the_environment_gives_the_reward"},
 }
 
 
