@@ -25,6 +25,7 @@ from arbor.config import RolloutConfig
 from arbor.config_load import load_config
 from arbor.errors import ConfigError
 from arbor.rollout.agents import continuation_ids
+from arbor.rollout.episodes import EpisodesDroppedError
 from arbor.rollout.sampler import sample_trees
 from arbor.train.packed_loss import policy_loss
 
@@ -227,7 +228,7 @@ def test_a_step_whose_every_episode_is_dropped_stops_the_run_naming_the_budget(t
     sampling = phases.Sampling(ScriptedEngine(tokenizer), tokenizer, agent_source(FloodingAgent()),
                                [tokenizer.eos_token_id], cfg.data, chat_template=True)
     with RewardPool([], workers=1, timeout_s=1) as pool, pytest.raises(
-            phases.EpisodesDroppedError, match=r"step 1: all 8 episodes were dropped, 8 of them because an agent's or "
+            EpisodesDroppedError, match=r"step 1: all 8 episodes were dropped, 8 of them because an agent's or "
                                                r"environment's messages did not fit the response budget "
                                                r"\(rollout.segment_tokens × rollout.max_depth = 64 × 12 = 768 tokens"):
         phases.collect_rollouts(sampling, pool, ProblemStream(PROBLEMS, 0, False), _ThreadLog(), cfg, 1)
@@ -265,6 +266,6 @@ def test_an_eval_whose_episodes_are_dropped_counts_them_or_stops_naming_the_budg
     metrics = evaluate(FloodingOnP0())
     assert metrics["eval/dropped_problems"] == 1.0 and metrics["eval/dropped_problems"] < len(PROBLEMS)
     assert 0.0 <= metrics["eval/accuracy"] <= 1.0  # over p1 alone
-    with pytest.raises(phases.EpisodesDroppedError, match=r"eval: all \d+ episodes were dropped, \d+ of them because "
+    with pytest.raises(EpisodesDroppedError, match=r"eval: all \d+ episodes were dropped, \d+ of them because "
                                                           r".*rollout.segment_tokens × rollout.max_depth = 64 × 12"):
         evaluate(FloodingAgent())

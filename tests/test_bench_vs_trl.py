@@ -24,7 +24,8 @@ def test_trl_side_runs_and_reports_its_result_line(tmp_path):
         capture_output=True, text=True, timeout=600, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
-    assert "cleared OMP_NUM_THREADS=1 for both systems" in run.stdout
+    cleared = next(line for line in run.stdout.splitlines() if line.startswith("bench_vs_trl: cleared "))
+    assert "OMP_NUM_THREADS=1" in cleared and cleared.endswith("for both systems (--clear-thread-vars)")
     seed = re.search(r"^seed 0 trl +wall_s=([\d.]+) cpu_s=([\d.]+) eval ([\d.]+) -> ([\d.]+) reward first/last "
                      r"([\d.]+)/([\d.]+)$", run.stdout, re.M)
     assert seed, run.stdout

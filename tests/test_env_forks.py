@@ -52,7 +52,7 @@ def sample(cls, problems=1, logprob=None, script=turn, **cfg):
     source = EnvSource(cls, "rollout.env", cls.__name__, gives_reward(cls()))
     Registry.reset()
     engine = ScriptedEngine(8, script, logprob)
-    setup = EpisodeSetup(source, render, prompt=lambda messages: list(PROMPT))
+    setup = EpisodeSetup(source, render, prompt=lambda messages, tools=None: list(PROMPT))
     config = cfg_of(**{"width": 8, "segment_tokens": 8, "max_depth": 12, **cfg})
     trees, stats = asyncio.run(sample_trees(engine, [{"id": i} for i in range(problems)], None, config,
                                             eos_token_ids=[EOS], decode=lambda ids: " ".join(map(str, ids)),
@@ -153,7 +153,7 @@ def test_without_reward_functions_a_timed_out_episode_is_dropped():
     try:
         Registry.reset()
         source = EnvSource(SlowOnce, "rollout.env", "SlowOnce", True)
-        setup = EpisodeSetup(source, render, prompt=lambda messages: list(PROMPT), needs_reward=True)
+        setup = EpisodeSetup(source, render, prompt=lambda messages, tools=None: list(PROMPT), needs_reward=True)
         trees, stats = asyncio.run(sample_trees(
             ScriptedEngine(8, turn), [{"id": 0}], None, cfg_of(mode="independent", width=3, segment_tokens=8,
                                                               max_depth=12, env_timeout_s=0.3),

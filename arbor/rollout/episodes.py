@@ -34,6 +34,7 @@ from arbor.rollout.budget import request_seed
 from arbor.rollout.env_calls import EnvCalls, EnvTimeout
 from arbor.rollout.env_forks import EnvCallError, Forks, check_messages
 from arbor.rollout.environments import EnvSource, Step, agent_source, fork_mode
+from arbor.rollout.rewards import RewardFailureError
 from arbor.rollout.sample_stats import SampleStats
 from arbor.tree import Node, RolloutTree
 
@@ -365,3 +366,25 @@ class TreeEpisodes:
 
     def _drop(self, node: Node) -> None:
         self.dropped.append(node)
+
+
+class EpisodesDroppedError(RewardFailureError):
+    """Every episode of a step was dropped (an environment's messages over the response budget,
+    diverged replays, unscored timeouts): nothing is left to score or train on."""
+
+
+def check_some_kept(stats: Sequence[SampleStats], rollout_cfg: RolloutConfig, where: str, purpose: str) -> None:
+    """:class:`EpisodesDroppedError` naming the response budget's keys when sampling kept no
+    episode because every one was dropped (``where``: the step or the eval; ``purpose``: what
+    nothing is left for)."""
+    dropped = sum(s.env_dropped for s in stats)
+    if not dropped:
+        return
+    too_long = sum(s.dropped_too_long for s in stats)
+    rest = f"; {dropped - too_long} by diverged replays or unscored timeouts" if dropped > too_long else ""
+    raise EpisodesDroppedError(
+        f"{where}: all {dropped} episodes were dropped, {too_long} of them because an agent's or "
+        f"environment's messages did not fit the response budget (rollout.segment_tokens × rollout.max_depth "
+        f"= {rollout_cfg.segment_tokens} × {rollout_cfg.max_depth} = {rollout_cfg.max_response_tokens} tokens; "
+        f"their messages count against it){rest} (env/errors, env/timeouts): nothing is left to {purpose}"
+    )

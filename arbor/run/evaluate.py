@@ -240,7 +240,7 @@ def run_eval(
     # the accuracy; when no problem kept one, the eval stops naming the budget's keys.
     kept = [tree for tree in trees if tree.leaves()]
     if not kept and trees:
-        from arbor.run.phases import check_some_kept
+        from arbor.rollout.episodes import check_some_kept
 
         check_some_kept(stats, rollout_cfg, "eval", "evaluate")
     dropped_problems, trees = len(trees) - len(kept), kept

@@ -20,7 +20,7 @@ import asyncio
 import logging
 import math
 import random
-from collections.abc import Callable, Coroutine, Mapping, Sequence
+from collections.abc import Callable, Coroutine, Mapping
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol, TypeVar
@@ -31,9 +31,8 @@ from arbor.engines.connect import closing
 from arbor.rollout.agents import tool_turns
 from arbor.rollout.answers import has_final_answer
 from arbor.rollout.environments import FORK_MODES, EnvSource
-from arbor.rollout.episodes import EpisodeSetup, run_episodes
+from arbor.rollout.episodes import EpisodeSetup, check_some_kept, run_episodes
 from arbor.rollout.rewards import (
-    RewardFailureError,
     RewardPool,
     check_failure_fraction,
     failed_checks,
@@ -58,11 +57,6 @@ from arbor.tree import RolloutTree
 T = TypeVar("T")
 Status = Callable[[str], None]  # a progress line for the console (MetricsLog.status)
 log = logging.getLogger(__name__)
-
-
-class EpisodesDroppedError(RewardFailureError):
-    """Every episode of a step was dropped (an environment's messages over the response budget,
-    diverged replays, unscored timeouts): nothing is left to score or train on."""
 
 
 @dataclass
@@ -177,22 +171,6 @@ def collect_rollouts(
         check_some_kept(batch.stats, cfg.rollout, f"step {step}", "train on")
     return batch
 
-
-def check_some_kept(stats: Sequence[SampleStats], rollout_cfg: RolloutConfig, where: str, purpose: str) -> None:
-    """:class:`EpisodesDroppedError` naming the response budget's keys when sampling kept no
-    episode because every one was dropped (``where``: the step or the eval; ``purpose``: what
-    nothing is left for)."""
-    dropped = sum(s.env_dropped for s in stats)
-    if not dropped:
-        return
-    too_long = sum(s.dropped_too_long for s in stats)
-    rest = f"; {dropped - too_long} by diverged replays or unscored timeouts" if dropped > too_long else ""
-    raise EpisodesDroppedError(
-        f"{where}: all {dropped} episodes were dropped, {too_long} of them because an agent's or "
-        f"environment's messages did not fit the response budget (rollout.segment_tokens × rollout.max_depth "
-        f"= {rollout_cfg.segment_tokens} × {rollout_cfg.max_depth} = {rollout_cfg.max_response_tokens} tokens; "
-        f"their messages count against it){rest} (env/errors, env/timeouts): nothing is left to {purpose}"
-    )
 
 
 def sample(
