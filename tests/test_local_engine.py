@@ -132,6 +132,39 @@ def test_seed_reproducible_regardless_of_batching_and_cache(engine):
     assert other_seed.output_ids != alone.output_ids
 
 
+def test_prompts_admitted_together_prefill_in_one_batch_and_match_each_alone(engine):
+    """One admission's uncached prompts (different lengths; two sharing a cached prefix; one
+    inside another; one twice) run as batched forwards, not one forward each, and sample what
+    each samples alone: the same tokens, teacher-forced logprobs, and prompt tokens cached."""
+    prompts = [PROMPT, PROMPT[:9] + [3, 3, 3], [5, 6, 7, 8], PROMPT[:7], [5, 6, 7, 8], [9, 1]]
+    requests = [req(p, 6, seed=10 + i, n=2 if i == 1 else 1) for i, p in enumerate(prompts)]
+    alone = []
+    for r in requests:
+        engine.flush_cache()
+        alone.append(engine.generate_sync([r])[0])
+    engine.flush_cache()
+    engine.generate_sync([req(PROMPT[:5], 0)])  # a cached prefix shared by the first, second and fourth
+    calls = []
+    hook = engine.model.base_model.register_forward_hook(lambda *_: calls.append(1))
+    try:
+        before = engine.stats.prefill_tokens
+        together = engine.generate_sync(requests)
+    finally:
+        hook.remove()
+    # Two groups (the cached PROMPT[:5], and no cached prefix), one forward each.
+    assert len(calls) == 2
+    for request, outs, outs_alone in zip(requests, together, alone):
+        assert [o.output_ids for o in outs] == [o.output_ids for o in outs_alone]
+        for out in outs:
+            expected = teacher_forced(engine, request.input_ids, out.output_ids)
+            assert torch.allclose(torch.tensor(out.logprobs), expected, atol=1e-4)
+    # PROMPT[:7] is inside PROMPT and the second [5, 6, 7, 8] equals the first: neither ran.
+    assert [outs[0].cached_tokens for outs in together] == [5, 5, 0, 6, 3, 0]
+    ran = (12 - 5) + (12 - 5) + 4 + 2  # each prompt that ran, past its cached prefix
+    fed = 2  # PROMPT[:7] and the second [5, 6, 7, 8] feed their last token in a decode step
+    assert engine.stats.prefill_tokens - before == ran + fed
+
+
 def test_forks_share_prefill_and_children_hit_the_cache(engine):
     before = engine.stats.prefill_tokens
     forks = engine.generate_sync([req(PROMPT, 6, n=4, seed=0)])[0]

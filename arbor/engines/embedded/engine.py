@@ -8,9 +8,11 @@ How requests run (one scheduler thread, continuous batching):
 2. a request's longest cached prefix comes from the radix cache. If the cache holds all
    but its last token (a fork after a prefix commit, a child sent with its parent's
    prefix + output), its rows join the batch directly and feed that last token in the
-   next step. Otherwise the rest of the prompt is prefilled alone, the whole prompt is
+   next step. Otherwise the rest of the prompt is prefilled, the whole prompt is
    committed to the cache (so forks and children hit), and each fork's first token is
-   sampled from that one prefill;
+   sampled from that one prefill. The prompts that arrive together and found the same
+   cached prefix prefill as one right-padded batch (a forward per batch, not per prompt:
+   on CPU a small model's forward costs its call overhead, whatever its rows);
 3. a request with ``n = k`` becomes k rows sharing the prefix KV;
 4. rows decode together, one token per step: each row's KV sits in preallocated
    per-layer buffers (right-padded, written in place at the row's own length, attended
@@ -76,6 +78,7 @@ class LocalEngine:
         max_cached_tokens: int = 1 << 20,
         seed: int = 0,
         max_batch_rows: int = 256,
+        max_prefill_tokens: int = 8192,
     ) -> None:
         from transformers import AutoModelForCausalLM
 
@@ -101,6 +104,8 @@ class LocalEngine:
         self.weight_version = "default"
         self.released = False
         self.max_batch_rows = max_batch_rows
+        self.max_prefill_tokens = max_prefill_tokens  # padded tokens in one batched prefill forward
+        self._prefill_failures = 0
         self._updates = 0
         self._rng = random.Random(seed)
         self._lock = threading.Lock()  # one decode batch or one weight change at a time
@@ -314,18 +319,30 @@ class LocalEngine:
     @torch.no_grad()
     def _admit(self, pending: deque[Job], batch: DecodeBatch, rows: list[Row]) -> None:
         """Prefill waiting jobs (up to ``max_batch_rows`` rows) and add their forks."""
+        jobs: list[Job] = []
+        taken = len(rows)
+        while pending and (taken == 0 or taken + pending[0].request.sampling.n <= self.max_batch_rows):
+            jobs.append(pending.popleft())
+            taken += jobs[-1].request.sampling.n
+        if self.released:
+            fail_jobs(jobs, EngineReleased("engine memory is released; call resume first"))
+            return
+        try:
+            hits = self._prefill_batched(jobs)
+        except Exception as exc:  # the batch's prompts are bad together: each job prefills alone
+            hits = {}
+            self._prefill_failures += 1
+            if self._prefill_failures == 1:
+                import logging
+
+                logging.getLogger(__name__).warning("batched prefill failed (%s); prompts prefill one by one", exc)
         new_kv = []
         # The last cached prefix handed out: one round's forks of a path arrive as
         # consecutive requests with equal prompts, and share one concatenation.
         memo: list[tuple[list[int], torch.Tensor]] = []
-        while pending and (
-            not rows or len(rows) + pending[0].request.sampling.n <= self.max_batch_rows
-        ):
-            job = pending.popleft()
+        for job in jobs:
             try:
-                if self.released:
-                    raise EngineReleased("engine memory is released; call resume first")
-                forks = self._start(job, memo)
+                forks = self._start(job, memo, hits.get(id(job)))
             except Exception as exc:  # this job fails alone
                 job.future.set_exception(exc)
                 continue
@@ -337,7 +354,82 @@ class LocalEngine:
                     self._finish(row, kv)
         batch.add(new_kv)
 
-    def _start(self, job: Job, memo: list[tuple[list[int], torch.Tensor]]):
+    def _prefill_batched(self, jobs: list[Job]) -> dict[int, tuple[int, torch.Tensor]]:
+        """Prefill, in batched forwards, the prompts of ``jobs`` that the cache does not hold
+        up to their last token (prefix commits: up to their end), and cache them.
+
+        Returns ``{id(job): (tokens its prompt found cached, last-position logits [V])}`` for
+        the jobs whose prompt ran. The prompts of one admission that found the same cached
+        prefix run as one right-padded batch over that prefix's KV with a causal mask (a real
+        token never sees the padding after it). A prompt equal to another of the admission,
+        or inside a longer one, does not run: it finds the cache filled, as it would after
+        the other one ran alone.
+        """
+        wanted: list[tuple[int, list[int], int]] = []  # (job id, prompt, tokens found cached)
+        for job in jobs:
+            prompt, sp = job.request.input_ids, job.request.sampling
+            commit = sp.max_new_tokens == 0
+            if len(prompt) < 2 and not commit:
+                continue  # one token: nothing to cache ahead of the first sample
+            hit = self.cache.match(prompt)
+            if hit.length < len(prompt) - (0 if commit else 1):
+                wanted.append((id(job), prompt, min(hit.length, len(prompt) - 1)))
+        groups: dict[tuple[int, ...], list[list[int]]] = {}  # cached prefix -> prompts to run
+        owner: dict[tuple[int, ...], int] = {}  # a prompt that runs -> the first job that asked
+        for job_id, prompt, length in sorted(wanted, key=lambda w: -len(w[1])):
+            group = groups.setdefault(tuple(prompt[:length]), [])
+            if not any(other[: len(prompt)] == prompt for other in group):
+                group.append(prompt)
+                owner[tuple(prompt)] = job_id
+        found = {job_id: length for job_id, _, length in wanted}
+        result: dict[int, tuple[int, torch.Tensor]] = {}
+        for prefix, prompts in groups.items():
+            prompts.sort(key=len)
+            start = 0
+            while start < len(prompts):  # chunks of at most max_prefill_tokens padded tokens
+                end = start + 1
+                while end < len(prompts) and (end + 1 - start) * (len(prompts[end]) - len(prefix)) <= self.max_prefill_tokens:
+                    end += 1
+                logits = self._prefill_group(list(prefix), prompts[start:end])
+                for prompt, row in zip(prompts[start:end], logits):
+                    job_id = owner[tuple(prompt)]
+                    result[job_id] = (found[job_id], row)
+                start = end
+        return result
+
+    def _prefill_group(self, prefix: list[int], prompts: list[list[int]]) -> torch.Tensor:
+        """Cache the KV of ``prompts`` (each starting with the cached ``prefix``); their
+        last-position logits ``[B, V]``."""
+        cached = len(prefix)
+        past_keys: list[torch.Tensor] = []
+        past_values: list[torch.Tensor] = []
+        width = len(prompts)
+        if cached:  # per layer [B, H, T, D], one shared copy
+            kv = self.cache.match(prefix).kv
+            past_keys = [k[None].expand(width, -1, -1, -1) for k in kv[0]]
+            past_values = [v[None].expand(width, -1, -1, -1) for v in kv[1]]
+        longest = max(len(p) for p in prompts) - cached
+        rest = torch.zeros((width, longest), dtype=torch.long, device=self.device)
+        for i, prompt in enumerate(prompts):
+            rest[i, : len(prompt) - cached] = torch.tensor(prompt[cached:])
+        positions = torch.arange(cached, cached + longest, device=self.device).expand(width, -1)
+        out = self.model.base_model(
+            input_ids=rest, position_ids=positions, past_key_values=make_cache(past_keys, past_values), use_cache=True
+        )
+        last = torch.tensor([len(p) - cached - 1 for p in prompts], device=self.device)
+        hidden = out.last_hidden_state[torch.arange(width, device=self.device), last]
+        logits = self.model.get_output_embeddings()(hidden).float()
+        layers = out.past_key_values.layers
+        for i, prompt in enumerate(prompts):
+            n = len(prompt)
+            self.cache.insert(prompt, stack_kv([layer.keys[i, :, :n] for layer in layers],
+                                               [layer.values[i, :, :n] for layer in layers]))
+            self.stats.prefill_tokens += n - cached
+            self.stats.cached_tokens += cached
+        return logits
+
+    def _start(self, job: Job, memo: list[tuple[list[int], torch.Tensor]],
+               prefilled: tuple[int, torch.Tensor] | None = None):
         """Prefill ``job``'s prompt; returns its forks as (row, KV ``[2, L, H, T, D]``).
 
         A prompt cached up to its last token (a fork after a prefix commit, a child
@@ -345,14 +437,18 @@ class LocalEngine:
         batch with the cached KV and feed the last prompt token in the next decode step.
         Otherwise the prompt is prefilled once and each fork's first token is sampled
         from the prefill's logits. ``memo`` holds the last cached prefix handed out in
-        this admission (see :meth:`_admit`).
+        this admission (see :meth:`_admit`). ``prefilled``: the prompt ran in this
+        admission's :meth:`_prefill_batched` (the tokens it found cached, its last logits).
         """
         request = job.request
         sp, prompt = request.sampling, request.input_ids
         self.stats.requests += 1
         hit = self.cache.match(prompt)
         if sp.max_new_tokens == 0:  # a prefix commit: nothing to sample
-            cached = hit.length if hit.length == len(prompt) else self._prefill(prompt, hit)[2]
+            if prefilled is not None and hit.length == len(prompt):
+                cached = prefilled[0]
+            else:
+                cached = hit.length if hit.length == len(prompt) else self._prefill(prompt, hit)[2]
             job.outputs, job.remaining = [None] * sp.n, sp.n
             for fork in range(sp.n):  # n empty outputs, so callers get the n they asked for
                 self._complete(Row(job, fork, torch.Generator(), cached))
@@ -364,7 +460,9 @@ class LocalEngine:
         for fork in range(sp.n):
             generators.append(torch.Generator(device=self.device))
             generators[-1].manual_seed(base_seed + fork)
-        if len(prompt) > 1 and hit.length >= len(prompt) - 1:
+        if prefilled is not None and hit.length == len(prompt):  # ran in this admission's batch
+            kv, logits, cached = hit.kv, prefilled[1], prefilled[0]
+        elif len(prompt) > 1 and hit.length >= len(prompt) - 1:
             cached = len(prompt) - 1
             self.stats.cached_tokens += cached
             # One concatenation per prompt; its forks (in this request or in the requests
@@ -375,7 +473,8 @@ class LocalEngine:
                 kv = hit.upto(cached).kv
                 memo[:] = [(prompt, kv)]
             return [(Row(job, fork, g, cached), kv) for fork, g in enumerate(generators)]
-        kv, logits, cached = self._prefill(prompt, hit)
+        else:
+            kv, logits, cached = self._prefill(prompt, hit)
         forks = []
         for fork, generator in enumerate(generators):
             # Forks after the first reuse the whole prefill: all their prompt is cached.
