@@ -374,6 +374,11 @@ class RunConfig:
     save_every: int = 50  # 0: only at the end
     keep_checkpoints: int = 2  # the newest N complete checkpoints are kept, older ones deleted
     save_trees_every: int = 10  # trees written for `arbor view`; 0: never
+    # sync/logprob_gap (the engines sample a probe after a push, the learners score it) every N
+    # steps and on the first; 0: never. None: every step when synchronous (the engines are idle
+    # then), every 10 when asynchronous (the probe queues behind the producer's requests: 0.3 s
+    # a step on the CPU quickstart, 1 s on an H100).
+    sync_probe_every: int | None = None
     # Continue from output_dir's latest checkpoint (a new run refuses a used output_dir).
     resume: bool = False
     # Where every step's metrics and the resolved config go beside metrics.jsonl: tensorboard

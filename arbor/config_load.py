@@ -230,6 +230,8 @@ def validate(cfg: Config, where: Callable[[str], str] | None = None, on_gpu: boo
              f"{logger} needs its package: pip install 'arbor[{logger}]'")
     for name in ("eval_every", "save_every", "save_trees_every"):
         need(getattr(cfg.run, name) >= 0, f"run.{name}", "must be ≥ 0")
+    need(cfg.run.sync_probe_every is None or cfg.run.sync_probe_every >= 0, "run.sync_probe_every",
+         "must be ≥ 0 (0: never), or null (every step synchronous, every 10 asynchronous)")
     need(cfg.run.eval_every == 0 or (cfg.eval.path or cfg.data.eval_path) is not None, "run.eval_every",
          "needs eval.path or data.eval_path (a set to evaluate on)")
 

@@ -46,7 +46,7 @@ def test_an_environment_trains_and_evaluates_on_the_embedded_engine(tmp_path):
 
 
 def test_an_environment_in_an_asynchronous_run(tmp_path):
-    history = train(env_run(tmp_path / "async", "run.steps=2", "run.eval_every=0", "algorithm.max_staleness=1"))
+    history = train(env_run(tmp_path / "async", "run.steps=2", "run.eval_every=0", "algorithm.max_staleness=1", "run.sync_probe_every=1"))
     assert len(history) == 2
     for metrics in history:
         check_env_step(metrics)

@@ -34,7 +34,7 @@ def test_quickstart_async_on_sglang_then_arbor_eval(tmp_path):
     out = tmp_path / "qs"
     sglang = ["engine.kind=sglang", f"engine.python={python}", *SMALL]
     command = [sys.executable, "-m", "arbor", "train", "configs/quickstart.yaml", *sglang, "run.steps=3",
-               "run.eval_every=3", "algorithm.max_staleness=1", "engine.partial_rollouts=true",
+               "run.eval_every=3", "algorithm.max_staleness=1", "run.sync_probe_every=1", "engine.partial_rollouts=true",
                f"run.output_dir={out}"]
     done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -119,7 +119,7 @@ def test_async_run_whose_scheduler_is_killed_while_the_producer_samples(tmp_path
 
     # 5 steps: the kill waits for the producer to sample outside an update and its push, a
     # window a 3-step run can miss (it did once in CI).
-    cfg = quickstart(tmp_path, "run.steps=5", "algorithm.max_staleness=1")  # weights by broadcast
+    cfg = quickstart(tmp_path, "run.steps=5", "algorithm.max_staleness=1", "run.sync_probe_every=1")  # weights by broadcast
     arm, kills = kill_engine_while_the_producer_samples(1, victim=scheduler_of)
     history = train(cfg, after_step=arm)
     assert len(kills) == 1 and len(history) == 5  # the run finished
@@ -145,7 +145,7 @@ def test_lora_async_run_names_the_adapter_and_restores_it_after_a_scheduler_kill
     python.chmod(0o755)
     # 5 steps: the kill waits for the producer to sample between a push and the next update
     # (no push under way), a window a 3-step run on a fast machine could miss.
-    cfg = quickstart(tmp_path, "run.steps=5", "algorithm.max_staleness=1", "model.lora_rank=8", "model.lora_alpha=16",
+    cfg = quickstart(tmp_path, "run.steps=5", "algorithm.max_staleness=1", "run.sync_probe_every=1", "model.lora_rank=8", "model.lora_alpha=16",
                      "optim.lr=2e-3", f"engine.python={python}", "engine.extra_args=[--lora-backend, torch_native]")
     arm, kills = kill_engine_while_the_producer_samples(1, victim=scheduler_of)
     history = train(cfg, after_step=arm)
@@ -163,7 +163,7 @@ def test_an_environment_forked_by_replay_on_sglang_asynchronously(tmp_path):
     python = sglang_python()
     out = tmp_path / "env"
     command = [sys.executable, "-m", "arbor", "train", "configs/quickstart.yaml", "engine.kind=sglang",
-               f"engine.python={python}", *SMALL, "run.steps=2", "run.eval_every=0", "algorithm.max_staleness=1",
+               f"engine.python={python}", *SMALL, "run.steps=2", "run.eval_every=0", "algorithm.max_staleness=1", "run.sync_probe_every=1",
                f"rollout.env={REPO}/tests/env_fixtures.py:Recheck", "reward.functions=[]", "rollout.width=4",
                "rollout.segment_tokens=16", "rollout.max_depth=4", "algorithm.dynamic_sampling=false",
                f"run.output_dir={out}"]

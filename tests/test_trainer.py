@@ -223,7 +223,7 @@ def test_an_engine_killed_while_the_asynchronous_producer_samples_is_restarted(r
     root, model, data = run_inputs
     # Two engines: the survivor leaves the old weight-update group for the next push's new one.
     cfg = config(root, model, data, tmp_path / "ak", "learner.backend=torch", "learner.zero_stage=0", "run.steps=4",
-                 "engine.num_engines=2", "algorithm.max_staleness=1")
+                 "engine.num_engines=2", "algorithm.max_staleness=1", "run.sync_probe_every=1")
     arm, kills = kill_engine_while_the_producer_samples(1)
     history = train(cfg, after_step=arm)
     assert len(kills) == 1 and len(history) == 4  # the run finished
@@ -241,7 +241,7 @@ def test_lora_with_an_asynchronous_producer_names_the_adapter_and_survives_an_en
     root, model, data = run_inputs
     out = tmp_path / "al"
     cfg = config(root, model, data, out, "learner.backend=torch", "learner.zero_stage=0", "run.steps=4",
-                 "engine.num_engines=2", "algorithm.max_staleness=1", "model.lora_rank=4", "run.save_trees_every=1")
+                 "engine.num_engines=2", "algorithm.max_staleness=1", "run.sync_probe_every=1", "model.lora_rank=4", "run.save_trees_every=1")
     arm, kills = kill_engine_while_the_producer_samples(2)
     history = train(cfg, after_step=arm)
     assert len(kills) == 1 and len(history) == 4
@@ -334,7 +334,7 @@ def test_colocated_asynchronous_run_keeps_the_engine_serving(run_inputs, tmp_pat
     the producer samples step 2's trees while step 1 trains."""
     root, model, data = run_inputs
     cfg = config(root, model, data, tmp_path / "ca", "learner.backend=torch", "learner.zero_stage=0",
-                 "learner.weight_sync=disk", "ray.colocate=true", "algorithm.max_staleness=1", "run.steps=2")
+                 "learner.weight_sync=disk", "ray.colocate=true", "algorithm.max_staleness=1", "run.sync_probe_every=1", "run.steps=2")
     history = train(cfg)
     assert [m["rollout/trees"] for m in history] == [2, 2]
     assert all(m["sync/logprob_gap"] <= 1e-4 for m in history) and "async/staleness_mean" in history[-1]
@@ -456,7 +456,7 @@ def test_async_run_with_a_sequence_level_mis_correction(run_inputs, tmp_path):
     leaf's weight (linear chains here) in place of the decoupled objective's truncation."""
     root, model, data = run_inputs
     cfg = config(root, model, data, tmp_path / "mis", "learner.backend=torch", "learner.zero_stage=0",
-                 "algorithm.max_staleness=1", "loss.mode=linear", "loss.rollout_correction=mis",
+                 "algorithm.max_staleness=1", "run.sync_probe_every=1", "loss.mode=linear", "loss.rollout_correction=mis",
                  "loss.rollout_correction_level=sequence", "loss.rollout_mask_bounds=[0.9, 1.1]")
     history = train(cfg)
     assert len(history) == 2
@@ -487,6 +487,8 @@ def test_async_run_keeps_the_staleness_bound_and_resumes_without_samples_in_flig
         assert 0 <= metrics["async/engine_busy"] <= 1 and 0 < metrics["async/learner_busy"] <= 1
         assert metrics["train/behaviour_weight"] > 0  # the decoupled objective trained it
     assert seen[1]["async/staleness_mean"] == 0  # the first batch was sampled by the weights that train it
+    # run.sync_probe_every's asynchronous default: the run's first step, then every 10th.
+    assert seen[1]["sync/logprob_gap"] <= 1e-4 and "sync/logprob_gap" not in seen[2]
     # The checkpoint of step 1 points at the problems of batch 2, though the producer had gone past them.
     state = checkpoint.read_driver_state(checkpoint.latest_checkpoint(out))
     assert state["step"] == 1 and state["stream"] == {"epoch": 0, "cursor": 2}
@@ -496,6 +498,7 @@ def test_async_run_keeps_the_staleness_bound_and_resumes_without_samples_in_flig
     cfg.run.resume = True
     resumed = train(cfg)
     assert len(resumed) == 2 and all(m["async/staleness_mean"] <= 1 for m in resumed)
+    assert "sync/logprob_gap" in resumed[0] and "sync/logprob_gap" not in resumed[1]  # the resumed run's first step
     logged = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert logged == [1, 2, 2, 3]  # step 2 redone after the kill
     state = checkpoint.read_driver_state(checkpoint.latest_checkpoint(out))

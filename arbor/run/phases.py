@@ -304,16 +304,22 @@ def push_weights(weights: EngineWeights, recovery: EngineRecovery, version: str)
 
 def probe_weights(
     learners: LearnerGroup, sampling: Sampling, rollout_cfg: RolloutConfig, probe: list[RolloutTree],
+    flush: bool = True,
 ) -> dict[str, float]:
     """``sync/logprob_gap``: the engines sample the probe's prompts (naming the pushed adapter)
-    and the learners score the samples; ~0 when the engines serve the learners' weights."""
+    and the learners score the samples; ~0 when the engines serve the learners' weights.
+
+    ``flush`` empties the engines' prefix cache afterwards, so a synchronous run's next step
+    starts from the cache state a resumed run has. An asynchronous run passes False: its
+    producer is sampling meanwhile, and a flush would throw away the KV of its unfinished
+    trees (their children's prompts would be prefilled again)."""
     if not probe:
         return {}
     samples = sampling.run(probe_samples(sampling.engine, [t.prompt_ids for t in probe],
                                          max_new_tokens=rollout_cfg.segment_tokens, temperature=rollout_cfg.temperature))
     gap = learners.logprob_gap(samples)
-    # The probe's KV must not make the next step's cache state differ from a resumed run's.
-    sampling.run(sampling.engine.flush_cache())
+    if flush:  # the probe's KV must not make the next step's cache state differ from a resumed run's
+        sampling.run(sampling.engine.flush_cache())
     return {"sync/logprob_gap": gap}
 
 

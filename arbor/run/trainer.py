@@ -69,8 +69,10 @@ def train(cfg: Config, after_step: Callable[[RunContext, int, dict], None] | Non
                                                          seed=cfg.run.seed, behaviour_cap=behaviour_cap)
                     with ctx.log.phase("sync"):
                         metrics |= phases.push_weights(ctx.weights, ctx.recovery, str(step))
-                with ctx.log.phase("sync"):
-                    metrics |= phases.probe_weights(ctx.learners, ctx.sampling, cfg.rollout, probe=batch.trees[:2])
+                if probe_due(step, cfg.run.sync_probe_every, producer is not None, first=ctx.start_step + 1):
+                    with ctx.log.phase("sync"):
+                        metrics |= phases.probe_weights(ctx.learners, ctx.sampling, cfg.rollout,
+                                                        probe=batch.trees[:2], flush=producer is None)
             if producer is not None:
                 producer.step_done(step, pushed=bool(batch.trees))  # the next batch may start sampling
             if cfg.run.eval_every and step % cfg.run.eval_every == 0 and ctx.eval_problems:
@@ -92,6 +94,21 @@ def train(cfg: Config, after_step: Callable[[RunContext, int, dict], None] | Non
                 ctx.save_checkpoint(step, stream_state=producer.stream_state(step + 1) if producer else None)
         ctx.export_hf()
     return history
+
+
+def probe_due(step: int, every: int | None, asynchronous: bool, first: int = 1) -> bool:
+    """Whether ``step`` runs the weight-sync probe (``run.sync_probe_every``; None: 1 when
+    synchronous, 10 when asynchronous). The run's ``first`` step always does (a push that
+    never reaches the engines shows at once), unless ``every`` is 0.
+
+    >>> [s for s in range(1, 25) if probe_due(s, None, True)], [s for s in range(31, 42) if probe_due(s, 5, True, 31)]
+    ([1, 10, 20], [31, 35, 40])
+    >>> probe_due(3, None, False), probe_due(1, 0, False)
+    (True, False)
+    """
+    if every is None:
+        every = 10 if asynchronous else 1
+    return every > 0 and (step == first or step % every == 0)
 
 
 def main(cfg: Config) -> int:
