@@ -7,7 +7,7 @@
 Trains the config twice per seed with the real trainer (:func:`arbor.run.trainer.train`: Ray,
 engines, reward pool, DeepSpeed learner, weight sync):
 
-- **sync**: the config as it is (``algorithm.max_staleness: 0``): sample, score, train,
+- **sync**: ``algorithm.max_staleness: 0``: sample, score, train,
   push, one after another — the engine idles while the learner trains and the reverse;
 - **async**: ``algorithm.max_staleness: 1``: a producer thread samples and scores step
   t + 1's trees while the learner trains on step t's (:mod:`arbor.run.async_rollouts`), and the

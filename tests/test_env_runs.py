@@ -23,7 +23,7 @@ def env_run(out: Path, *overrides: str):
         # One segment per answer: the tree forks after the environment's turn (replaying its step).
         RECHECK, "reward.functions=[]", "rollout.width=4", "rollout.segment_tokens=16", "rollout.max_depth=4",
         "algorithm.dynamic_sampling=false",
-        "run.cpu_threads=1", *overrides,
+        "run.cpu_threads=1", "algorithm.max_staleness=0", *overrides,
     ])
 
 

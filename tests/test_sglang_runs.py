@@ -79,7 +79,7 @@ def test_weights_by_disk_and_a_killed_scheduler_restarts_the_server(tmp_path):
     python = sglang_python()
     cfg = load_config(REPO / "configs" / "quickstart.yaml", [
         "engine.kind=sglang", f"engine.python={python}", *SMALL, "run.steps=3", "run.eval_every=0",
-        "run.save_every=0", "learner.weight_sync=disk", f"run.output_dir={tmp_path / 'run'}",
+        "run.save_every=0", "learner.weight_sync=disk", "algorithm.max_staleness=0", f"run.output_dir={tmp_path / 'run'}",
         f"model.path={REPO / 'models' / 'tiny-arith'}", f"data.train_path={REPO / 'data' / 'arith' / 'train.jsonl'}",
         f"data.eval_path={REPO / 'data' / 'arith' / 'test.jsonl'}",
     ])
@@ -108,7 +108,7 @@ def test_weights_by_disk_and_a_killed_scheduler_restarts_the_server(tmp_path):
 def quickstart(tmp_path, *overrides):
     return load_config(REPO / "configs" / "quickstart.yaml", [
         "engine.kind=sglang", f"engine.python={sglang_python()}", *SMALL, "run.eval_every=0", "run.save_every=0",
-        f"run.output_dir={tmp_path / 'run'}", f"model.path={REPO / 'models' / 'tiny-arith'}",
+        "algorithm.max_staleness=0", f"run.output_dir={tmp_path / 'run'}", f"model.path={REPO / 'models' / 'tiny-arith'}",
         f"data.train_path={REPO / 'data' / 'arith' / 'train.jsonl'}",
         f"data.eval_path={REPO / 'data' / 'arith' / 'test.jsonl'}", *overrides,
     ])

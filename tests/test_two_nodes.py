@@ -57,7 +57,7 @@ def cluster():
 
 def train_command(cluster, out: Path, *overrides: str) -> list[str]:
     return [sys.executable, "-m", "arbor", "train", "configs/quickstart.yaml", f"ray.address={cluster.ray_address}",
-            f"run.output_dir={out}", *QUICK, *overrides]
+            f"run.output_dir={out}", *QUICK, "algorithm.max_staleness=0", *overrides]
 
 
 def train(cluster, out: Path, *overrides: str, timeout: float = 900) -> subprocess.CompletedProcess:
