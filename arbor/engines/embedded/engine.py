@@ -54,6 +54,7 @@ import torch
 
 from arbor.engines.embedded.decode_batch import (
     DecodeBatch,
+    LlamaDecoder,
     make_cache,
     make_decoder,
     sample_rows,
@@ -98,6 +99,10 @@ class LocalEngine:
         self.cache = RadixKVCache(max_cached_tokens)
         self.adapters = MergedAdapters(self.model)  # LoRA adapters, merged (engines/embedded/lora.py)
         self._decoder = make_decoder(self.model)
+        # Batched prefill reads logits as lm_head(final hidden state), which holds for the
+        # layouts LlamaDecoder runs; other models (logit scaling, soft-capping, sliding
+        # windows) prefill one prompt per forward through their own forward.
+        self._batched_prefill = isinstance(self._decoder, LlamaDecoder)
         # The running rows' KV buffers, kept between batches (allocation is not free).
         self._batch = DecodeBatch(self.device)
         self.stats = EngineStats()
@@ -328,7 +333,7 @@ class LocalEngine:
             fail_jobs(jobs, EngineReleased("engine memory is released; call resume first"))
             return
         try:
-            hits = self._prefill_batched(jobs)
+            hits = self._prefill_batched(jobs) if self._batched_prefill else {}
         except Exception as exc:  # the batch's prompts are bad together: each job prefills alone
             hits = {}
             self._prefill_failures += 1
