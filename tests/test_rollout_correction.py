@@ -300,7 +300,7 @@ def quickstart_mismatch(out, *overrides):
 
     repo = Path(__file__).resolve().parents[1]
     command = [sys.executable, "-m", "arbor", "train", "configs/quickstart.yaml", "run.steps=1", "run.eval_every=0",
-               "data.prompts_per_step=4", "run.save_every=0", f"run.output_dir={out}", *overrides]
+               "data.prompts_per_step=4", "run.save_every=0", "algorithm.max_refill_rounds=1", f"run.output_dir={out}", *overrides]
     done = subprocess.run(command, cwd=repo, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     (step,) = [m for m in read_metrics(out) if m["step"] == 1]

@@ -26,7 +26,9 @@ from arbor.run.trainer import train
 REPO = Path(__file__).resolve().parents[1]
 # float32 on both sides, SGLang's torch_native kernels against the learner's forward.
 GAP_BOUND = 1e-4
-SMALL = ["data.prompts_per_step=4", "engine.max_cached_tokens=16384", "run.cpu_threads=1"]
+# One refill round: with 4 problems a step, a step whose problems all score alike (nothing to
+# train, push or probe) would be common without it.
+SMALL = ["data.prompts_per_step=4", "engine.max_cached_tokens=16384", "run.cpu_threads=1", "algorithm.max_refill_rounds=1"]
 
 
 def test_quickstart_async_on_sglang_then_arbor_eval(tmp_path):

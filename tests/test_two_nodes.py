@@ -38,7 +38,7 @@ from arbor.run.metrics import read_metrics
 from arbor.run.sft import run_sft
 
 QUICK = ["learner.num_ranks=2", "run.eval_every=0", "run.save_trees_every=0", "run.cpu_threads=1",
-         "data.prompts_per_step=16"]
+         "data.prompts_per_step=16", "algorithm.max_refill_rounds=1"]
 SPLIT = ["ray.learner_resources={trainer: 1}", "ray.engine_resources={rollout: 1}"]
 ONE_NODE = ["ray.learner_resources={node1: 1}", "ray.engine_resources={node1: 1}"]
 GAP_BOUND = 1e-5  # float32 learner and embedded engine: the same forward, up to summation order
