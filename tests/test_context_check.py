@@ -62,9 +62,11 @@ def test_the_model_config_and_sglang_context_length_flag(monkeypatch):
         check_model_context(load_config(QUICKSTART, ["model.path=/nonexistent/model"]), "train")
 
 
-def test_arbor_train_refuses_a_depth_far_beyond_the_tiny_models_context():
-    out = subprocess.run([sys.executable, "-m", "arbor", "train", "configs/quickstart.yaml", "rollout.max_depth=1000"],
-                         cwd=REPO, capture_output=True, text=True, timeout=120)
+def test_arbor_train_refuses_a_depth_far_beyond_the_tiny_models_context(tmp_path):
+    # Its own output_dir: after the README's quickstart, runs/quickstart holds a run, which
+    # would be refused first.
+    out = subprocess.run([sys.executable, "-m", "arbor", "train", "configs/quickstart.yaml", "rollout.max_depth=1000",
+                          f"run.output_dir={tmp_path / 'run'}"], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert out.returncode == 2, out.stderr
     assert ("arbor train: config error: data.max_prompt_tokens + rollout.max_depth × rollout.segment_tokens "
             "= 64 + 1000 × 8 = 8064 tokens, more than the model's context of 256 tokens") in out.stderr
