@@ -370,7 +370,8 @@ class LocalEngine:
         or inside a longer one, does not run: it finds the cache filled, as it would after
         the other one ran alone.
         """
-        wanted: list[tuple[int, list[int], int]] = []  # (job id, prompt, tokens found cached)
+        # (job id, prompt, the cached prefix it found: at most all but its last token)
+        wanted: list[tuple[int, list[int], PrefixHit]] = []
         for job in jobs:
             prompt, sp = job.request.input_ids, job.request.sampling
             commit = sp.max_new_tokens == 0
@@ -378,39 +379,41 @@ class LocalEngine:
                 continue  # one token: nothing to cache ahead of the first sample
             hit = self.cache.match(prompt)
             if hit.length < len(prompt) - (0 if commit else 1):
-                wanted.append((id(job), prompt, min(hit.length, len(prompt) - 1)))
-        groups: dict[tuple[int, ...], list[list[int]]] = {}  # cached prefix -> prompts to run
+                wanted.append((id(job), prompt, hit.upto(min(hit.length, len(prompt) - 1))))
+        # cached prefix -> its hit (the KV every chunk runs over, without a second cache
+        # walk) and the prompts to run over it
+        groups: dict[tuple[int, ...], tuple[PrefixHit, list[list[int]]]] = {}
         owner: dict[tuple[int, ...], int] = {}  # a prompt that runs -> the first job that asked
-        for job_id, prompt, length in sorted(wanted, key=lambda w: -len(w[1])):
-            group = groups.setdefault(tuple(prompt[:length]), [])
+        for job_id, prompt, hit in sorted(wanted, key=lambda w: -len(w[1])):
+            _, group = groups.setdefault(tuple(prompt[: hit.length]), (hit, []))
             if not any(other[: len(prompt)] == prompt for other in group):
                 group.append(prompt)
                 owner[tuple(prompt)] = job_id
-        found = {job_id: length for job_id, _, length in wanted}
+        found = {job_id: hit.length for job_id, _, hit in wanted}
         result: dict[int, tuple[int, torch.Tensor]] = {}
-        for prefix, prompts in groups.items():
+        for prefix, prompts in groups.values():
             prompts.sort(key=len)
             start = 0
             while start < len(prompts):  # chunks of at most max_prefill_tokens padded tokens
                 end = start + 1
-                while end < len(prompts) and (end + 1 - start) * (len(prompts[end]) - len(prefix)) <= self.max_prefill_tokens:
+                while end < len(prompts) and (end + 1 - start) * (len(prompts[end]) - prefix.length) <= self.max_prefill_tokens:
                     end += 1
-                logits = self._prefill_group(list(prefix), prompts[start:end])
+                logits = self._prefill_group(prefix, prompts[start:end])
                 for prompt, row in zip(prompts[start:end], logits):
                     job_id = owner[tuple(prompt)]
                     result[job_id] = (found[job_id], row)
                 start = end
         return result
 
-    def _prefill_group(self, prefix: list[int], prompts: list[list[int]]) -> torch.Tensor:
-        """Cache the KV of ``prompts`` (each starting with the cached ``prefix``); their
-        last-position logits ``[B, V]``."""
-        cached = len(prefix)
+    def _prefill_group(self, prefix: PrefixHit, prompts: list[list[int]]) -> torch.Tensor:
+        """Cache the KV of ``prompts`` (each starting with the tokens of the cached ``prefix``);
+        their last-position logits ``[B, V]``."""
+        cached = prefix.length
         past_keys: list[torch.Tensor] = []
         past_values: list[torch.Tensor] = []
         width = len(prompts)
         if cached:  # per layer [B, H, T, D], one shared copy
-            kv = self.cache.match(prefix).kv
+            kv = prefix.kv
             past_keys = [k[None].expand(width, -1, -1, -1) for k in kv[0]]
             past_values = [v[None].expand(width, -1, -1, -1) for v in kv[1]]
         longest = max(len(p) for p in prompts) - cached
