@@ -16,15 +16,19 @@ context, this machine) exit the same way.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import importlib
+import logging
 import sys
-from collections.abc import Callable
+import traceback
+from collections.abc import Callable, Iterator
+from pathlib import Path
 
 from arbor.config import Config, dump_config
 from arbor.config_load import load_config
 from arbor.dataset_files import DataError
-from arbor.errors import ConfigError
+from arbor.errors import ConfigError, RunStopped
 from arbor.plugins import default_search_dirs
 
 # Subcommand -> (module, function, one-line help, takes a config). Modules are imported
@@ -126,11 +130,59 @@ def main(argv: list[str] | None = None) -> int:
 
             start_ray_early(cfg)  # Ray comes up while the checks, imports and data load run
         check_extensions(cfg)
-        return _resolve(args.command)(cfg)
+        with run_log(cfg, args.command) as log_path:
+            try:
+                return _resolve(args.command)(cfg)
+            except RunStopped as e:
+                # What no branch survives: one line naming what failed and the fix; the traceback in the log.
+                _append_traceback(log_path, e)
+                print(f"arbor {args.command}: stopped: {e}\n  (the traceback is in {log_path})", file=sys.stderr)
+                return 1
     except (ConfigError, DataError) as e:  # also a rule the command's start-up found on the settled config: one line
         kind = "config" if isinstance(e, ConfigError) else "data"
         print(f"arbor {args.command}: {kind} error: {e}", file=sys.stderr)
         return 2
+
+
+@contextlib.contextmanager
+def run_log(cfg: Config, command: str) -> Iterator[Path | None]:
+    """``<run.output_dir>/arbor.log`` for ``train``, ``eval`` and ``sft`` while the command runs:
+    every record of arbor's loggers at INFO and above (one line per dropped branch, each failure
+    with its problem id), and the traceback of an error that stopped the run. The console keeps
+    warnings and errors only, as before. Yields the log's path (None for other commands)."""
+    if command not in ("train", "eval", "sft"):
+        yield None
+        return
+    out = Path(cfg.run.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "arbor.log"
+    to_file = logging.FileHandler(path)
+    to_file.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logger = logging.getLogger("arbor")
+    handlers: list[logging.Handler] = [to_file]
+    if not logging.getLogger().handlers:  # no handler of the user's: warnings still reach the console
+        to_console = logging.StreamHandler(sys.stderr)
+        to_console.setLevel(logging.WARNING)
+        handlers.append(to_console)
+    level = logger.level
+    logger.setLevel(logging.INFO)
+    for handler in handlers:
+        logger.addHandler(handler)
+    try:
+        yield path
+    finally:
+        for handler in handlers:
+            logger.removeHandler(handler)
+            handler.close()
+        logger.setLevel(level)
+
+
+def _append_traceback(path: Path | None, error: BaseException) -> None:
+    if path is None:
+        return
+    with path.open("a") as f:
+        f.write(f"arbor stopped: {type(error).__name__}: {error}\n")
+        f.write("".join(traceback.format_exception(error)))
 
 
 def dry_run(cfg: Config, command: str) -> int:

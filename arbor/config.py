@@ -113,8 +113,14 @@ class RolloutConfig:
     # Keyword arguments for rollout.env's class or factory.
     env_args: dict[str, Any] = field(default_factory=dict)
     # Wall-clock seconds one environment call (reset, step, copy, reward, close) may take; past
-    # it that branch ends truncated ("env_timeout", counted in env/timeouts), its siblings go on.
+    # it that branch is dropped ("env_timeout", counted in env/timeouts and failures/env_timeout),
+    # its siblings go on.
     env_timeout_s: float = 60.0
+    # An episode whose next environment (or agent) message does not fit the response budget.
+    # unfinished: it ends there, scored with the environment's reward (0 if it gives none) and
+    # counted (env/overflow_ended): dropping it would keep only the episodes short enough to
+    # fit, a bias toward the easy ones. drop: the branch is removed, never trained (env/dropped).
+    env_overflow: Literal["drop", "unfinished"] = "unfinished"
     # Environment instances open at once while a step samples; 0: no cap. A branch that needs
     # one more waits for another to close.
     max_live_envs: int = 0
@@ -188,11 +194,13 @@ class RewardConfig:
     functions: list[RewardTermConfig] = field(default_factory=lambda: [RewardTermConfig()])
     # An episode's reward is env_weight × the environment's reward() (rollout.env) + the terms.
     env_weight: float = 1.0
-    timeout_s: float = 5.0  # a check past this is killed, scores 0, and is counted
+    timeout_s: float = 5.0  # a check past this is killed, its branch dropped, and counted
     # Processes that run reward checks in parallel.
     workers: int = 2
-    # More than this share of a step's checks timed out or crashed: the run stops (a broken
-    # reward function must not train on zeros). 1.0: never stop.
+    # One failure policy: a branch whose user code failed (environment, agent, program, reward
+    # function or judge: raised, returned a bad value, ran past its time limit) is dropped and
+    # counted (failures/<kind>). More than this share of a step's episodes failed: the run stops,
+    # naming the first failure's problem id, turn and message. 1.0: never stop.
     max_failure_fraction: float = 0.1
 
 
@@ -381,6 +389,10 @@ class RunConfig:
     sync_probe_every: int | None = None
     # Continue from output_dir's latest checkpoint (a new run refuses a used output_dir).
     resume: bool = False
+    # Consecutive steps that train nothing (every tree dropped: too stale, failed, over the
+    # budget; not when dynamic sampling filtered groups that all scored alike) before the run
+    # stops. Each is said on the console and counted in run/empty_steps. 0: never stop.
+    max_empty_steps: int = 3
     # Where every step's metrics and the resolved config go beside metrics.jsonl: tensorboard
     # (output_dir/tensorboard), wandb (W&B: WANDB_PROJECT, WANDB_MODE), mlflow (MLflow:
     # MLFLOW_TRACKING_URI, MLFLOW_EXPERIMENT_NAME); [] for none. wandb and mlflow are the

@@ -134,6 +134,7 @@ def validate(cfg: Config, where: Callable[[str], str] | None = None, on_gpu: boo
     need(math.isfinite(cfg.reward.env_weight), "reward.env_weight", f"must be a finite number, got {cfg.reward.env_weight}")
     need(cfg.reward.timeout_s > 0, "reward.timeout_s", "must be > 0")
     need(cfg.reward.workers >= 1, "reward.workers", "must be ≥ 1")
+    need(cfg.run.max_empty_steps >= 0, "run.max_empty_steps", f"must be ≥ 0 (0: never stop), got {cfg.run.max_empty_steps}")
     need(0 <= cfg.reward.max_failure_fraction <= 1, "reward.max_failure_fraction",
          f"must be in [0, 1], got {cfg.reward.max_failure_fraction}")
 

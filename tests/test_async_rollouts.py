@@ -49,6 +49,26 @@ def test_a_tree_is_as_old_as_its_oldest_segment_and_trees_past_the_bound_are_dro
     assert updates_since(tree_with_versions("1"), [1, 3]) == 1
 
 
+def test_environment_turns_carry_no_version_and_do_not_age_a_tree():
+    # A multi-turn tree: model turn (step 3's weights), an environment turn (no version: the
+    # environment wrote it), another model turn. Read as version 0, the environment's node made
+    # every such tree 3 updates old, and an asynchronous run dropped all of them.
+    tree = tree_with_versions("3")
+    model_turn = next(tree.nodes())
+    env_turn = tree.add_segment(model_turn, [20, 21], [0.0, 0.0], [0, 0])
+    tree.add_segment(env_turn, [22], [-0.1]).weight_version = "3"
+    assert env_turn.weight_version is None
+    assert updates_since(tree, [1, 2, 3]) == 0
+    assert drop_stale([tree], [1, 2, 3], max_staleness=1) == ([tree], [0])
+    # The sampled nodes still decide: an older model turn ages the tree as before.
+    model_turn.weight_version = "1"
+    assert updates_since(tree, [1, 2, 3]) == 2
+    # A tree with no sampled node at all (an environment's reset only) is not old.
+    only_env = RolloutTree([1])
+    only_env.add_segment(only_env.root, [5], [0.0], [0])
+    assert updates_since(only_env, [1, 2, 3]) == 0
+
+
 def test_mixed_version_tags_round_trip_through_json():
     tree = tree_with_versions("default", "4", "5")
     again = RolloutTree.from_json(tree.to_json())

@@ -3,6 +3,7 @@ learning-rate horizon travels with the driver state."""
 
 import pytest
 
+from arbor.errors import RunStopped
 from arbor.run import checkpoint
 
 
@@ -56,13 +57,13 @@ def test_a_used_output_directory_is_refused_unless_resumed(tmp_path):
     (tmp_path / "config.yaml").write_text("run: {}\n")
     assert checkpoint.check_output_dir(tmp_path, resume=False, command="train") is None
     (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n')
-    with pytest.raises(SystemExit, match=rf"arbor sft: {tmp_path} already holds a run that wrote no checkpoint "
+    with pytest.raises(RunStopped, match=rf"{tmp_path} already holds a run that wrote no checkpoint "
                                          rf"\(metrics.jsonl\): delete {tmp_path} or choose another run.output_dir"):
         checkpoint.check_output_dir(tmp_path, resume=False, command="sft")
     assert checkpoint.check_output_dir(tmp_path, resume=True, command="train") is None  # starts again at step 1
     checkpoint.write_driver_state(checkpoint.step_dir(tmp_path, 4), {"step": 4})
     checkpoint.mark_latest(tmp_path, 4)
-    with pytest.raises(SystemExit, match=r"already holds a run \(checkpoint step-000004\): continue it with "
+    with pytest.raises(RunStopped, match=r"already holds a run \(checkpoint step-000004\): continue it with "
                                          r"run.resume=true .*, or delete"):
         checkpoint.check_output_dir(tmp_path, resume=False, command="train")
     assert checkpoint.check_output_dir(tmp_path, resume=True, command="train") == checkpoint.step_dir(tmp_path, 4)
@@ -82,7 +83,7 @@ def test_a_second_run_is_refused_before_it_writes_anything(tmp_path, command):
     before = _files(out)
     # learner.backend torch: sft sets no distributed variables in this process
     cfg = load_config(None, [f"run.output_dir={out}", "model.path=/nonexistent/model", "learner.backend=torch"])
-    with pytest.raises(SystemExit, match="already holds a run that wrote no checkpoint"):
+    with pytest.raises(RunStopped, match="already holds a run that wrote no checkpoint"):
         if command == "train":
             from arbor.run.context import start_run
 

@@ -9,6 +9,7 @@ saw another branch's step would show a turn of that branch in its notes.
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
 
@@ -109,6 +110,7 @@ def test_siblings_never_see_each_others_side_effects(cls):
 
 
 def test_a_replay_with_hidden_randomness_diverges_and_its_branch_is_never_trained_on(caplog):
+    caplog.set_level(logging.INFO)  # per-branch lines go to the run's arbor.log, not the console
     trees, stats = sample(SeededDice)  # randomness from reset's seed: replays agree
     assert stats[0].env_errors == 0 and stats[0].env_replayed_steps > 0 and stats[0].env_dropped == 0
     trees, stats = sample(Dice)  # the global RNG: every replayed step rolls another number
@@ -116,6 +118,7 @@ def test_a_replay_with_hidden_randomness_diverges_and_its_branch_is_never_traine
     # A fork replays when its branch first needs the environment (its first step, or its end):
     # forks before the first step replay nothing and agree; later ones diverge and are dropped.
     assert s.env_errors > 0 and s.env_dropped == s.env_errors and s.env_forks.get("replay", 0) > 0
+    assert s.env_diverged == s.env_errors and not s.failures  # divergence is counted, not a code failure
     assert len(tree.leaves()) == 8 - s.env_dropped and s.shortfall_reason.startswith("environment failures")
     check_isolation(tree, noisy=True)  # what is left is every branch's own
     assert "problem 0: replaying the environment for a new branch diverged at turn 1: step returned" in caplog.text
@@ -125,21 +128,23 @@ def test_a_replay_with_hidden_randomness_diverges_and_its_branch_is_never_traine
 
 
 def test_a_reset_that_reads_the_clock_cannot_fork_at_all(caplog):
+    caplog.set_level(logging.INFO)
     (tree,), (s,) = sample(Clock, width=4)
     assert len(tree.leaves()) == 1 and s.env_dropped == 3 and "diverged at turn 0: reset returned" in caplog.text
     assert s.shortfall_reason.startswith("environment failures stopped branches")
 
 
-def test_a_timed_out_step_ends_its_branch_and_its_siblings_go_on(caplog):
+def test_a_timed_out_step_drops_its_branch_and_its_siblings_go_on(caplog):
+    caplog.set_level(logging.INFO)
     SlowOnce.hung, SlowOnce.release = set(), threading.Event()
     try:
         (tree,), (s,) = sample(SlowOnce, mode="independent", width=3, env_timeout_s=0.3)
         reasons = sorted(leaf.finish_reason for leaf in tree.leaves())
-        assert reasons == ["env_timeout", "stop", "stop"] and s.env_timeouts == 1
+        assert reasons == ["stop", "stop"] and s.env_timeouts == 1 and s.env_dropped == 1
+        assert [(f.kind, f.problem_id, f.turn) for f in s.failures] == [("env_timeout", "0", 1)]
         assert s.env_live == 1  # the abandoned instance is closed when its step returns
-        assert "env.step (turn 1) ran past rollout.env_timeout_s=0.3s; the branch ends there" in caplog.text
-        timed_out = next(leaf for leaf in tree.leaves() if leaf.finish_reason == "env_timeout")
-        assert timed_out.env_reward is None  # the environment gives that episode no reward
+        assert "problem 0, turn 1: env_timeout: env.step ran past rollout.env_timeout_s=0.3s" in caplog.text
+        assert all(leaf.env_reward == 3.0 for leaf in tree.leaves())  # the siblings finished and were scored
     finally:
         SlowOnce.release.set()
     deadline = time.monotonic() + 10
@@ -212,13 +217,17 @@ def test_entropy_forks_inside_later_turns_get_the_environment_of_that_turn(cls):
     assert len(Registry.closed) == len(Registry.opened)
 
 
-def test_an_environment_that_raises_stops_sampling_naming_the_problem_and_every_instance_is_closed():
+def test_an_environment_that_raises_drops_its_branches_naming_the_problem_and_every_instance_is_closed():
     from env_fixtures import Broken
 
-    from arbor.rollout.env_forks import EnvCallError
-
-    with pytest.raises(EnvCallError, match=r"^problem [01]: env.step \(turn 2\) raised KeyError: 'no such account'$"):
-        sample(Broken, problems=2, width=4)
+    trees, stats = sample(Broken, problems=2, width=4)
+    failures = [f for s in stats for f in s.failures]
+    # Each branch whose step raised is dropped and recorded with the problem, the turn and the
+    # environment's own message; nothing raised is trained on.
+    assert failures and {f.describe() for f in failures} == {
+        f"problem {i}, turn 2: env_error: step raised KeyError: 'no such account'" for i in (0, 1)}
+    assert sum(s.env_dropped for s in stats) + sum(len(t.leaves()) for t in trees) >= len(failures)
+    assert all(leaf.finish_reason != "failed" for t in trees for leaf in t.leaves())
     assert Registry.opened and len(Registry.closed) == len(Registry.opened)  # also the other trees'
 
 

@@ -17,7 +17,7 @@ from ci_rule import unavailable
 
 from arbor.config import RunConfig, config_to_dict
 from arbor.config_load import load_config
-from arbor.errors import ConfigError
+from arbor.errors import ConfigError, RunStopped
 from arbor.run.loggers import IDS_FILE, flat, mlflow_name
 from arbor.run.metrics import MetricsLog, read_metrics
 
@@ -227,7 +227,7 @@ def test_arbor_sft_logs_to_every_logger(trackers, tmp_path, monkeypatch):
 
 def test_a_tracking_store_mlflow_cannot_open_stops_the_start_saying_what_to_set(trackers, monkeypatch):
     monkeypatch.setenv("MLFLOW_TRACKING_URI", "nosuch://tracker")
-    with pytest.raises(SystemExit, match=r"run.loggers: mlflow cannot use the tracking store nosuch://tracker: "
+    with pytest.raises(RunStopped, match=r"run.loggers: mlflow cannot use the tracking store nosuch://tracker: "
                                          r"(.|\n)*Set MLFLOW_TRACKING_URI"):
         MetricsLog(RunConfig(output_dir=str(trackers / "run"), loggers=["tensorboard", "mlflow"]), total_steps=1)
     assert not (trackers / "run" / "metrics.jsonl").exists()
@@ -243,5 +243,5 @@ def test_wandb_without_a_key_stops_the_start_saying_what_to_do(trackers):
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300,
                           stdin=subprocess.DEVNULL)
     assert done.returncode == 1, done.stderr[-2000:]
-    assert "arbor: run.loggers: wandb could not start a run: UsageError" in done.stderr
+    assert "RunStopped: run.loggers: wandb could not start a run: UsageError" in done.stderr
     assert "WANDB_MODE=offline" in done.stderr and not (trackers / "run" / "metrics.jsonl").exists()

@@ -61,6 +61,7 @@ def test_env_metrics_by_hand_and_only_with_episodes():
         "env/reward_mean": pytest.approx(0.5), "env/steps_per_episode": 2.0, "env/forks": 4.0,
         "env/forks/copy": 0.0, "env/forks/replay": 4.0, "env/forks/none": 0.0, "env/replayed_steps": 4.0,
         "env/timeouts": 2.0, "env/errors": 1.0, "env/dropped": 1.0, "env/live": 1.0,
+        "env/overflow_ended": 0.0, "env/diverged": 0.0,
     }
 
 

@@ -8,6 +8,8 @@ runs the same paths with a real chat template.
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 from test_sampler import EOS, PROMPT, ScriptedEngine, cfg_of, fresh, paths_per_round, run
 
@@ -71,29 +73,39 @@ def test_a_tool_turn_leaving_less_than_a_segment_caps_the_next_one() -> None:
 
 
 def test_agent_messages_that_do_not_fit_the_budget_drop_the_branch(caplog) -> None:
-    # Turn 1 ends at 4 of 12; a 10-id tool turn does not fit the 8 left: not cut, but an error
-    # of that branch, counted and warned about, and the branch is never trained on (dropped).
+    # rollout.env_overflow: drop. Turn 1 ends at 4 of 12; a 10-id tool turn does not fit the 8
+    # left: not cut, but the branch is counted, logged and never trained on (dropped).
+    caplog.set_level(logging.INFO)
     agent = TokenAgent(turns=1, tool_len=10, error=True)
-    tree, stats, asked = run_episode(agent, [([11, 12, 13, EOS], "stop")], max_depth=3)
+    tree, stats, asked = run_episode(agent, [([11, 12, 13, EOS], "stop")], max_depth=3, env_overflow="drop")
     assert tree.leaves() == [] and tree.num_nodes == 0 and asked == [4]
-    assert stats.env_errors == 1 and stats.env_dropped == 1 and stats.tool_turns == 0
+    assert stats.env_errors == 1 and stats.env_dropped == 1 and stats.tool_turns == 0 and not stats.failures
     assert stats.shortfall_reason.startswith("environment failures stopped branches (1 dropped")
     assert ("problem 0: the agent's messages of turn 1 are 10 tokens, but the episode has 8 left of its response "
-            "budget (rollout.segment_tokens × rollout.max_depth = 12; agent and environment messages count "
-            "against it): the branch is dropped (message_too_long; every such branch is counted in env/errors)") in caplog.text
-    # Messages that fill the room exactly leave the model no token to answer with: the same error.
+            "budget (rollout.segment_tokens × rollout.max_depth = 12): dropped (rollout.env_overflow)") in caplog.text
+    # Messages that fill the room exactly leave the model no token to answer with: the same.
     agent = TokenAgent(turns=1, tool_len=8)
-    tree, stats, _ = run_episode(agent, [([11, 12, 13, EOS], "stop")], max_depth=3)
+    tree, stats, _ = run_episode(agent, [([11, 12, 13, EOS], "stop")], max_depth=3, env_overflow="drop")
     assert tree.leaves() == [] and stats.env_errors == 1
     # A model turn that ends exactly at the budget leaves no room: an agent that goes on is cut off too.
     agent = TokenAgent(turns=1, tool_len=2)
-    tree, stats, _ = run_episode(agent, [([11, 12, 13, EOS], "stop")], max_depth=1)
+    tree, stats, _ = run_episode(agent, [([11, 12, 13, EOS], "stop")], max_depth=1, env_overflow="drop")
     assert tree.leaves() == [] and stats.env_errors == 1 and len(agent.histories) == 1
     # ... while an agent that ends the episode there is fine.
     agent = TokenAgent(turns=0, tool_len=2)
-    tree, stats, _ = run_episode(agent, [([11, 12, 13, EOS], "stop")], max_depth=1)
+    tree, stats, _ = run_episode(agent, [([11, 12, 13, EOS], "stop")], max_depth=1, env_overflow="drop")
     (leaf,) = tree.leaves()
     assert leaf.end == 4 and leaf.finish_reason == "stop" and stats.env_errors == 0
+
+
+def test_agent_messages_that_do_not_fit_the_budget_end_the_episode_unfinished() -> None:
+    # rollout.env_overflow: unfinished (the default): the same episode ends at its model turn, kept
+    # (finish reason message_too_long) and counted; the message is never appended.
+    agent = TokenAgent(turns=1, tool_len=10)
+    tree, stats, asked = run_episode(agent, [([11, 12, 13, EOS], "stop")], max_depth=3)
+    (leaf,) = tree.leaves()
+    assert leaf.token_ids == [11, 12, 13, EOS] and leaf.finish_reason == "message_too_long" and asked == [4]
+    assert stats.overflow_ended == 1 and stats.env_dropped == stats.env_errors == 0 and stats.tool_turns == 0
 
 
 def test_the_agent_sees_decoded_turns_without_their_stop_token() -> None:
@@ -115,9 +127,10 @@ def test_the_agent_sees_decoded_turns_without_their_stop_token() -> None:
     assert stats.tool_turns == 2 and tree.response_loss_mask(leaf) == [1, 1, 1, 0, 1, 1, 0, 1, 1, 1]
 
 
-def test_an_agent_step_past_its_timeout_ends_the_episode(caplog) -> None:
+def test_an_agent_step_past_its_timeout_drops_the_episode(caplog) -> None:
     import threading
 
+    caplog.set_level(logging.INFO)
     hold = threading.Event()
     agent = TokenAgent(turns=1, tool_len=2, hold=hold)
     engine = ScriptedEngine(4, lambda request, j, depth: ([11, EOS], "stop"))
@@ -130,18 +143,21 @@ def test_an_agent_step_past_its_timeout_ends_the_episode(caplog) -> None:
         assert len(held) == 2 and all(t.daemon for t in held)
     finally:
         hold.set()
-    assert [leaf.finish_reason for leaf in trees[0].leaves()] == ["agent_timeout"] * 2
+    assert trees[0].leaves() == [] and stats[0].env_dropped == 2  # a timeout is a failure: dropped
     assert stats[0].agent_timeouts == 2 and stats[0].tool_turns == 0
-    assert stats[0].finish_reasons == {"agent_timeout": 2}
-    assert "problem 0: agent.step ran past rollout.agent_timeout_s=0.2s; its episode ends there " \
-           "(agent_timeout)" in caplog.text
+    assert [f.describe() for f in stats[0].failures] == [
+        "problem 0: agent_timeout: agent.step ran past rollout.agent_timeout_s=0.2s (the call is left running "
+        "in its thread)"] * 2
+    assert "problem 0: agent_timeout: agent.step ran past rollout.agent_timeout_s=0.2s" in caplog.text
 
 
-def test_an_agent_message_whose_error_is_not_a_bool_names_the_problem() -> None:
+def test_an_agent_message_whose_error_is_not_a_bool_drops_the_branch_naming_the_problem() -> None:
     agent = TokenAgent(turns=1, tool_len=2, error="yes")  # type: ignore[arg-type]
-    with pytest.raises(TypeError, match=r"^problem 0: an agent message's 'error' must be true or false "
-                                        r"\(a failed tool call\), got 'yes'$"):
-        run_episode(agent, [([11, EOS], "stop"), ([12, EOS], "stop")])
+    tree, stats, _ = run_episode(agent, [([11, EOS], "stop"), ([12, EOS], "stop")])
+    assert tree.leaves() == [] and stats.env_dropped == 1
+    assert [f.describe() for f in stats.failures] == [
+        "problem 0: agent_error: problem 0: an agent message's 'error' must be true or false (a failed tool "
+        "call), got 'yes'"]
 
 
 def test_an_agent_needs_render_and_decode() -> None:
@@ -214,14 +230,16 @@ def test_a_model_turn_over_two_segments_is_one_assistant_message() -> None:
     assert agent.histories[1][-1] == {"role": "assistant", "content": ""}
 
 
-def test_an_agent_step_that_raises_stops_sampling() -> None:
+def test_an_agent_step_that_raises_drops_its_branch_with_its_message() -> None:
     class Broken(TokenAgent):
         def step(self, problem, history):
             raise RuntimeError("the tool server is down")
 
     agent = Broken(turns=1, tool_len=1)
-    with pytest.raises(RuntimeError, match="the tool server is down"):
-        run_episode(agent, [([11, EOS], "stop")])
+    tree, stats, _ = run_episode(agent, [([11, EOS], "stop")])
+    assert tree.leaves() == [] and stats.env_dropped == 1
+    assert [f.describe() for f in stats.failures] == [
+        "problem 0: agent_error: step raised RuntimeError: the tool server is down"]
 
 
 def test_path_scores_of_a_fallback_cut_skip_tool_turns() -> None:

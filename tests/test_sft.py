@@ -20,6 +20,7 @@ from transformers.utils import logging as hf_logging
 from arbor.config import DataConfig, LearnerConfig, LossConfig, ModelConfig, OptimConfig
 from arbor.config_load import load_config
 from arbor.data import DataError
+from arbor.errors import RunStopped
 from arbor.run.metrics import read_metrics
 from arbor.run.sft import (
     SftExample,
@@ -291,7 +292,7 @@ def test_torch_backend_run_resumes(tmp_path, tiny, capsys):
     overrides = ["learner.backend=torch", "learner.zero_stage=0", "run.save_every=2", "run.loggers=[]"]
     assert main(load_config(config, overrides + ["sft.max_steps=2"])) == 0
     assert "step 2/2  loss" in capsys.readouterr().out
-    with pytest.raises(SystemExit, match="already holds a run"):
+    with pytest.raises(RunStopped, match="already holds a run"):
         main(load_config(config, overrides + ["sft.max_steps=3"]))
     assert main(load_config(config, overrides + ["sft.max_steps=3", "run.resume=true"])) == 0
     out = capsys.readouterr().out

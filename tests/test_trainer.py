@@ -10,6 +10,7 @@ from safetensors.torch import load_file
 from tiny_model import build_tiny_model_dir
 
 from arbor.config_load import load_config
+from arbor.errors import RunStopped
 from arbor.run import checkpoint
 from arbor.run.metrics import read_metrics
 from arbor.run.trainer import train
@@ -109,7 +110,7 @@ def test_resume_after_a_kill_repeats_the_next_step(run_inputs, tmp_path):
 
     with pytest.raises(Killed):
         train(cfg, after_step=kill)
-    with pytest.raises(SystemExit, match="run.resume=true"):  # never mixes into an existing run
+    with pytest.raises(RunStopped, match="run.resume=true"):  # never mixes into an existing run
         train(cfg)
     cfg.run.resume = True
     resumed = train(cfg)

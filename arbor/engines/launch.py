@@ -49,12 +49,12 @@ import yaml
 
 from arbor.engines.auth import ADMIN_API_KEY_ENV, API_KEY_ENV
 from arbor.engines.ports import free_port
-from arbor.errors import ConfigError
+from arbor.errors import ConfigError, RunStopped
 
 KINDS = ("auto", "sglang", "embedded", "external")
 
 
-class EngineLaunchError(RuntimeError):
+class EngineLaunchError(RunStopped):
     """An engine could not be started or never became healthy."""
 
 

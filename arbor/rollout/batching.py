@@ -27,6 +27,7 @@ import asyncio
 from collections.abc import Callable, Hashable
 
 from arbor.engines.types import GenerateOutput, GenerateRequest, RolloutEngine
+from arbor.errors import RunStopped
 
 # Partial rollouts: rounds of sending overtaken requests again before giving up. Each round
 # waits for a whole generation, and only a weight update landing during every one of them
@@ -34,7 +35,7 @@ from arbor.engines.types import GenerateOutput, GenerateRequest, RolloutEngine
 MAX_RESAMPLE_ROUNDS = 8
 
 
-class ResampleLimitError(RuntimeError):
+class ResampleLimitError(RunStopped):
     """Segments of a tree were overtaken by weight updates ``MAX_RESAMPLE_ROUNDS`` times in a row."""
 
 

@@ -29,6 +29,7 @@ from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from typing import Any
 
+from arbor.errors import RunStopped
 from arbor.rollout.agent_thread import in_daemon_thread
 from arbor.rollout.environments import AgentEnv
 
@@ -45,7 +46,7 @@ class EnvTimeout(Exception):
         self.running = running
 
 
-class LiveEnvsError(RuntimeError):
+class LiveEnvsError(RunStopped):
     """Every tree waits for an environment slot that nothing can free (``rollout.max_live_envs``)."""
 
 

@@ -31,6 +31,7 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
+from arbor.errors import EpisodeFailure
 from arbor.rollout.agents import Message
 from arbor.rollout.env_calls import EnvCalls, EnvTimeout, LiveEnvsError
 from arbor.rollout.environments import EnvSource, Fork, Step
@@ -42,9 +43,9 @@ _SHOW = 160  # characters of a diverged observation shown in a warning
 
 
 class EnvCallError(RuntimeError):
-    """An environment method raised or answered something the protocol does not allow; the
-    message names the problem id, the method and the turn. It stops the step (as a reward
-    function that raises does): a broken environment must not train on what it returns."""
+    """Kept for code that caught it: environments that fail no longer raise it. A failing call now
+    drops its branch and is counted (:class:`arbor.errors.EpisodeFailure`); too many failures in a
+    step stop the run (:class:`arbor.errors.RewardFailureError`)."""
 
 
 def check_messages(value: Any, where: str, agent: bool, allow_empty: bool) -> list[Message]:
@@ -126,6 +127,7 @@ class Forks:
             raise RuntimeError(f"no instance of the environment in the state of node {state.id} to copy")
         made = [await self._copy(source) for _ in range(n - len(have))]  # one source: one call at a time
         have += [env for env in made if env is not None]
+        self.stats.unstarted += sum(env is None for env in made)  # counted as failures by _copy
         if not self.stateless:
             self.stats.env_forks["copy"] = self.stats.env_forks.get("copy", 0) + sum(e is not None for e in made)
         self.pending[node.id] = have
@@ -196,10 +198,12 @@ class Forks:
         except LiveEnvsError:
             raise
         except Exception as e:
-            raise EnvCallError(f"problem {self.problem.get('id')!r}: env.copy raised {type(e).__name__}: {e}") from e
+            self._failed(f"copy raised {type(e).__name__}: {e}")
+            return None
         if env is source:
-            raise EnvCallError(f"problem {self.problem.get('id')!r}: {type(source).__name__}.copy() returned the "
-                               "instance itself: branches would share its state (return an independent copy)")
+            self._failed(f"{type(source).__name__}.copy() returned the instance itself: branches would share its "
+                         "state (return an independent copy)")
+            return None
         return env
 
     async def _replay(self, tree: RolloutTree, state: Node) -> Any | None:
@@ -236,7 +240,8 @@ class Forks:
 
     async def _diverged(self, env: Any, turn: int, what: str) -> None:
         self.stats.env_errors += 1
-        log.warning("problem %r: replaying the environment for a new branch diverged at turn %d: %s. Hidden "
+        self.stats.env_diverged += 1
+        log.info("problem %r: replaying the environment for a new branch diverged at turn %d: %s. Hidden "
                     "non-determinism (a global RNG, a clock?) makes replays differ; the branch is dropped "
                     "before it samples (env/errors). Seed every source of randomness from reset's seed, or "
                     "fork by 'copy'", self.problem.get("id"), turn, what)
@@ -244,8 +249,18 @@ class Forks:
 
     def _timeout(self, what: str) -> None:
         self.stats.env_timeouts += 1
-        log.warning("problem %r: env.%s for a new branch ran past rollout.env_timeout_s; the branch is not "
-                    "started (env/timeouts)", self.problem.get("id"), what)
+        kind = "agent_timeout" if self.stateless else "env_timeout"
+        self._record(EpisodeFailure(kind, repr(self.problem.get("id", "<no id>")), None,
+                                    f"{what} for a new branch ran past its time limit"))
+
+    def _failed(self, what: str) -> None:
+        kind = "agent_error" if self.stateless else "env_error"
+        self._record(EpisodeFailure(kind, repr(self.problem.get("id", "<no id>")), None, what))
+
+    def _record(self, failure: EpisodeFailure) -> None:
+        """A branch whose instance could not be made: it does not start (a copy) or is dropped (a replay)."""
+        self.stats.failures.append(failure)
+        log.info("%s: that branch is dropped or not started", failure.describe())
 
 
 def _clip(value: Any) -> str:

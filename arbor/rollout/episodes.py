@@ -28,11 +28,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from arbor.config import DataConfig, RolloutConfig
-from arbor.errors import ConfigError
+from arbor.errors import ConfigError, EpisodeFailure
 from arbor.rollout.agents import Agent, Message, Render, continuation_ids, episode_prompt
 from arbor.rollout.budget import request_seed
-from arbor.rollout.env_calls import EnvCalls, EnvTimeout
-from arbor.rollout.env_forks import EnvCallError, Forks, check_messages
+from arbor.rollout.env_calls import EnvCalls, EnvTimeout, LiveEnvsError
+from arbor.rollout.env_forks import Forks, check_messages
 from arbor.rollout.environments import EnvSource, Step, agent_source, fork_mode
 from arbor.rollout.rewards import RewardFailureError
 from arbor.rollout.sample_stats import SampleStats
@@ -40,7 +40,8 @@ from arbor.tree import Node, RolloutTree
 
 AGENT_TIMEOUT = "agent_timeout"  # agent.step ran past rollout.agent_timeout_s
 ENV_TIMEOUT = "env_timeout"  # an environment call ran past rollout.env_timeout_s
-TOO_LONG = "message_too_long"  # an environment's messages did not fit the response budget (dropped)
+TOO_LONG = "message_too_long"  # an environment's messages did not fit the response budget
+FAILED = "failed"  # the branch's environment or agent failed: dropped (arbor.errors)
 
 log = logging.getLogger(__name__)
 
@@ -131,43 +132,50 @@ class TreeEpisodes:
             raise ValueError(f"{self.setup.source.key} needs the problems (got None for {self.key})")
         self.problem, self.seed = problem, seed
         self.calls.enter(self.key)
+        kind = "agent" if self.agent else "env"
         try:
             env = await self.calls.open(self.key, self.setup.source.make)
         except EnvTimeout:
-            raise self._error("building", 0, "ran past " + self.timeout_key) from None
+            raise self._start_failed(f"{kind}_timeout", "building ran past " + self.timeout_key) from None
+        except (ConfigError, LiveEnvsError):
+            raise
+        except Exception as e:
+            raise self._start_failed(f"{kind}_error", f"building raised {type(e).__name__}: {e}") from e
         try:
             mode = fork_mode(env, self.setup.source.key)  # a factory may build other classes than the probe's
             messages = await self.calls.call(self.key, env, "reset", problem, seed)
+            self.start = check_messages(messages, self._where(0), self.agent, allow_empty=self.setup.prompt is None)
         except EnvTimeout:
-            raise self._error("reset", 0, f"ran past {self.timeout_key}: the tree has no prompt") from None
-        except ConfigError:
+            raise self._start_failed(f"{kind}_timeout", f"reset ran past {self.timeout_key}: the tree has no "
+                                     "prompt") from None
+        except (ConfigError, LiveEnvsError):
             await self.calls.close(self.key, env)
             raise
         except Exception as e:
             await self.calls.close(self.key, env)
-            raise self._error("reset", 0, f"raised {type(e).__name__}: {e}") from e
-        try:
-            self.start = check_messages(messages, self._where(0), self.agent, allow_empty=self.setup.prompt is None)
-        except TypeError:
-            await self.calls.close(self.key, env)
-            raise
+            what = str(e) if isinstance(e, TypeError) else f"reset raised {type(e).__name__}: {e}"
+            raise self._start_failed(f"{kind}_error", what) from e
         self.forks.begin(mode, env, problem, seed, self.start)
         if self.setup.prompt is None:
             return None
         prompt = self.setup.prompt(self.start, tools=self._tools(env))
         if self.setup.max_prompt_tokens and len(prompt) > self.setup.max_prompt_tokens:
-            raise self._error("reset", 0, f"gave a prompt of {len(prompt)} tokens, more than data.max_prompt_tokens="
-                              f"{self.setup.max_prompt_tokens} (an environment's prompts are only known when its "
-                              "episode starts)")
+            raise EpisodeStartError(self._failure(
+                f"{kind}_error", 0, f"reset gave a prompt of {len(prompt)} tokens, more than data.max_prompt_tokens="
+                f"{self.setup.max_prompt_tokens} (an environment's prompts are only known when its episode starts)"))
         return prompt
+
+    def _start_failed(self, kind: str, what: str) -> EpisodeStartError:
+        return EpisodeStartError(self._failure(kind, 0, what))
 
     def _tools(self, env: Any) -> list[dict] | None:
         """The environment's optional ``tools`` after ``reset`` (OpenAI function format, rendered in
         the prompt the chat template's way: the adapters to MCP servers and verifiers' ToolEnv set it)."""
         tools = getattr(env, "tools", None)
         if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
-            raise self._error("reset", 0, f"left tools={tools!r:.120}: it must be a list of tool dicts "
-                              '({"type": "function", "function": {"name", "description", "parameters"}})')
+            raise EpisodeStartError(self._failure(
+                "agent_error" if self.agent else "env_error", 0, f"reset left tools={tools!r:.120}: it must be a "
+                'list of tool dicts ({"type": "function", "function": {"name", "description", "parameters"}})'))
         return tools or None
 
     async def close(self, tree: RolloutTree | None) -> None:
@@ -215,40 +223,43 @@ class TreeEpisodes:
             self._timed_out(node, "step", turn)
             return None
         except Exception as e:
-            await self.calls.close(self.key, env)
-            raise self._error("step", turn, f"raised {type(e).__name__}: {e}") from e
+            await self._failed(node, env, turn, f"step raised {type(e).__name__}: {e}")
+            return None
         if not isinstance(step, Step):
-            await self.calls.close(self.key, env)
-            raise self._error("step", turn, f"returned a {type(step).__name__}, not arbor.Step(messages, done)")
+            await self._failed(node, env, turn, f"step returned a {type(step).__name__}, not "
+                               "arbor.Step(messages, done)")
+            return None
         try:
             messages = check_messages(step.messages, self._where(turn), self.agent, allow_empty=True)
-        except TypeError:
-            await self.calls.close(self.key, env)
-            raise
+        except TypeError as e:
+            await self._failed(node, env, turn, str(e))
+            return None
         if step.done or (self.agent and not messages):
             await self._finish(node, env, turn)
             return None
         if not messages:
-            await self.calls.close(self.key, env)
-            raise self._error("step", turn, "returned Step([], done=False): a step that goes on must give the "
-                              "model something to answer")
+            await self._failed(node, env, turn, "step returned Step([], done=False): a step that goes on "
+                               "must give the model something to answer")
+            return None
         ids = self.setup.render(messages)
         room = self.cfg.max_response_tokens - node.end
         if len(ids) >= room:
-            # A per-branch error, not a run-stopping one: one long observation (a tool's traceback)
-            # must not end a run that is otherwise fine, and a cut message is not what the
-            # environment said, so the branch is dropped (never trained on), counted and warned about.
-            # Warned about once per sampling run (every branch of a step may hit it); all are counted.
+            # The response budget is spent. rollout.env_overflow: unfinished ends the episode here
+            # with the environment's reward (0 if none): dropping it would train only on the
+            # episodes short enough to fit. drop removes the branch (a cut message is not what the
+            # environment said, so it is never appended). Either way counted; the step's summary
+            # line says how many (one line a step, not one per problem).
+            node.finish_reason = TOO_LONG
+            log.info("problem %s: the %s's messages of turn %d are %d tokens, but the episode has %d left of its "
+                     "response budget (rollout.segment_tokens × rollout.max_depth = %d): %s (rollout.env_overflow)",
+                     self._problem_id, "agent" if self.agent else "environment", turn, len(ids), max(room, 0),
+                     self.cfg.max_response_tokens, "ended" if self.cfg.env_overflow == "unfinished" else "dropped")
+            if self.cfg.env_overflow == "unfinished":
+                self.stats.overflow_ended += 1
+                await self._finish(node, env, turn, overflow=True)
+                return None
             self.stats.env_errors += 1
             self.stats.dropped_too_long += 1
-            node.finish_reason = TOO_LONG
-            if TOO_LONG not in self.calls.warned:
-                self.calls.warned.add(TOO_LONG)
-                log.warning("problem %s: the %s's messages of turn %d are %d tokens, but the episode has %d left "
-                            "of its response budget (rollout.segment_tokens × rollout.max_depth = %d; agent and "
-                            "environment messages count against it): the branch is dropped (%s; every such branch "
-                            "is counted in env/errors)", self._problem_id, "agent" if self.agent else "environment",
-                            turn, len(ids), max(room, 0), self.cfg.max_response_tokens, TOO_LONG)
             await self.calls.close(self.key, env)
             self._drop(node)
             return None
@@ -258,9 +269,10 @@ class TreeEpisodes:
         self.stats.tool_turns += 1
         self.stats.tool_errors += sum(1 for m in messages if m.get("error") is True)
         if not await self.forks.stepped(tip, env, history, step):
-            # The copy kept of this state timed out: the episode ends after the environment's turn.
-            tip.finish_reason = ENV_TIMEOUT
-            await self._finish(tip, env, turn)
+            # The copy kept of this state failed (counted there): the branch is dropped.
+            tip.finish_reason = FAILED
+            await self.calls.close(self.key, env)
+            self._drop(tip)
             return None
         return tip
 
@@ -277,8 +289,9 @@ class TreeEpisodes:
             return
         await self._finish(node, env, self.turns_before(tree, node))
 
-    async def _finish(self, node: Node, env: Any, steps: int) -> None:
-        """Read the episode's reward (once), then close its instance."""
+    async def _finish(self, node: Node, env: Any, steps: int, overflow: bool = False) -> None:
+        """Read the episode's reward (once), then close its instance. ``overflow``: it ended because
+        the next message did not fit; an environment without a reward scores it 0."""
         reward = None
         if self.setup.source.gives_reward:
             try:
@@ -287,16 +300,18 @@ class TreeEpisodes:
                 self._timed_out(node, "reward", steps, keep_reason=True)
                 return
             except Exception as e:
-                await self.calls.close(self.key, env)
-                raise self._error("reward", steps, f"raised {type(e).__name__}: {e}") from e
+                await self._failed(node, env, steps, f"reward raised {type(e).__name__}: {e}")
+                return
             if reward is not None and (isinstance(reward, bool) or not isinstance(reward, (int, float))
                                        or not math.isfinite(reward)):
-                await self.calls.close(self.key, env)
-                raise self._error("reward", steps, f"returned {reward!r}, not a finite number or None")
+                await self._failed(node, env, steps, f"reward returned {reward!r}, not a finite number or None")
+                return
         if reward is None and self.setup.needs_reward:
-            await self.calls.close(self.key, env)
-            raise self._error("reward", steps, "returned None and reward.functions is empty: the episode has no "
-                              "reward (never silently 0); return a number or add a reward function")
+            if not overflow:
+                await self._failed(node, env, steps, "reward returned None and reward.functions is empty: the "
+                                   "episode has no reward (never silently 0); return a number or add a reward function")
+                return
+            reward = 0.0  # cut by the budget before the environment judged it: it did not succeed
         node.env_reward = None if reward is None else float(reward)
         self.stats.env_episodes += 1
         self.stats.env_episode_steps += steps
@@ -341,31 +356,47 @@ class TreeEpisodes:
     def _where(self, turn: int) -> str:
         return f"problem {self._problem_id}" + (f", turn {turn}" if turn and not self.agent else "")
 
-    def _error(self, method: str, turn: int, what: str) -> EnvCallError:
-        name = "agent" if self.agent else "env"
-        return EnvCallError(f"problem {self._problem_id}: {name}.{method} (turn {turn}) {what}")
+    def _failure(self, kind: str, turn: int, what: str) -> EpisodeFailure:
+        return EpisodeFailure(kind, self._problem_id, None if self.agent else turn, what)
+
+    async def _failed(self, node: Node, env: Any, turn: int, what: str) -> None:
+        """The branch's environment (or agent) failed at ``turn``: recorded (``failures/env_error`` or
+        ``agent_error``), its instance closed, the branch dropped; its siblings go on."""
+        failure = self._failure("agent_error" if self.agent else "env_error", turn, what)
+        self.stats.failures.append(failure)
+        log.info("%s: the branch is dropped", failure.describe())
+        node.finish_reason = FAILED
+        await self.calls.close(self.key, env)
+        self._drop(node)
 
     def _timed_out(self, node: Node, method: str, turn: int, keep_reason: bool = False) -> None:
-        """A call past its limit ends the branch at ``node`` ("agent_timeout"/"env_timeout"),
-        counted and warned about; its siblings go on. Its instance is closed when the call returns.
-        The environment gives the episode no reward, so with no reward functions it is dropped."""
+        """A call past its limit drops the branch at ``node`` ("agent_timeout"/"env_timeout"),
+        counted; its siblings go on. Its instance is closed when the call returns."""
         if not keep_reason:
             node.finish_reason = AGENT_TIMEOUT if self.agent else ENV_TIMEOUT
         if self.agent:
             self.stats.agent_timeouts += 1
-            log.warning("problem %s: agent.%s ran past rollout.agent_timeout_s=%gs; its episode ends there "
-                        "(%s) and the call is left running in its thread", self._problem_id, method,
-                        self.cfg.agent_timeout_s, AGENT_TIMEOUT)
+            failure = self._failure("agent_timeout", turn, f"agent.{method} ran past rollout.agent_timeout_s="
+                                    f"{self.cfg.agent_timeout_s:g}s (the call is left running in its thread)")
         else:
             self.stats.env_timeouts += 1
-            log.warning("problem %s: env.%s (turn %d) ran past rollout.env_timeout_s=%gs; the branch ends "
-                        "there (%s, env/timeouts), its siblings go on", self._problem_id, method, turn,
-                        self.cfg.env_timeout_s, ENV_TIMEOUT)
-        if self.setup.needs_reward:
-            self._drop(node)
+            failure = self._failure("env_timeout", turn, f"env.{method} ran past rollout.env_timeout_s="
+                                    f"{self.cfg.env_timeout_s:g}s")
+        self.stats.failures.append(failure)
+        log.info("%s: the branch is dropped, its siblings go on", failure.describe())
+        self._drop(node)
 
     def _drop(self, node: Node) -> None:
         self.dropped.append(node)
+
+
+class EpisodeStartError(Exception):
+    """A tree's environment could not start its episode (building or ``reset`` failed): the tree is
+    dropped and its :class:`~arbor.errors.EpisodeFailure` counted (the sampler catches this)."""
+
+    def __init__(self, failure: EpisodeFailure) -> None:
+        super().__init__(failure.describe())
+        self.failure = failure
 
 
 class EpisodesDroppedError(RewardFailureError):

@@ -25,7 +25,9 @@ charged to a check's timeout.
 
 A reward function that raises, or returns something other than a finite number, stops
 the batch with :class:`RewardError` naming the problem id; the combined scores computed
-so far travel with it as ``err.partial_scores`` ({item index: score}).
+so far travel with it as ``err.partial_scores`` ({item index: score}). A run scores with
+``record_errors=True`` instead: the failure is kept in ``result.errors`` and the other items
+are scored, and the run drops that branch (one failure policy, :mod:`arbor.errors`).
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
-from arbor.errors import ConfigError
+from arbor.errors import ConfigError, RewardFailureError
 from arbor.plugins import default_search_dirs, load_object
 
 if TYPE_CHECKING:
@@ -75,6 +77,9 @@ class ScoreResult:
     crashed: list[int] = field(default_factory=list)  # indices whose worker died mid-check
     check_seconds: list[float] = field(default_factory=list)  # per item, in the worker
     seconds: float = 0.0  # wall time of the whole batch
+    # score(record_errors=True): index -> what the failing reward function said (scored 0 here;
+    # the run drops those branches, arbor.errors).
+    errors: dict[int, str] = field(default_factory=dict)
 
 
 class RewardError(RuntimeError):
@@ -88,11 +93,6 @@ class RewardError(RuntimeError):
         super().__init__(message)
         self.problem_id = problem_id
         self.partial_scores = partial_scores
-
-
-class RewardFailureError(RuntimeError):
-    """More than ``reward.max_failure_fraction`` of a step's checks timed out or crashed:
-    the rewards are mostly zeros that mean "not scored", and training on them would be silent."""
 
 
 def failed_checks(result: ScoreResult, items: Sequence[Item]) -> list[str]:
@@ -303,17 +303,22 @@ class RewardPool:
         return self._busy.locked()
 
     def score(
-        self, items: Sequence[Item], on_progress: Callable[[int, int], None] | None = None
+        self, items: Sequence[Item], on_progress: Callable[[int, int], None] | None = None,
+        record_errors: bool = False,
     ) -> ScoreResult:
         """Score ``items`` (in order in the result); killed checks score 0 and are counted.
 
-        ``on_progress(done, total)`` is called as results come in. Raises
-        :class:`RewardError` when a reward function fails on an item.
+        ``on_progress(done, total)`` is called as results come in. A reward function that fails
+        on an item raises :class:`RewardError`, or with ``record_errors`` is recorded in
+        ``result.errors`` (the item scores 0 there) while the other items are scored: a run
+        drops such branches and counts them (one failure policy, :mod:`arbor.errors`).
         """
         with self._busy:
-            return self._score(items, on_progress)
+            return self._score(items, on_progress, record_errors)
 
-    def _score(self, items: Sequence[Item], on_progress: Callable[[int, int], None] | None) -> ScoreResult:
+    def _score(
+        self, items: Sequence[Item], on_progress: Callable[[int, int], None] | None, record_errors: bool = False,
+    ) -> ScoreResult:
         if not self.terms:
             return self._result([[] for _ in items], [], [], [0.0] * len(items), 0.0)
         if not self._workers:
@@ -326,8 +331,9 @@ class RewardPool:
         timed_out: list[int] = []
         crashed: list[int] = []
         killed_after: dict[int, float] = {}  # index -> seconds until its worker was killed or died
+        errors: dict[int, str] | None = {} if record_errors else None  # None: the first one raises
         pending = list(reversed(range(len(items))))  # pop() hands items out in order
-        while len(done) + len(timed_out) + len(crashed) < len(items):
+        while len(done) + len(timed_out) + len(crashed) + len(errors or ()) < len(items):
             for w in self._workers:
                 if w.ready and w.task is None and pending:
                     w.task = pending.pop()
@@ -337,7 +343,7 @@ class RewardPool:
             ready_conns = wait([w.conn for w in self._workers], timeout=self._next_deadline())
             for w in list(self._workers):
                 if w.conn in ready_conns:
-                    self._receive(w, items, done, crashed, killed_after)
+                    self._receive(w, items, done, crashed, killed_after, errors)
                 elif w.task is not None and time.monotonic() - w.sent > self.timeout_s:
                     timed_out.append(w.task)
                     killed_after[w.task] = time.monotonic() - w.sent
@@ -347,10 +353,12 @@ class RewardPool:
                         f"a reward worker did not start within {self.start_timeout_s} s"
                     )
             if on_progress is not None:
-                on_progress(len(done) + len(timed_out) + len(crashed), len(items))
-        seconds = [done[i][1] if i in done else killed_after[i] for i in range(len(items))]
-        return self._result([done[i][0] if i in done else None for i in range(len(items))],
-                            sorted(timed_out), sorted(crashed), seconds, time.monotonic() - t0)
+                on_progress(len(done) + len(timed_out) + len(crashed) + len(errors or ()), len(items))
+        seconds = [done[i][1] if i in done else killed_after.get(i, 0.0) for i in range(len(items))]
+        result = self._result([done[i][0] if i in done else None for i in range(len(items))],
+                              sorted(timed_out), sorted(crashed), seconds, time.monotonic() - t0)
+        result.errors = dict(sorted((errors or {}).items()))
+        return result
 
     def _send(self, w: _Worker, items: Sequence[Item]) -> None:
         assert w.task is not None
@@ -374,6 +382,7 @@ class RewardPool:
 
     def _receive(
         self, w: _Worker, items: Sequence[Item], done: dict, crashed: list[int], killed_after: dict,
+        errors: dict[int, str] | None = None,
     ) -> None:
         try:
             kind, *payload = w.conn.recv()
@@ -406,9 +415,12 @@ class RewardPool:
             index, values, seconds = payload
             done[index] = (values, seconds)
             w.task = None
-        else:  # "error": stop the batch, name the problem, keep what was scored
+        else:  # "error": recorded, or stop the batch, name the problem, keep what was scored
             index, message = payload
             w.task = None
+            if errors is not None:
+                errors[index] = message
+                return
             self._collect_finished(done)
             problem_id = items[index][0].get("id", f"<item {index}>")
             raise RewardError(

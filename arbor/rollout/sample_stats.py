@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from arbor.errors import EpisodeFailure
+
 
 @dataclass
 class SampleStats:
@@ -31,7 +33,12 @@ class SampleStats:
     env_episodes: int = 0  # episodes ended (reward read, instance closed), dropped ones aside
     env_episode_steps: int = 0  # Σ over those episodes of the steps on their path
     env_dropped: int = 0  # leaves removed from the tree: never trained on
+    env_diverged: int = 0  # replays (fork: replay) that did not rebuild the recorded episode
     dropped_too_long: int = 0  # of which: an agent's or environment's messages did not fit the budget
+    # Episodes ended (not dropped) where the next message did not fit (rollout.env_overflow: unfinished).
+    overflow_ended: int = 0
+    unstarted: int = 0  # branches (or whole trees) that never started: a reset or copy failed
+    failures: list[EpisodeFailure] = field(default_factory=list)  # branches dropped: user code failed
     env_live: int = 0  # instances still open when the tree was done (an abandoned call runs on)
     finish_reasons: dict[str, int] = field(default_factory=dict)  # leaf reason → count
     shortfall_reason: str | None = None

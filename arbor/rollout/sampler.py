@@ -64,6 +64,7 @@ multimodal-art-projection/TreePO at b86ce51, ``vllm_rollout_spmd.py``, cited "sp
 from __future__ import annotations
 
 import asyncio
+import logging
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -84,9 +85,17 @@ from arbor.rollout.budget import (
 )
 from arbor.rollout.entropy_fork import Scores, entropy_forks, split_for_fork, token_scores
 from arbor.rollout.env_calls import EnvCalls
-from arbor.rollout.episodes import EpisodeSetup, TreeEpisodes, episode_setup, reset_seed
+from arbor.rollout.episodes import (
+    EpisodeSetup,
+    EpisodeStartError,
+    TreeEpisodes,
+    episode_setup,
+    reset_seed,
+)
 from arbor.rollout.sample_stats import SampleStats
 from arbor.tree import Node, RolloutTree
+
+log = logging.getLogger(__name__)
 
 FINISHED = "stop"  # the only well-formed ending; everything else is an early stop
 
@@ -156,9 +165,17 @@ async def sample_trees(
                                is_stale, stats)
         tree = None
         try:
-            prompt = None if episodes is None else await episodes.reset(problems[index], reset_seed(seed, index))
-            tree = RolloutTree(list(prompts[index]) if prompt is None else prompt, problems[index])  # type: ignore[index]
-            await sampler.run(tree)
+            try:
+                prompt = None if episodes is None else await episodes.reset(problems[index], reset_seed(seed, index))
+            except EpisodeStartError as e:
+                # Its environment could not start: the tree is dropped (no leaves), the failure counted.
+                stats.failures.append(e.failure)
+                stats.unstarted += 1
+                log.info("%s: the tree is dropped", e.failure.describe())
+                tree = RolloutTree([], problems[index])
+            else:
+                tree = RolloutTree(list(prompts[index]) if prompt is None else prompt, problems[index])  # type: ignore[index]
+                await sampler.run(tree)
         finally:
             if episodes is not None:  # every instance is closed, also after an error
                 await episodes.close(tree)
@@ -473,9 +490,11 @@ class _TreeSampler:
             reasons[leaf.finish_reason or "?"] = reasons.get(leaf.finish_reason or "?", 0) + 1
         self.stats.finish_reasons = reasons
         s = self.stats
-        if len(leaves) < self.cfg.width and s.shortfall_reason is None and (s.env_dropped or s.env_errors):
+        if len(leaves) < self.cfg.width and s.shortfall_reason is None and (s.env_dropped or s.env_errors
+                                                                             or s.failures):
             s.shortfall_reason = (f"environment failures stopped branches ({s.env_dropped} dropped, {s.env_errors} "
-                                  f"errors, {s.env_timeouts} timeouts: env/errors, env/timeouts)")
+                                  f"errors, {s.env_timeouts} timeouts, {len(s.failures)} failures: env/errors, "
+                                  "env/timeouts, failures/*)")
         if len(leaves) < self.cfg.width and self.stats.shortfall_reason is None:
             self.stats.shortfall_reason = f"the engine ended every path early ({_reasons(tree)})"
         return self.stats

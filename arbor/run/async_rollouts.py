@@ -18,9 +18,10 @@ from the batch and counted (``async/dropped``); ``async/staleness_mean`` is the 
 trained trees of the updates since their oldest segment.
 
 **Versions**: the trainer pushes weights labelled ``str(step)`` (``"default"``: the
-model's own weights, 0); every node keeps the label it was sampled under
+model's own weights, 0); every node the engine sampled keeps the label it was sampled under
 (``Node.weight_version``), so the staleness of a tree is the number of pushes with a label
-above its oldest node's.
+above its oldest sampled node's. Environment, agent and tool messages carry no label: they
+are context, not samples, and do not age a tree.
 
 **Checkpoints** hold no samples in flight: ``stream_state(step + 1)`` is the problem
 stream's cursor before the first batch not yet trained, so a resumed run samples the
@@ -67,8 +68,17 @@ def version_number(label: str | None) -> int:
 
 
 def updates_since(tree: RolloutTree, pushed: list[int]) -> int:
-    """Weight updates (labels in ``pushed``) after the oldest segment of ``tree`` was sampled."""
-    oldest = min((version_number(n.weight_version) for n in tree.nodes()), default=0)
+    """Weight updates (labels in ``pushed``) after the oldest segment of ``tree`` the policy sampled.
+
+    Only nodes the engine sampled carry a weight version: an environment's, an agent's or a
+    tool's messages (and anything else appended as context) carry none and have no age. Reading
+    their missing version as 0 made every multi-turn tree look as old as the first weights, so an
+    asynchronous run dropped them all from its third step on. A tree with no sampled node is 0 old.
+    """
+    sampled = [version_number(n.weight_version) for n in tree.nodes() if n.weight_version is not None]
+    oldest = min(sampled, default=None)
+    if oldest is None:
+        return 0
     return sum(1 for label in pushed if label > oldest)
 
 

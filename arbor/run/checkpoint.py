@@ -27,6 +27,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from arbor.errors import RunStopped
+
 LATEST = "latest"
 log = logging.getLogger(__name__)
 
@@ -101,7 +103,7 @@ def check_output_dir(output_dir: str | Path, resume: bool, command: str) -> Path
 
     Called before the run writes anything: without ``resume``, a directory that holds
     another run (a checkpoint, or the traces of one that wrote none) is refused with a
-    ``SystemExit`` saying how to continue it or start over, so a second run never appends
+    :class:`~arbor.errors.RunStopped` saying how to continue it or start over, so a second run never appends
     to the first one's ``metrics.jsonl``. ``command`` names the command in the message.
     """
     out = Path(output_dir)
@@ -110,11 +112,11 @@ def check_output_dir(output_dir: str | Path, resume: bool, command: str) -> Path
         return latest
     start_over = f"delete {out} or choose another run.output_dir to start over"
     if latest is not None:
-        raise SystemExit(f"arbor {command}: {out} already holds a run (checkpoint {latest.name}): continue it "
+        raise RunStopped(f"{out} already holds a run (checkpoint {latest.name}): continue it "
                          f"with run.resume=true (a larger run.steps extends it), or {start_over}")
     traces = [name for name in RUN_TRACES if (out / name).exists()]
     if traces:
-        raise SystemExit(f"arbor {command}: {out} already holds a run that wrote no checkpoint "
+        raise RunStopped(f"{out} already holds a run that wrote no checkpoint "
                          f"({', '.join(traces)}): {start_over}; run.resume=true starts it again at step 1 "
                          "in the same directory (its metrics.jsonl is appended to)")
     return None

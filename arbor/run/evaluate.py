@@ -263,7 +263,9 @@ def run_eval(
             at += 1
         records.append(problem_record(tree.problem or {}, samples, k))
     metrics = summarise(records, k) | {"eval/reward_timeouts": float(result.timeouts),
-                                       "eval/dropped_problems": float(dropped_problems)}
+                                       "eval/dropped_problems": float(dropped_problems),
+                                       # episodes dropped because user code failed (arbor.errors)
+                                       "eval/failures": float(sum(len(s.failures) for s in stats))}
     if agent is not None or env is not None:
         metrics |= {
             "eval/tool_calls_per_episode": sum(s.tool_calls for r in records for s in r.samples)

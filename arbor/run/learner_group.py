@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 from arbor.config import Config
 from arbor.engines.interfaces import bind_collectives
 from arbor.engines.ports import free_port
-from arbor.errors import ConfigError
+from arbor.errors import ConfigError, RunStopped
 from arbor.run.nodes import check_node_paths, node_address, node_alive, node_id, node_lost
 from arbor.run.orchestration import Placement, cpu_threads, uses_gpu
 
@@ -158,7 +158,7 @@ class LearnerWorker:
         return float(sum(t.double().abs().sum() for t in self.learner.full_state_dict().values()))
 
 
-class LearnerFailedError(RuntimeError):
+class LearnerFailedError(RunStopped):
     """A learner rank died (its Ray actor was lost): the run stops; the last checkpoint is intact."""
 
 

@@ -36,6 +36,8 @@ from typing import Any, Protocol
 
 import yaml
 
+from arbor.errors import RunStopped
+
 IDS_FILE = "loggers.json"  # the W&B and MLflow run ids, for a resumed run
 
 
@@ -109,7 +111,7 @@ class WandbLogger:
                 allow_val_change=True,  # a resumed run may change run.steps
             )
         except Exception as e:  # no key (wandb login), no network: stops the run before it starts
-            raise SystemExit(f"arbor: run.loggers: wandb could not start a run: {type(e).__name__}: {e}\n"
+            raise RunStopped(f"run.loggers: wandb could not start a run: {type(e).__name__}: {e}\n"
                              "Log in (`wandb login`, WANDB_API_KEY) or set WANDB_MODE=offline") from None
         ids["wandb"] = self.run.id
         self.run.define_metric("step")
@@ -164,8 +166,8 @@ class MlflowLogger:
                 self.run_id = self.client.get_run(previous).info.run_id
                 self.client.update_run(self.run_id, status="RUNNING")
         except Exception as e:  # stops the run before it starts, saying what to set
-            raise SystemExit(
-                f"arbor: run.loggers: mlflow cannot use the tracking store {uri}: {e}\n"
+            raise RunStopped(
+                f"run.loggers: mlflow cannot use the tracking store {uri}: {e}\n"
                 "Set MLFLOW_TRACKING_URI: a tracking server (http://HOST:5000), or a local store the "
                 "installed MLflow supports (sqlite:///mlflow.db needs `pip install mlflow`)"
             ) from None

@@ -13,6 +13,7 @@ Metric names are ``group/name``; docs/metrics.md says what each one means.
 from __future__ import annotations
 
 import json
+import logging
 import sys
 import time
 from collections.abc import Iterator
@@ -22,6 +23,8 @@ from typing import Any, TextIO
 
 from arbor.config import RunConfig
 from arbor.run.loggers import Logger, open_loggers
+
+_log = logging.getLogger(__name__)
 
 # Shown on the console after every step, in this order (everything goes to TensorBoard).
 CONSOLE = (
@@ -67,6 +70,14 @@ class MetricsLog:
         if self.stream.isatty():
             self.stream.write(f"\r\033[K  {text}")
             self.stream.flush()
+
+    def note(self, step: int, text: str) -> None:
+        """A line on the console about ``step`` (what it dropped, that it trained nothing), shown
+        whatever ``run.log_every`` is, and kept in the run's ``arbor.log``."""
+        self.status("")
+        self.stream.write(f"\rstep {step}/{self.total}  note: {text}\n")
+        self.stream.flush()
+        _log.info("step %d: %s", step, text)
 
     def write(self, step: int, metrics: dict[str, float]) -> dict[str, float]:
         """Record one step (``step`` counts from 1); returns the metrics with the phase times.

@@ -38,6 +38,7 @@ from typing import Any, Protocol
 
 from arbor.config import Config, RayConfig
 from arbor.engines.interfaces import user_socket_ifnames
+from arbor.errors import RunStopped
 from arbor.run.nodes import cluster_nodes, placement_problem, show_resources
 from arbor.run.startup import StartupClock, uses_gpu
 
@@ -176,7 +177,7 @@ def gpu_shortfall(cfg: Config, bundles: list[dict[str, float]], gpus: float,
     return message
 
 
-class PlacementError(ValueError):
+class PlacementError(RunStopped, ValueError):
     """Ray cannot place the run's bundles on the cluster's alive nodes (the reason is the message)."""
 
 

@@ -28,15 +28,12 @@ from typing import Any, Protocol, TypeVar
 from arbor.config import AlgorithmConfig, Config, DataConfig, EvalConfig, LossConfig, RolloutConfig
 from arbor.data import ProblemStream, format_prompt
 from arbor.engines.connect import closing
+from arbor.errors import EpisodeFailure, check_failure_share, failure_counts
 from arbor.rollout.agents import tool_turns
 from arbor.rollout.answers import has_final_answer
 from arbor.rollout.environments import FORK_MODES, EnvSource
-from arbor.rollout.episodes import EpisodeSetup, check_some_kept, run_episodes
-from arbor.rollout.rewards import (
-    RewardPool,
-    check_failure_fraction,
-    failed_checks,
-)
+from arbor.rollout.episodes import EpisodeSetup, run_episodes
+from arbor.rollout.rewards import RewardPool, clip_text
 from arbor.rollout.sample_stats import SampleStats
 from arbor.rollout.sampler import sample_trees
 from arbor.rollout.tools import unsandboxed_calls
@@ -69,7 +66,10 @@ class Batch:
     correct: list[bool] = field(default_factory=list)  # per sampled leaf: first reward term > 0
     reward_timeouts: int = 0
     reward_crashed: int = 0  # checks whose worker died (killed, segfault); scored 0
-    reward_failures: list[str] = field(default_factory=list)  # one line per timed-out / crashed check
+    # Branches dropped because user code failed on them (environment, agent, program, reward):
+    # arbor.errors' one failure policy. The step stops past reward.max_failure_fraction.
+    failures: list[EpisodeFailure] = field(default_factory=list)
+    alike: int = 0  # trees dynamic sampling filtered (their leaves all scored alike)
     rounds: int = 0
     requests: int = 0  # /generate calls the rollouts sent (batched: one per round of all trees)
     unsandboxed_tool_calls: int = 0  # tool calls run without bubblewrap while sampling this step
@@ -151,8 +151,11 @@ def collect_rollouts(
         calls, unsandboxed = sampling.engine.generate_calls, unsandboxed_calls()
         with log.phase("rollout"):
             trees, stats = sample(sampling, problems, cfg.rollout, step_seed(cfg.run.seed, step, round_), log.status)
+        for s in stats:
+            batch.failures += s.failures
         with log.phase("reward"):
-            correct = score_trees(rewards, sampling.decode, trees, batch, log.status, sampling.env_weight)
+            correct = score_trees(rewards, sampling.decode, trees, batch, log.status, sampling.env_weight,
+                                  reward_timeout_s=cfg.reward.timeout_s)
         batch.sampled += trees
         batch.stats += stats
         batch.requests += sampling.engine.generate_calls - calls
@@ -160,17 +163,25 @@ def collect_rollouts(
         batch.correct += correct
         batch.rounds = round_ + 1
         batch.episodes = sampling.env is not None
-        trees = [t for t in trees if t.leaves()]  # every branch dropped (an environment's errors): nothing to train
-        batch.trees += dynamic_sampling_filter(trees) if cfg.algorithm.dynamic_sampling else trees
+        trees = [t for t in trees if t.leaves()]  # every branch dropped (failures, the budget): nothing to train
+        kept = dynamic_sampling_filter(trees) if cfg.algorithm.dynamic_sampling else trees
+        batch.alike += len(trees) - len(kept)
+        batch.trees += kept
         if len(batch.trees) >= target:
             break
-    check_failure_fraction(batch.reward_timeouts + batch.reward_crashed, len(batch.correct),
-                           cfg.reward.max_failure_fraction, batch.reward_failures)
+    check_failure_share(batch.failures, episodes_attempted(batch), cfg.reward.max_failure_fraction, f"step {step}")
     warn_budget(batch, cfg.rollout, step, sampling.budget_warned)
-    if not any(tree.leaves() for tree in batch.sampled):
-        check_some_kept(batch.stats, cfg.rollout, f"step {step}", "train on")
     return batch
 
+
+def episodes_attempted(batch: Batch) -> int:
+    """Episodes the step sampled: the leaves kept, those dropped (by their environment's failure,
+    the budget, a diverged replay, a failed reward check) and the branches that never started
+    (a failed reset or copy): what ``reward.max_failure_fraction`` is a share of."""
+    kept = sum(len(t.leaves()) for t in batch.sampled)
+    dropped = sum(s.env_dropped + s.unstarted for s in batch.stats)
+    reward_failed = sum(1 for f in batch.failures if f.kind.startswith(("reward_", "judge_")))
+    return kept + dropped + reward_failed
 
 
 def sample(
@@ -192,27 +203,40 @@ def sample(
 
 def score_trees(
     rewards: RewardPool, decode: Callable[[list[int]], str], trees: list[RolloutTree], batch: Batch, status: Status,
-    env_weight: float = 1.0,
+    env_weight: float = 1.0, reward_timeout_s: float | None = None,
 ) -> list[bool]:
     """Set every leaf's reward: the reward functions' + ``env_weight`` × its environment's reward
-    (``reward.env_weight``; none without an environment). Returns per-leaf correctness: the first
-    reward term > 0, or with no reward functions the reward > 0.
+    (``reward.env_weight``; none without an environment). Returns per-leaf correctness (of the
+    leaves kept): the first reward term > 0, or with no reward functions the reward > 0.
 
-    Timed-out and crashed checks (scored 0) are counted in ``batch`` and warned about by problem id.
+    A check that failed (the function raised or returned a non-number, ran past ``reward.timeout_s``,
+    or its worker died) drops its leaf, never trained on, recorded in ``batch.failures``
+    (``failures/reward_*``) and counted in ``reward/timeouts`` / ``reward/crashed``.
     """
     leaves = [(tree, leaf) for tree in trees for leaf in tree.leaves()]
     items = [(tree.problem or {}, decode(tree.response_ids(leaf))) for tree, leaf in leaves]
-    result = rewards.score(items, lambda d, n: status(f"rewards: {d}/{n}"))
-    for (_, leaf), score in zip(leaves, result.scores):
-        leaf.reward = score + (0.0 if leaf.env_reward is None else env_weight * leaf.env_reward)
-    failures = failed_checks(result, items)
-    for line in failures:
-        log.warning("%s", line)
+    result = rewards.score(items, lambda d, n: status(f"rewards: {d}/{n}"), record_errors=True)
+    limit = f"reward.timeout_s={reward_timeout_s:g}s" if reward_timeout_s else "reward.timeout_s"
+    failed: dict[int, tuple[str, str]] = {i: ("reward_error", message) for i, message in result.errors.items()}
+    failed |= {i: ("reward_timeout", f"the check ran past {limit} and was killed") for i in result.timed_out}
+    failed |= {i: ("reward_crash", "the check's worker process died") for i in result.crashed}
+    for i, (kind, message) in sorted(failed.items()):
+        problem_id = repr(items[i][0].get("id", f"<item {i}>"))
+        failure = EpisodeFailure(kind, problem_id, None, f"{message} (completion {clip_text(items[i][1], 80)})")
+        batch.failures.append(failure)
+        log.info("%s: the branch is dropped", failure.describe())
     batch.reward_timeouts += len(result.timed_out)
     batch.reward_crashed += len(result.crashed)
-    batch.reward_failures += failures
+    for (_, leaf), score in zip(leaves, result.scores):
+        leaf.reward = score + (0.0 if leaf.env_reward is None else env_weight * leaf.env_reward)
+    by_tree: dict[int, list] = {}
+    for i in failed:
+        by_tree.setdefault(id(leaves[i][0]), []).append(leaves[i][1])
+    for tree in trees:
+        if id(tree) in by_tree:
+            tree.drop_leaves(by_tree[id(tree)])
     first = next(iter(result.term_scores.values()), [leaf.reward or 0.0 for _, leaf in leaves])
-    return [v > 0 for v in first]
+    return [v > 0 for i, v in enumerate(first) if i not in failed]
 
 
 def batch_advantages(trees: list[RolloutTree], algorithm: AlgorithmConfig) -> list:
@@ -407,7 +431,7 @@ def rollout_metrics(batch: Batch) -> dict[str, float]:
         "agent/unsandboxed_tool_calls": float(batch.unsandboxed_tool_calls),
         # Episodes that ran out of the response budget (agent and environment messages count).
         "response/max_length": sum(leaf.finish_reason == "max_length" for leaf in leaves) / n,
-    } | (env_metrics(batch) if batch.episodes else {})
+    } | failure_counts(batch.failures) | (env_metrics(batch) if batch.episodes else {})
 
 
 def env_metrics(batch: Batch) -> dict[str, float]:
@@ -423,6 +447,9 @@ def env_metrics(batch: Batch) -> dict[str, float]:
         "env/timeouts": float(sum(s.env_timeouts for s in stats)),
         "env/errors": float(sum(s.env_errors for s in stats)),
         "env/dropped": float(sum(s.env_dropped for s in stats)),  # leaves never trained on
+        # Episodes ended where the next message did not fit (rollout.env_overflow: unfinished).
+        "env/overflow_ended": float(sum(s.overflow_ended for s in stats)),
+        "env/diverged": float(sum(s.env_diverged for s in stats)),  # replays that did not rebuild the episode
         "env/live": float(sum(s.env_live for s in stats)),  # 0: every instance was closed
     } | ({"env/reward_mean": sum(rewards) / len(rewards)} if rewards else {})
 
@@ -433,7 +460,8 @@ def warn_budget(batch: Batch, rollout_cfg: RolloutConfig, step: int, warned: lis
     messages did not fit, and nothing else says why (``response/max_length``, ``env/errors``)."""
     leaves = [leaf for tree in batch.sampled for leaf in tree.leaves()]
     too_long = sum(s.dropped_too_long for s in batch.stats)  # dropped: their messages did not fit
-    cut = (sum(leaf.finish_reason == "max_length" for leaf in leaves) + too_long) / max(len(leaves) + too_long, 1)
+    at_budget = sum(leaf.finish_reason in ("max_length", "message_too_long") for leaf in leaves)
+    cut = (at_budget + too_long) / max(len(leaves) + too_long, 1)
     if cut <= 0.5 or warned[0]:
         return
     warned[0] = True

@@ -48,6 +48,7 @@ from arbor.engines.connect import run_sync
 from arbor.engines.errors import EngineError
 from arbor.engines.launch import EngineLaunchError
 from arbor.engines.types import GenerateOutput, GenerateRequest
+from arbor.errors import RunStopped
 from arbor.run import checkpoint
 from arbor.run.engine_group import EngineGroup
 from arbor.run.nodes import node_lost
@@ -58,7 +59,7 @@ HEALTH_TIMEOUT_S = 30.0  # a lost machine answers nothing: a health check waits 
 T = TypeVar("T")
 
 
-class EngineFailedError(RuntimeError):
+class EngineFailedError(RunStopped):
     """An engine could not be kept running: the run stops (the last checkpoint is intact)."""
 
 

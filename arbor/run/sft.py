@@ -66,6 +66,7 @@ import torch
 from arbor.config import Config, DataConfig, SftConfig, config_to_dict
 from arbor.data import DataError, format_prompt, read_rows, stop_token_ids
 from arbor.engines.ports import free_port
+from arbor.errors import ConfigError
 from arbor.run import checkpoint
 from arbor.run.metrics import MetricsLog
 from arbor.run.startup import start_command
@@ -329,7 +330,7 @@ def run_sft(cfg: Config) -> list[dict[str, float]]:
     _default_distributed_env(cfg)
     rank, world_size = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     if cfg.learner.backend == "torch" and world_size > 1:
-        raise SystemExit(f"arbor sft: learner.backend: torch is single-process, but WORLD_SIZE is {world_size}; "
+        raise ConfigError(f"learner.backend: torch is single-process, but WORLD_SIZE is {world_size}; "
                          "use learner.backend: deepspeed")
     # Every rank settles and checks; rank 0 writes config.yaml.
     started = start_command(cfg, "sft", writes=rank == 0)

@@ -11,19 +11,14 @@ phases, each handed the pieces it uses.
 from __future__ import annotations
 
 import json
-import sys
 import time
 from collections.abc import Callable
 
 from arbor.config import Config
-from arbor.errors import ConfigError
-from arbor.rollout.rewards import RewardFailureError
 from arbor.run import phases
 from arbor.run.async_rollouts import busy_metrics, producer_for
 from arbor.run.context import RunContext, start_run
-from arbor.run.learner_group import LearnerFailedError
-from arbor.run.orchestration import PlacementError
-from arbor.run.recovery import EngineFailedError
+from arbor.run.step_report import EmptySteps, dropped_summary
 from arbor.train.dfs import pack_budget
 
 
@@ -48,6 +43,7 @@ def train(cfg: Config, after_step: Callable[[RunContext, int, dict], None] | Non
         if ctx.start_step == 0 and cfg.run.eval_every and ctx.eval_problems:
             ctx.log.write(0, evaluate())  # where the policy starts
         behaviour_cap = cfg.loss.behaviour_cap if producer else None  # None: on-policy PPO
+        empty = EmptySteps(cfg.run.max_empty_steps)
         pack_tokens = pack_budget(cfg.learner.tree_execution, cfg.learner.pack_tokens)  # dfs: whole trees
         for step in range(ctx.start_step + 1, cfg.run.steps + 1):
             started = time.perf_counter()
@@ -59,6 +55,11 @@ def train(cfg: Config, after_step: Callable[[RunContext, int, dict], None] | Non
                 with ctx.log.phase("wait"):
                     taken = producer.take(step)
                 batch, metrics = taken.batch, phases.rollout_metrics(taken.batch) | taken.metrics
+            dropped = dropped_summary(batch, metrics.get("async/dropped", 0.0), cfg)
+            counts, said = empty.update(batch, dropped)  # trained nothing, not by dynamic sampling: said
+            metrics |= counts
+            if said or dropped:
+                ctx.log.note(step, said or dropped)
             if batch.trees:  # else every prompt's leaves scored the same: nothing to learn
                 with ctx.log.phase("advantage"):
                     advantages = phases.batch_advantages(batch.trees, cfg.algorithm)
@@ -87,6 +88,7 @@ def train(cfg: Config, after_step: Callable[[RunContext, int, dict], None] | Non
             history.append(ctx.log.write(step, metrics | ctx.data_metrics))
             if after_step is not None:
                 after_step(ctx, step, history[-1])
+            empty.check(step)  # run.max_empty_steps in a row: stops, the step's metrics written
             if cfg.run.save_trees_every and step % cfg.run.save_trees_every == 0:
                 ctx.save_trees(step, batch.trees + [t for t in batch.sampled if t not in batch.trees])
             if step == cfg.run.steps or (cfg.run.save_every and step % cfg.run.save_every == 0):
@@ -112,14 +114,9 @@ def probe_due(step: int, every: int | None, asynchronous: bool, first: int = 1) 
 
 
 def main(cfg: Config) -> int:
-    try:
-        history = train(cfg)
-    except (EngineFailedError, LearnerFailedError, RewardFailureError, PlacementError) as e:  # the message says what broke and how to go on
-        print(f"arbor train: stopped: {e}", file=sys.stderr)
-        return 1
-    except ConfigError as e:  # found at start-up on a node (a path it lacks) or by an engine
-        print(f"arbor train: config error: {e}", file=sys.stderr)
-        return 2
+    """``arbor train``: an error that stops the run (:class:`arbor.errors.RunStopped`) goes up to the
+    command line, which prints it as one line and keeps its traceback in the run's ``arbor.log``."""
+    history = train(cfg)
     if history:
         last = history[-1]
         summary = {k: round(last[k], 4) for k in ("reward/mean", "reward/accuracy") if k in last}
