@@ -5,6 +5,7 @@ and failures answered as tool messages, forks that replay only the side effects.
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -118,13 +119,29 @@ def test_the_server_gets_the_allow_listed_environment_and_env(envs, monkeypatch)
     assert got == ["", "/tmp/notes"]
 
 
-def test_a_server_that_does_not_start_is_a_clear_error(envs):
-    env = MCPTools([sys.executable, "-c", "import sys; sys.exit(3)"])
-    with pytest.raises(RuntimeError, match="did not start"):
+def test_a_server_that_does_not_start_is_a_clear_error_with_its_stderr(envs):
+    env = MCPTools([sys.executable, "-c", "import sys; sys.stderr.write('ModuleNotFoundError: No module named "
+                                          "mcp_helper\\n'); sys.exit(3)"])
+    # The server's own words, not anyio's "unhandled errors in a TaskGroup".
+    with pytest.raises(RuntimeError, match=r"did not start: .*its stderr:\n    ModuleNotFoundError: No module named "
+                                           r"mcp_helper"):
         env.reset({"prompt": "p"}, 0)
     env.close()
     with pytest.raises(ValueError, match="must be a list"):
         MCPTools("python3 server.py")  # type: ignore[arg-type]
+
+
+def test_a_bare_python_is_arbors_own_interpreter():
+    """configs/env_mcp.yaml launches `python3`: from an un-activated venv (`.venv/bin/arbor`) PATH's
+    python3 is the system's, without the venv's packages. A bare python, python3 or python3.N is
+    sys.executable; a path is left alone."""
+    from arbor.rollout.commands import command_argv
+
+    for name in ("python", "python3", "python3.11"):
+        assert MCPTools([name, "server.py"]).params.command == sys.executable
+        assert command_argv([name, "-m", "x"]) == [sys.executable, "-m", "x"]
+    assert command_argv(["/usr/bin/python3", "s.py"]) == ["/usr/bin/python3", "s.py"]
+    assert command_argv(["python3-config"]) == ["python3-config"] and command_argv(["node", "s.js"]) == ["node", "s.js"]
 
 
 def test_it_loads_as_rollout_env_and_may_refuse_forks_after_a_step():
@@ -135,16 +152,25 @@ def test_it_loads_as_rollout_env_and_may_refuse_forks_after_a_step():
     env.close()
 
 
-def test_two_rl_steps_of_arbor_train_with_the_servers_tools(tmp_path):
-    """configs/env_mcp.yaml for two steps (envs/lookup_tools.py's server): the prompt shows the
+def test_two_rl_steps_of_arbor_train_with_the_servers_tools(tmp_path, monkeypatch):
+    """configs/env_mcp.yaml as shipped (`command: [python3, envs/lookup_tools.py]`) for two steps,
+    with PATH's first python3 one that has no `mcp` (a bare venv's: what an un-activated
+    `.venv/bin/arbor` sees): the server runs under arbor's own interpreter. The prompt shows the
     tool in the template's format, every tool turn in the trees is what a fresh server answers
     to the same calls, every reward the reward function's; the trees fork after tool turns."""
+    import subprocess
+    import venv
+
     from adapter_runs import REPO, check_episodes, train_steps
     from transformers import AutoTokenizer
 
+    bare = tmp_path / "bare"
+    venv.create(bare, with_pip=False)  # its python3 imports only the standard library
+    assert subprocess.run([bare / "bin" / "python3", "-c", "import mcp"], capture_output=True).returncode != 0
+    monkeypatch.setenv("PATH", f"{bare / 'bin'}:{os.environ['PATH']}")
+    monkeypatch.chdir(REPO)  # the config's envs/lookup_tools.py is relative to the repository
+    history, trees = train_steps(tmp_path, "configs/env_mcp.yaml", "rollout.width=4")
     server = [sys.executable, str(REPO / "envs" / "lookup_tools.py")]
-    history, trees = train_steps(tmp_path, "configs/env_mcp.yaml", "rollout.width=4",
-                                 f"rollout.env_args={{command: {json.dumps(server)}, max_tool_turns: 2}}")
     tokenizer = AutoTokenizer.from_pretrained(REPO / "models" / "tiny-env")
     sys.path.insert(0, str(REPO / "envs"))
     from lookup_tools import boxed_value
@@ -154,3 +180,4 @@ def test_two_rl_steps_of_arbor_train_with_the_servers_tools(tmp_path):
     turns, forks = check_episodes(trees, lambda: MCPTools(server, max_tool_turns=2), tokenizer, boxed_value)
     assert turns > 0 and forks > 0
     assert len(history) == 2 and history[-1]["env/live"] == 0
+    assert all(step["failures/total"] == 0 for step in history)  # no server failed to start

@@ -37,6 +37,7 @@ import asyncio
 import importlib
 import json
 import logging
+import tempfile
 import threading
 from collections.abc import Sequence
 from datetime import timedelta
@@ -49,6 +50,7 @@ from mcp.client.stdio import stdio_client
 from arbor.data import prompt_messages
 from arbor.rollout.adapters.tool_calls import function_tool, parse_tool_calls
 from arbor.rollout.agents import Message
+from arbor.rollout.commands import command_argv, stderr_tail
 from arbor.rollout.environments import Fork, Step
 
 log = logging.getLogger(__name__)
@@ -73,7 +75,8 @@ class MCPTools:
     ) -> None:
         if isinstance(command, str) or not command:
             raise ValueError(f"command must be a list: the program and its arguments, got {command!r}")
-        self.params = StdioServerParameters(command=command[0], args=list(command[1:]), env=env, cwd=cwd)
+        argv = command_argv(command)  # a bare python3 is arbor's own interpreter (arbor.rollout.commands)
+        self.params = StdioServerParameters(command=argv[0], args=argv[1:], env=env, cwd=cwd)
         self.call_timeout_s, self.max_tool_turns = float(call_timeout_s), int(max_tool_turns)
         self.fork = fork  # an instance attribute: env_args may choose "none"
         self.tools: list[dict[str, Any]] = []  # the server's tools, OpenAI function format (after reset)
@@ -182,8 +185,10 @@ class _Session:
     async def _serve(self, ready: asyncio.Future) -> None:
         """The session's whole life in this one task: enter, list, answer requests, exit."""
         assert self._requests is not None
+        # The server's stderr is kept: a server that dies says why in the error, not only on the console.
+        errlog = tempfile.TemporaryFile("w+", encoding="utf-8", errors="replace")
         try:
-            async with stdio_client(self.params) as (read, write), ClientSession(read, write) as session:
+            async with stdio_client(self.params, errlog=errlog) as (read, write), ClientSession(read, write) as session:
                 await session.initialize()
                 listing = await session.list_tools()
                 ready.set_result([tool.model_dump(by_alias=True, exclude_none=True) for tool in listing.tools])
@@ -196,11 +201,17 @@ class _Session:
                         continue
                     reply.set_result(_answer(result.model_dump(by_alias=True)))
         except Exception as e:
+            errlog.seek(0)
+            said = stderr_tail(errlog.read())
+            cause = _innermost(e)
+            what = f"{type(cause).__name__}: {cause}" + (f"; its stderr:\n    {said}" if said else "")
             if not ready.done():
                 ready.set_exception(RuntimeError(f"MCP server {self.params.command!r} {self.params.args} did not "
-                                                 f"start: {type(e).__name__}: {e}"))
+                                                 f"start: {what}"))
             else:
-                raise
+                raise RuntimeError(f"MCP server {self.params.command!r} {self.params.args} stopped: {what}") from e
+        finally:
+            errlog.close()
 
     async def _call(self, name: str, arguments: dict, timeout: Any) -> dict[str, Any]:
         assert self._requests is not None and self._task is not None
@@ -221,6 +232,15 @@ class _Session:
                 await asyncio.wait_for(asyncio.shield(self._task), _START_S / 2)
             except asyncio.TimeoutError:
                 self._task.cancel()
+
+
+def _innermost(error: BaseException) -> BaseException:
+    """The first leaf of an exception group (anyio's "unhandled errors in a TaskGroup" says nothing)."""
+    inner = getattr(error, "exceptions", None)  # BaseExceptionGroup (3.11+, or the exceptiongroup backport)
+    while isinstance(inner, tuple) and inner and isinstance(inner[0], BaseException):
+        error = inner[0]
+        inner = getattr(error, "exceptions", None)
+    return error
 
 
 def _answer(result: dict[str, Any]) -> dict[str, Any]:
