@@ -231,14 +231,15 @@ def dry_run(cfg: Config, command: str) -> int:
 
 def _read_data(cfg: Config, command: str, key: str, path: str) -> str:
     """Every row of a problem file parses (sft: the file exists): what the run would load."""
-    from arbor.data import load_problems
+    from arbor.data import load_problems, used_columns
 
     if command == "sft":
         from arbor.run.startup import check_problem_files
 
         check_problem_files(cfg, command)
         return f"{path} exists"
-    return f"{path}: {len(load_problems(path, cfg.data, key))} problems"
+    columns = used_columns(cfg.rollout.env, len(cfg.reward.functions))
+    return f"{path}: {len(load_problems(path, cfg.data, key, columns))} problems"
 
 
 def _engine_kind(cfg: Config, kind: str) -> str:

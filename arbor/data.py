@@ -40,10 +40,25 @@ log = logging.getLogger(__name__)
 Message = dict[str, Any]  # {"role": "system" | "user" | "assistant" | "tool", "content": str, ...}
 
 
-def load_problems(path: str | Path, data_cfg: DataConfig, key: str = "data.train_path") -> list[dict[str, Any]]:
+def used_columns(env: str | None, reward_functions: int) -> tuple[str, ...]:
+    """The columns a run needs of every row (``id`` is never required): the prompt unless an
+    environment writes its own (``rollout.env``'s reset), the answer when reward functions score
+    against it. A task whose environment writes the prompt and gives the reward needs neither.
+
+    >>> used_columns(None, 1), used_columns("envs/ledger.py:Ledger", 0)
+    (('prompt', 'answer'), ())
+    """
+    return tuple(name for name, used in (("prompt", env is None), ("answer", reward_functions > 0)) if used)
+
+
+def load_problems(
+    path: str | Path, data_cfg: DataConfig, key: str = "data.train_path", columns: Sequence[str] = ("prompt", "answer"),
+) -> list[dict[str, Any]]:
     """Read every row, normalised to the keys ``id``, ``prompt``, ``answer`` (+ the rest);
     ``path`` may also name a generated set (``reasoning_gym:NAME``, :mod:`arbor.dataset_sources`).
-    ``key`` is the config key that named ``path``, for the error when it does not exist."""
+    ``key`` is the config key that named ``path``, for the error when it does not exist.
+    ``columns``: of ``prompt`` and ``answer``, those every row must have (:func:`used_columns`);
+    the others are kept when a row has them."""
     if is_source(str(path)):
         rows = source_rows(str(path))
     elif not Path(path).exists():
@@ -53,7 +68,7 @@ def load_problems(path: str | Path, data_cfg: DataConfig, key: str = "data.train
     problems: list[dict[str, Any]] = []
     seen: dict[str, str] = {}
     for where, row in rows:
-        problem = problem_from_row(row, where, data_cfg)
+        problem = problem_from_row(row, where, data_cfg, columns)
         if problem["id"] in seen:
             raise DataError(f"{where}: duplicate problem id {problem['id']!r} (first at {seen[problem['id']]})")
         seen[problem["id"]] = where
@@ -63,27 +78,30 @@ def load_problems(path: str | Path, data_cfg: DataConfig, key: str = "data.train
     return problems
 
 
-def problem_from_row(row: Any, where: str, data_cfg: DataConfig) -> dict[str, Any]:
-    """One row as a problem: the row's columns + ``id``, ``prompt``, ``answer``."""
+def problem_from_row(
+    row: Any, where: str, data_cfg: DataConfig, columns: Sequence[str] = ("prompt", "answer"),
+) -> dict[str, Any]:
+    """One row as a problem: the row's columns + ``id``, ``prompt``, ``answer`` (those of the
+    two a row lacks and ``columns`` does not require are left out)."""
     if not isinstance(row, dict):
         raise DataError(f"{where}: a row must be an object, got {type(row).__name__}")
     raw_id = column(row, data_cfg.id_key)
     problem_id = where if raw_id is None else str(raw_id)
     at = f"{where} (problem {problem_id!r})"
-    values = {}
-    for key, name in ((data_cfg.prompt_key, "data.prompt_key"), (data_cfg.answer_key, "data.answer_key")):
-        value = column(row, key)
-        if value is None:
-            raise DataError(f"{at}: row has no {key!r} column ({name}), or it is null; columns: {sorted(row)}")
-        values[name] = value
-    prompt = values["data.prompt_key"]
+    keys = {"prompt": (data_cfg.prompt_key, "data.prompt_key"), "answer": (data_cfg.answer_key, "data.answer_key")}
+    values = {name: column(row, key) for name, (key, _) in keys.items()}
+    missing = [f"{keys[name][0]!r} ({keys[name][1]})" for name in columns if values[name] is None]
+    if missing:  # every missing column in one message
+        raise DataError(f"{at}: row has no {' and no '.join(missing)} column, or it is null; columns: {sorted(row)}")
+    prompt = values["prompt"]
     if isinstance(prompt, list):
         prompt = _checked_messages(prompt, at, data_cfg.prompt_key)
-    elif not isinstance(prompt, str):
+    elif prompt is not None and not isinstance(prompt, str):
         raise DataError(
             f"{at}: {data_cfg.prompt_key!r} must be text or a list of chat messages, got {type(prompt).__name__}"
         )
-    return {**row, "id": problem_id, "prompt": prompt, "answer": values["data.answer_key"]}
+    known = {name: value for name, value in (("prompt", prompt), ("answer", values["answer"])) if value is not None}
+    return {**row, "id": problem_id, **known}
 
 
 def column(row: dict[str, Any], key: str) -> Any:

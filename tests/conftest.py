@@ -74,6 +74,7 @@ SLOW_TESTS = {
     "test_adapters_textarena.py": {"test_two_rl_steps_of_arbor_train_replay_to_the_trees_and_rewards"},
     "test_adapters_verifiers.py": {"test_two_rl_steps_of_arbor_train_run_the_environments_loop"},
     "test_paged_lookup.py": {"test_the_config_forks_after_the_page_and_the_environment_gives_the_reward"},
+    "test_async_rollouts.py": {"test_the_quickstart_as_shipped_trains_every_step_with_the_producer_ahead"},
 }
 
 

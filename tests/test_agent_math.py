@@ -157,3 +157,19 @@ def test_build_tool_model_writes_a_loadable_model(tmp_path):
 
     model = AutoModelForCausalLM.from_pretrained(out)
     assert model.config.eos_token_id == AutoTokenizer.from_pretrained(out).eos_token_id
+
+
+def test_the_tool_agent_trains_asynchronously(tmp_path):
+    """The stateless Python-tool agent under algorithm.max_staleness=1: its tool turns carry no
+    weight version, so its trees are as old as their sampled turns, and every step from the second
+    trains (a tool turn read as version 0 made every tree too stale from step 3 on)."""
+    from async_checks import check_async_trained
+
+    cfg = load_config(CONFIG, [
+        f"run.output_dir={tmp_path / 'async'}", "run.steps=3", "run.eval_every=0", "data.prompts_per_step=4",
+        "learner.backend=torch", "learner.zero_stage=0", "algorithm.dynamic_sampling=false",
+        "algorithm.max_staleness=1",
+    ])
+    history = train(cfg)
+    check_async_trained(history, max_staleness=1)
+    assert all(m["agent/tool_calls_per_episode"] > 0 and m["async/dropped"] == 0 for m in history)

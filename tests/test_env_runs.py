@@ -8,6 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from async_checks import check_async_trained
 
 from arbor.config_load import load_config
 from arbor.errors import ConfigError
@@ -46,11 +47,36 @@ def test_an_environment_trains_and_evaluates_on_the_embedded_engine(tmp_path):
 
 
 def test_an_environment_in_an_asynchronous_run(tmp_path):
-    history = train(env_run(tmp_path / "async", "run.steps=2", "run.eval_every=0", "algorithm.max_staleness=1", "run.sync_probe_every=1"))
-    assert len(history) == 2
+    history = train(env_run(tmp_path / "async", "run.steps=3", "run.eval_every=0", "algorithm.max_staleness=1",
+                            "run.sync_probe_every=1"))
     for metrics in history:
         check_env_step(metrics)
-        assert metrics["async/staleness_mean"] <= 1
+    check_async_trained(history, max_staleness=1)  # environment turns carry no weight version: not stale
+
+
+def ledger_run(out: Path, *overrides: str):
+    """envs/ledger.py (copy-forked, its own prompt and reward) on the quickstart's config as shipped
+    (asynchronous, max_staleness 1): the ids-only problems of data/env/ledger.jsonl."""
+    return load_config(REPO / "configs" / "quickstart.yaml", [
+        f"run.output_dir={out}", f"rollout.env={REPO}/envs/ledger.py:Ledger", "reward.functions=[]",
+        f"data.train_path={REPO}/data/env/ledger.jsonl", "data.eval_path=null", "data.prompts_per_step=8",
+        "rollout.segment_tokens=16", "rollout.max_depth=4", "run.steps=6", "run.eval_every=0", "run.save_every=0",
+        "learner.backend=torch", "learner.zero_stage=0", "run.cpu_threads=1", *overrides,
+    ])
+
+
+def test_a_copy_forked_environment_trains_asynchronously_as_it_does_synchronously(tmp_path):
+    """The bug that shipped: on the quickstart's asynchronous config a multi-turn tree was dropped as
+    too stale from step 3 on (its environment's nodes read as weight version 0), training nothing."""
+    asynchronous = train(ledger_run(tmp_path / "async"))
+    check_async_trained(asynchronous, max_staleness=1)
+    assert all(m["async/dropped"] == 0 and m["run/empty_steps"] == 0 for m in asynchronous)
+    assert all(m["env/forks/copy"] > 0 and m["env/steps_per_episode"] > 1 for m in asynchronous)
+    rewards = {round(m["reward/mean"], 6) for m in asynchronous}
+    assert len(rewards) > 1 and all(m["reward/std"] > 0 for m in asynchronous)  # the reward varies
+    synchronous = train(ledger_run(tmp_path / "sync", "algorithm.max_staleness=0"))
+    trained = [sum(m["rollout/trees_trained"] for m in run) for run in (asynchronous, synchronous)]
+    assert trained[0] >= trained[1] / 2, trained
 
 
 def test_an_environment_without_a_reward_and_no_reward_function_is_refused_at_start_up(tmp_path):

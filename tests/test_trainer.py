@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from async_checks import check_async_trained
 from safetensors.torch import load_file
 from tiny_model import build_tiny_model_dir
 
@@ -228,6 +229,7 @@ def test_an_engine_killed_while_the_asynchronous_producer_samples_is_restarted(r
     arm, kills = kill_engine_while_the_producer_samples(1)
     history = train(cfg, after_step=arm)
     assert len(kills) == 1 and len(history) == 4  # the run finished
+    check_async_trained(history, max_staleness=1)
     assert sum(m["engine/restarts"] for m in history) >= 1
     # Every push checks each engine's version: the restarted one took part in the later ones.
     assert [m["sync/weight_version"] for m in history] == [1, 2, 3, 4]
@@ -246,6 +248,7 @@ def test_lora_with_an_asynchronous_producer_names_the_adapter_and_survives_an_en
     arm, kills = kill_engine_while_the_producer_samples(2)
     history = train(cfg, after_step=arm)
     assert len(kills) == 1 and len(history) == 4
+    check_async_trained(history, max_staleness=1)
     assert sum(m["engine/restarts"] for m in history) >= 1
     assert all(m["sync/logprob_gap"] <= 1e-4 for m in history)
     # Step 3's trees were sampled after the first push: by the adapter (a base-model sample would
@@ -335,10 +338,11 @@ def test_colocated_asynchronous_run_keeps_the_engine_serving(run_inputs, tmp_pat
     the producer samples step 2's trees while step 1 trains."""
     root, model, data = run_inputs
     cfg = config(root, model, data, tmp_path / "ca", "learner.backend=torch", "learner.zero_stage=0",
-                 "learner.weight_sync=disk", "ray.colocate=true", "algorithm.max_staleness=1", "run.sync_probe_every=1", "run.steps=2")
+                 "learner.weight_sync=disk", "ray.colocate=true", "algorithm.max_staleness=1", "run.sync_probe_every=1", "run.steps=3")
     history = train(cfg)
-    assert [m["rollout/trees"] for m in history] == [2, 2]
-    assert all(m["sync/logprob_gap"] <= 1e-4 for m in history) and "async/staleness_mean" in history[-1]
+    assert [m["rollout/trees"] for m in history] == [2, 2, 2]
+    assert all(m["sync/logprob_gap"] <= 1e-4 for m in history)
+    check_async_trained(history, max_staleness=1)  # the producer sampled while the learner trained
 
 
 def test_external_engines_serve_a_run(run_inputs, tmp_path):
@@ -458,9 +462,9 @@ def test_async_run_with_a_sequence_level_mis_correction(run_inputs, tmp_path):
     root, model, data = run_inputs
     cfg = config(root, model, data, tmp_path / "mis", "learner.backend=torch", "learner.zero_stage=0",
                  "algorithm.max_staleness=1", "run.sync_probe_every=1", "loss.mode=linear", "loss.rollout_correction=mis",
-                 "loss.rollout_correction_level=sequence", "loss.rollout_mask_bounds=[0.9, 1.1]")
+                 "loss.rollout_correction_level=sequence", "loss.rollout_mask_bounds=[0.9, 1.1]", "run.steps=3")
     history = train(cfg)
-    assert len(history) == 2
+    check_async_trained(history, max_staleness=1)
     for metrics in history:
         assert "train/behaviour_weight" not in metrics  # the correction, not behaviour_cap, weighted it
         assert metrics["mismatch/kl"] >= 0 and metrics["mismatch/is_weight_max"] >= metrics["mismatch/is_weight_mean"] > 0
@@ -488,6 +492,8 @@ def test_async_run_keeps_the_staleness_bound_and_resumes_without_samples_in_flig
         assert 0 <= metrics["async/engine_busy"] <= 1 and 0 < metrics["async/learner_busy"] <= 1
         assert metrics["train/behaviour_weight"] > 0  # the decoupled objective trained it
     assert seen[1]["async/staleness_mean"] == 0  # the first batch was sampled by the weights that train it
+    # Batch 2 was sampled while step 1 trained: one update old, and trained (not dropped).
+    assert seen[2]["async/staleness_mean"] == 1 and seen[2]["rollout/trees_trained"] == 2
     # run.sync_probe_every's asynchronous default: the run's first step, then every 10th.
     assert seen[1]["sync/logprob_gap"] <= 1e-4 and "sync/logprob_gap" not in seen[2]
     # The checkpoint of step 1 points at the problems of batch 2, though the producer had gone past them.

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from arbor.config import Config, config_to_dict
-from arbor.data import ProblemStream, load_problems
+from arbor.data import ProblemStream, load_problems, used_columns
 from arbor.engines.client import SGLangClient
 from arbor.engines.connect import engine_client
 from arbor.rollout.agents import Agent, fitting_problems
@@ -231,12 +231,13 @@ def _load_problems(
         return kept
 
     files = problem_files(cfg, "train")  # data.train_path, and the eval set when the run evaluates
-    problems = fitting(load_problems(files.pop("data.train_path"), cfg.data, "data.train_path"), "data.train_path",
-                       "data/skipped_long_prompts")
+    columns = used_columns(cfg.rollout.env, len(cfg.reward.functions))  # an environment may write the prompt
+    problems = fitting(load_problems(files.pop("data.train_path"), cfg.data, "data.train_path", columns),
+                       "data.train_path", "data/skipped_long_prompts")
     stream = ProblemStream(problems, cfg.run.seed, cfg.data.shuffle)
     eval_problems: list[dict] = []
     for key, path in files.items():
-        eval_problems = fitting(load_problems(path, cfg.data, key), key, "data/skipped_long_eval_prompts")
+        eval_problems = fitting(load_problems(path, cfg.data, key, columns), key, "data/skipped_long_eval_prompts")
     return stream, eval_problems, data_metrics
 
 

@@ -288,7 +288,7 @@ def main(cfg: Config) -> int:
     The start-up is every command's (:func:`arbor.run.startup.start_command`: the settled
     config, the tokenizer and stop ids; the agent, reward pool and engine launch options as
     ``arbor train`` builds them), but the engines run in this process, without Ray."""
-    from arbor.data import format_prompt, load_problems
+    from arbor.data import format_prompt, load_problems, used_columns
     from arbor.engines.connect import closing, engine_client
     from arbor.engines.launch import launch_engines
     from arbor.plugins import default_search_dirs
@@ -307,7 +307,8 @@ def main(cfg: Config) -> int:
     search = default_search_dirs(cfg.source)
     env = rollout_env(cfg.rollout, search)  # the episodes the run trains on
     require_reward(env, cfg.reward)
-    problems, skipped = load_problems(path, cfg.data, key), list[str]()
+    columns = used_columns(cfg.rollout.env, len(cfg.reward.functions))
+    problems, skipped = load_problems(path, cfg.data, key, columns), list[str]()
     if env is None or env.agent is not None:  # an environment's prompts are only known at its reset
         # As arbor train does: prompts longer than data.max_prompt_tokens are skipped (and counted), never cut.
         problems, skipped = fitting_problems(problems, None if env is None else env.agent, tokenizer, cfg.data,
