@@ -192,10 +192,10 @@ def dry_run(cfg: Config, command: str) -> int:
     from arbor.engines.launch import resolve_kind
     from arbor.run.startup import check_device, check_model_context, engine_device, problem_files
 
-    checks: list[tuple[str, Callable[[], str]]] = [
-        ("reward.functions" + (", rollout.agent" if cfg.rollout.agent else ""),
-         _passes(lambda: check_extensions(cfg), "import and match their protocols")),
-    ]
+    checks: list[tuple[str, Callable[[], str]]] = [("reward.functions", lambda: _reward_functions(cfg))]
+    if cfg.rollout.env is not None or cfg.rollout.agent is not None:
+        key = "rollout.env" if cfg.rollout.env is not None else "rollout.agent"
+        checks.append((key, lambda: _episodes(cfg)))
     try:
         files = problem_files(cfg, command)
     except ConfigError as e:  # arbor eval without a set
@@ -240,6 +240,38 @@ def _read_data(cfg: Config, command: str, key: str, path: str) -> str:
         return f"{path} exists"
     columns = used_columns(cfg.rollout.env, len(cfg.reward.functions))
     return f"{path}: {len(load_problems(path, cfg.data, key, columns))} problems"
+
+
+def _reward_functions(cfg: Config) -> str:
+    """The reward functions import and match the protocol (``--dry-run``'s line for them)."""
+    from arbor.rollout.rewards import RewardTerm, load_reward_terms
+
+    terms = [RewardTerm(t.fn, t.weight) for t in cfg.reward.functions]
+    if not terms:
+        return "none (the environment gives the reward)"
+    load_reward_terms(terms, search_dirs=default_search_dirs(cfg.source))
+    return f"{', '.join(t.fn for t in terms)} import and match fn(problem, completion) -> float"
+
+
+def _episodes(cfg: Config) -> str:
+    """The environment (or agent) builds, matches the protocol and gives a reward where one is
+    needed: one instance is built with its arguments and closed (``--dry-run``'s line for it)."""
+    from arbor.rollout.environments import require_reward, rollout_env
+
+    source = rollout_env(cfg.rollout, default_search_dirs(cfg.source))
+    assert source is not None  # one of the keys is set
+    require_reward(source, cfg.reward)
+    if source.is_agent:
+        return f"{source.spec}: the agent builds and has start() and step()"
+    probe = source.make()
+    try:
+        fork = getattr(probe, "fork", "replay")
+    finally:
+        close = getattr(probe, "close", None)
+        if callable(close):
+            close()
+    reward = "gives a reward" if source.gives_reward else "gives no reward (reward.functions score)"
+    return f"{source.spec}: builds, has reset() and step(), forks by {fork}, {reward}"
 
 
 def _engine_kind(cfg: Config, kind: str) -> str:

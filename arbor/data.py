@@ -90,9 +90,9 @@ def problem_from_row(
     at = f"{where} (problem {problem_id!r})"
     keys = {"prompt": (data_cfg.prompt_key, "data.prompt_key"), "answer": (data_cfg.answer_key, "data.answer_key")}
     values = {name: column(row, key) for name, (key, _) in keys.items()}
-    missing = [f"{keys[name][0]!r} ({keys[name][1]})" for name in columns if values[name] is None]
+    missing = [f"{keys[name][0]!r} column ({keys[name][1]})" for name in columns if values[name] is None]
     if missing:  # every missing column in one message
-        raise DataError(f"{at}: row has no {' and no '.join(missing)} column, or it is null; columns: {sorted(row)}")
+        raise DataError(f"{at}: row has no {' and no '.join(missing)}, or it is null; columns: {sorted(row)}")
     prompt = values["prompt"]
     if isinstance(prompt, list):
         prompt = _checked_messages(prompt, at, data_cfg.prompt_key)

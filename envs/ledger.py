@@ -3,7 +3,7 @@ model (models/tiny-arith answers two-number sums and differences).
 
     arbor train configs/quickstart.yaml rollout.env=envs/ledger.py:Ledger reward.functions=[] \
         data.train_path=data/env/ledger.jsonl data.eval_path=null rollout.segment_tokens=16 \
-        rollout.max_depth=4 run.output_dir=runs/ledger
+        rollout.max_depth=4 run.eval_every=0 run.output_dir=runs/ledger
 
 Each episode opens an account with a balance and a deposit drawn from the tree's seed and asks
 for the new balance; the model's answer **is written into the ledger** (a side effect: a wrong

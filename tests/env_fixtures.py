@@ -185,6 +185,13 @@ class Recheck(Env):
         return float(any(f"\\boxed{{{self.gold}}}" in answer for answer in self.answers))
 
 
+class Exploding(Recheck):
+    """Recheck whose every step raises: a broken environment, every episode of every step."""
+
+    def step(self, history):
+        raise KeyError(f"no account for {len(history)} messages")
+
+
 class Silent(Env):
     """An environment that gives no reward (Env's default)."""
 

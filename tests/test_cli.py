@@ -130,3 +130,23 @@ def test_bad_agent_fails_at_start_naming_the_key(tmp_path):
     assert out.returncode == 2 and "rollout.agent" in out.stderr and "Nope" in out.stderr
     out = arbor("config", "configs/quickstart.yaml", "rollout.agent=agents/single_turn.py:SingleTurn")
     assert out.returncode == 0, out.stderr
+
+
+def test_dry_run_says_which_environment_it_checked_and_the_ledger_needs_no_prompt_column():
+    """envs/ledger.py, the docs' environment, writes its own prompt and gives the reward: its
+    problems (ids only) load without a prompt or answer column, and --dry-run names what it built."""
+    out = arbor("train", "configs/quickstart.yaml", "--dry-run", "rollout.env=envs/ledger.py:Ledger",
+                "reward.functions=[]", "data.train_path=data/env/ledger.jsonl", "data.eval_path=null", "run.eval_every=0")
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "ok    rollout.env: envs/ledger.py:Ledger: builds, has reset() and step(), forks by copy, gives a reward" \
+        in out.stdout
+    assert "ok    reward.functions: none (the environment gives the reward)" in out.stdout
+    assert "ok    data.train_path: data/env/ledger.jsonl: 256 problems" in out.stdout
+    # With a reward function the answer column is needed: the ids-only rows fail, naming it.
+    out = arbor("train", "configs/quickstart.yaml", "--dry-run", "rollout.env=envs/ledger.py:Ledger",
+                "data.train_path=data/env/ledger.jsonl", "data.eval_path=null", "run.eval_every=0")
+    assert out.returncode == 2 and "row has no 'answer' column (data.answer_key)" in out.stdout, out.stdout
+    # Without an environment both are needed, named in one message.
+    out = arbor("train", "configs/quickstart.yaml", "--dry-run", "data.train_path=data/env/ledger.jsonl",
+                "data.eval_path=null", "run.eval_every=0")
+    assert "row has no 'prompt' column (data.prompt_key) and no 'answer' column (data.answer_key)" in out.stdout, out.stdout

@@ -5,6 +5,7 @@ in tests/test_sglang_runs.py."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -83,3 +84,30 @@ def test_an_environment_without_a_reward_and_no_reward_function_is_refused_at_st
     cfg = env_run(tmp_path / "none", f"rollout.env={REPO}/tests/env_fixtures.py:Silent")
     with pytest.raises(ConfigError, match=r"reward.functions is empty but rollout.env '.*Silent' defines no reward"):
         train(cfg)
+
+
+def test_an_environment_that_raises_on_every_step_stops_the_run_in_a_few_lines(tmp_path):
+    """One failure policy: each branch whose env.step raises is dropped and counted; every episode
+    of the step failing (more than reward.max_failure_fraction) stops `arbor train` with a few lines
+    naming the problem id, the turn and the environment's own message, the traceback in arbor.log."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "exploding"
+    done = subprocess.run([
+        sys.executable, "-m", "arbor", "train", "configs/quickstart.yaml", f"run.output_dir={out}",
+        f"rollout.env={REPO}/tests/env_fixtures.py:Exploding", "reward.functions=[]", "data.prompts_per_step=4",
+        "rollout.width=4", "rollout.segment_tokens=16", "rollout.max_depth=4", "run.steps=2", "run.eval_every=0",
+        "learner.backend=torch", "learner.zero_stage=0", "run.cpu_threads=1",
+    ], cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 1, done.stdout[-2000:] + done.stderr[-3000:]
+    err = done.stderr.strip()
+    assert "Traceback" not in err and "Traceback" not in done.stdout
+    stopped = [line for line in err.splitlines() if line.startswith("arbor train: stopped:")]
+    assert len(stopped) == 1 and len(err.splitlines()) <= 6, err
+    assert re.search(r"step 1: (\d+) of \1 episodes failed \(100% > reward.max_failure_fraction=0.1\)\. First: "
+                     r"problem 'arith-\d+', turn 1: env_error: step raised KeyError: 'no account for 2 messages'",
+                     stopped[0]), stopped[0]
+    log = (out / "arbor.log").read_text()
+    assert "Traceback (most recent call last)" in log and "RewardFailureError" in log
+    assert "env_error: step raised KeyError" in log  # every dropped branch, one line each
