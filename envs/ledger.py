@@ -52,8 +52,7 @@ class Ledger:
             self.right += self.balance == self.true_balance
         if not found or self.asked >= self.entries:
             return Step([], done=True)  # no balance to go on from, or every entry made
-        amount = self.rng.randint(1, max(1, self.balance)) if self.balance > 1 else 1
-        return Step([self._ask("-", amount)], done=False)
+        return Step([self._ask("-", self.rng.randint(1, max(1, self.balance)))], done=False)
 
     def reward(self) -> float:
         return self.right / self.entries
