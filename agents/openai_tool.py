@@ -18,6 +18,8 @@ import operator
 import random
 from typing import Any
 
+from arbor import ProgramContext
+
 CALCULATOR = {
     "type": "function",
     "function": {
@@ -49,13 +51,13 @@ def calculate(expression: str) -> str:
     return str(int(result) if float(result).is_integer() else result)
 
 
-async def program(problem: dict, ctx: Any) -> float | None:
+async def program(problem: dict, ctx: ProgramContext) -> float | None:
     client = ctx.openai_client()
     rng = random.Random(ctx.seed)  # every random choice from the run's seed: replays make the same
     messages: list[dict[str, Any]] = [{"role": "user", "content": problem["prompt"]}]
     for turn in range(3):
         reply = await client.chat.completions.create(model=ctx.model, messages=messages, tools=[CALCULATOR],
-                                                     max_tokens=24)
+                                                     max_tokens=96)
         message = reply.choices[0].message
         messages.append(message.model_dump(exclude_none=True))  # back unchanged: token-exact
         for call in message.tool_calls or []:

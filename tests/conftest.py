@@ -31,6 +31,7 @@ SLOW_FILES = {
 }
 # Slow tests of files whose other tests are fast: file -> test functions (all their parameters).
 SLOW_TESTS = {
+    "test_program_frameworks.py": {"test_a_framework_program_trains_two_steps"},
     "test_sft.py": {"test_two_zero3_ranks_lower_the_loss_and_export", "test_torch_backend_run_resumes",
                     "test_the_sft_recipe_runs"},
     "test_lora.py": {"test_zero3_two_ranks_train_the_adapter_as_one_process", "test_sft_trains_an_adapter_and_resumes"},

@@ -41,20 +41,20 @@ def tokenizer():
 
 
 class ScriptedEngine:
-    """Answers call k (counted by the requests of one path) with ``texts[k]`` + EOS, cut to
-    ``max_new_tokens`` ("length"), each token at log-prob -0.25; keeps every request."""
+    """Answers the k-th model turn of a conversation (its k-th assistant header) with
+    ``texts[k]`` + EOS, cut to ``max_new_tokens`` ("length"), each token at log-prob -0.25;
+    keeps every request."""
 
     def __init__(self, tokenizer, texts: list[str]) -> None:
         self.tokenizer, self.texts = tokenizer, texts
         self.requests: list[GenerateRequest] = []
-        self.answered: dict[tuple[int, ...], int] = {}
 
     async def generate(self, request: GenerateRequest) -> list[GenerateOutput]:
         self.requests.append(request)
         await asyncio.sleep(0)
         eos = self.tokenizer.eos_token_id
-        calls = sum(1 for t in request.input_ids if t == eos)  # turns ended so far on this path
-        ids = [*self.tokenizer.encode(self.texts[min(calls // 2, len(self.texts) - 1)], add_special_tokens=False), eos]
+        turn = self.tokenizer.decode(request.input_ids).count("<|im_start|>assistant") - 1
+        ids = [*self.tokenizer.encode(self.texts[min(turn, len(self.texts) - 1)], add_special_tokens=False), eos]
         cut = ids[: request.sampling.max_new_tokens]
         return [GenerateOutput(cut, [-0.25] * len(cut), "stop" if cut == ids else "length", len(request.input_ids),
                                0, "v1")]
