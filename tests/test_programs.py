@@ -235,3 +235,39 @@ def test_plain_def_programs_commands_crashes_and_timeouts(tokenizer, tmp_path) -
 
     tree, stats = run(engine, bad_reward, tokenizer, width=1)
     assert stats.program_errors == 1 and not tree.leaves()
+
+
+def test_streaming_text_completions_and_the_key(tokenizer) -> None:
+    engine = ScriptedEngine(tokenizer, [TOOL_CALL, "35"])
+    seen: dict = {}
+
+    async def program(problem, ctx):
+        client = ctx.openai_client()
+        messages = [{"role": "user", "content": problem["prompt"]}]
+        stream = await client.chat.completions.create(model=ctx.model, messages=messages, stream=True)
+        chunks = [chunk async for chunk in stream]
+        seen["call"] = chunks[0].choices[0].delta.tool_calls[0].function.name
+        seen["finish"] = chunks[-1].choices[0].finish_reason
+        # A text prompt that extends the last call (prompt + answer as text) keeps its ids.
+        text = tokenizer.decode(engine.requests[-1].input_ids) + TOOL_CALL + "<|im_end|>\n<|im_start|>assistant\n"
+        completion = await client.completions.create(model=ctx.model, prompt=text, max_tokens=4, stop=["5"])
+        seen["text"] = completion.choices[0].text
+        stranger = ctx.openai_client(api_key="wrong")
+        with pytest.raises(openai.AuthenticationError):
+            await stranger.models.list()
+
+    tree, stats = run(engine, program, tokenizer)
+    assert (seen["call"], seen["finish"]) == ("calculate", "tool_calls")
+    assert seen["text"] == "3"  # "35" cut before the stop string, as OpenAI's
+    assert stats.program_offpath_calls == 0 and len(tree.leaves()) == 1
+    assert tokenizer.decode(tree.leaves()[0].token_ids) == "35"  # the ids cut at the stop, trained
+
+
+def test_arbor_eval_refuses_a_program() -> None:
+    from arbor.config_load import load_config
+    from arbor.errors import ConfigError
+    from arbor.run.evaluate import main
+
+    cfg = load_config(ROOT / "configs" / "program_openai.yaml", ["data.eval_path=data/arith/test.jsonl"])
+    with pytest.raises(ConfigError, match="arbor eval does not run agent programs"):
+        main(cfg)

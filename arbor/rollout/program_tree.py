@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import random
+import secrets
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -149,7 +150,8 @@ class ProgramTree:
         return self.problem.get("id")
 
     def new_run(self, replay: list[CallRecord], fork: Fork | None) -> Run:
-        run = Run(len(self.runs), f"t{self.index}-r{len(self.runs)}-{random.getrandbits(32):08x}", replay, fork)
+        # The path names the run; its random tail keeps a stray call of an earlier step's run out.
+        run = Run(len(self.runs), f"t{self.index}-r{len(self.runs)}-{secrets.token_hex(4)}", replay, fork)
         run.last_active = self.calls.clock()
         self.runs.append(run)
         self.calls.runs[run.episode] = (self, run)

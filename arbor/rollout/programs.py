@@ -47,7 +47,7 @@ from arbor.rollout.sample_stats import SampleStats
 from arbor.tree import RolloutTree
 
 _PYTHON = re.compile(r"python(3(\.\d+)?)?")
-_TICK_S = 0.05  # how often a run's time limits are checked
+_TICK_S = 0.5  # how often a run's time limits are checked, at most
 
 
 @dataclass(frozen=True)
@@ -78,9 +78,9 @@ class ProgramContext:
         (no retries: a refused request is an answer, not a network error)."""
         import openai
 
-        kwargs = {"max_retries": 0} | kwargs
         kind = openai.AsyncOpenAI if self.is_async else openai.OpenAI
-        return kind(base_url=self.base_url, api_key=self.api_key, **kwargs)
+        settings: dict[str, Any] = {"base_url": self.base_url, "api_key": self.api_key, "max_retries": 0}
+        return kind(**(settings | kwargs))
 
 
 def load_program(rollout_cfg: RolloutConfig, search_dirs: Sequence[str] = ()) -> ProgramSource | None:
@@ -253,10 +253,10 @@ async def _watched(work: Any, run: Run, cfg: RolloutConfig, clock: Callable[[], 
     ``rollout.program_timeout_s`` in all, or spends longer than ``rollout.env_timeout_s`` of its
     own between calls (cancelled: a thread's program is left to finish, its calls refused)."""
     task = asyncio.ensure_future(work)
-    start = clock()
+    start, tick = clock(), min(_TICK_S, cfg.env_timeout_s / 4, cfg.program_timeout_s / 4)
     try:
         while True:
-            done, _ = await asyncio.wait({task}, timeout=_TICK_S)
+            done, _ = await asyncio.wait({task}, timeout=tick)
             if done:
                 return task.result()
             now = clock()
