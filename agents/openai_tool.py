@@ -52,18 +52,18 @@ def calculate(expression: str) -> str:
 
 
 async def program(problem: dict, ctx: ProgramContext) -> float | None:
-    client = ctx.openai_client()
     rng = random.Random(ctx.seed)  # every random choice from the run's seed: replays make the same
     messages: list[dict[str, Any]] = [{"role": "user", "content": problem["prompt"]}]
-    for turn in range(3):
-        reply = await client.chat.completions.create(model=ctx.model, messages=messages, tools=[CALCULATOR],
-                                                     max_tokens=96)
-        message = reply.choices[0].message
-        messages.append(message.model_dump(exclude_none=True))  # back unchanged: token-exact
-        for call in message.tool_calls or []:
-            arguments = json.loads(call.function.arguments)
-            messages.append({"role": "tool", "tool_call_id": call.id,
-                             "content": calculate(str(arguments.get("expression", "")))})
-        if not message.tool_calls and turn < 2:
-            messages.append({"role": "user", "content": rng.choice(_CHECKS)})
+    async with ctx.openai_client() as client:  # an openai.AsyncOpenAI bound to this run
+        for turn in range(3):
+            reply = await client.chat.completions.create(model=ctx.model, messages=messages, tools=[CALCULATOR],
+                                                         max_tokens=96)
+            message = reply.choices[0].message
+            messages.append(message.model_dump(exclude_none=True))  # back unchanged: token-exact
+            for call in message.tool_calls or []:
+                arguments = json.loads(call.function.arguments)
+                messages.append({"role": "tool", "tool_call_id": call.id,
+                                 "content": calculate(str(arguments.get("expression", "")))})
+            if not message.tool_calls and turn < 2:
+                messages.append({"role": "user", "content": rng.choice(_CHECKS)})
     return None

@@ -172,6 +172,19 @@ def test_the_example_program_forks_by_replay_on_the_tiny_model(tokenizer) -> Non
         assert sum(n.loss_mask is None for n in tree.path(leaf)) == 3
 
 
+def test_forks_inside_an_answer_go_on_from_the_ids_sampled_so_far(tokenizer) -> None:
+    from arbor.engines.embedded.engine import LocalEngine
+
+    program = load_object("agents/openai_tool.py:program", "rollout.program", [str(ROOT)])
+    tree, stats = run(LocalEngine(MODEL), program, tokenizer, width=8, branch=2, segment_tokens=4, max_depth=32)
+    assert len(tree.leaves()) == 8 and stats.program_diverged == 0 and stats.program_errors == 0
+    # A fork's reply holds the parent's ids before the fork: sent back, they extend its path.
+    assert stats.program_retokenized == 0 and stats.program_offpath_calls == 0
+    inside = [n for n in tree.nodes() if n.loss_mask is None and len(n.children) > 1
+              and all(c.loss_mask is None for c in n.children)]
+    assert inside, "some run forked inside an answer"
+
+
 def test_a_program_reading_an_unseeded_rng_is_caught_diverging(tokenizer) -> None:
     from arbor.engines.embedded.engine import LocalEngine
 
@@ -228,6 +241,15 @@ def test_plain_def_programs_commands_crashes_and_timeouts(tokenizer, tmp_path) -
     started = time.monotonic()
     tree, stats = run(engine, sleeps, tokenizer, width=1, env_timeout_s=0.3)
     assert (stats.program_timeouts, len(tree.leaves())) == (1, 0) and time.monotonic() - started < 10
+
+    def hangs(problem, ctx):
+        ctx.openai_client().chat.completions.create(model=ctx.model, messages=[{"role": "user", "content": "q"}])
+        time.sleep(20)
+
+    started = time.monotonic()
+    tree, stats = run(engine, hangs, tokenizer, width=1, env_timeout_s=0.3)
+    # The thread cannot be killed: it is left behind, and the step does not wait for it.
+    assert stats.program_timeouts == 1 and time.monotonic() - started < 10
 
     async def bad_reward(problem, ctx):
         await ctx.openai_client().chat.completions.create(model=ctx.model, messages=[{"role": "user", "content": "q"}])

@@ -190,11 +190,11 @@ class ProgramTree:
             fork = run.fork
             if prompt_ids != fork.prompt_ids:
                 self._diverge(run, k, "its request differs from the parent's", prompt_ids, fork.prompt_ids)
-            return await self._sample(run, prompt_ids, fork.node, fork.prefix, max_tokens, stop, chat)
+            return await self._sample(run, prompt_ids, fork.start, fork.node, fork.prefix, max_tokens, stop, chat)
         if self.tree is None:
             self.tree = RolloutTree(prompt_ids, self.problem)
             run.tip = self.tree.root
-            return await self._sample(run, prompt_ids, self.tree.root, [], max_tokens, stop, chat)
+            return await self._sample(run, prompt_ids, self.tree.root, self.tree.root, [], max_tokens, stop, chat)
         assert run.tip is not None
         path = [*self.tree.prompt_ids, *self._response(run.tip)]
         if prompt_ids[: len(path)] != path:
@@ -208,14 +208,13 @@ class ProgramTree:
                                     f"(rollout.segment_tokens × rollout.max_depth = {self.cfg.max_response_tokens} "
                                     "tokens; messages count against it): the run cannot go on")
             start = self._add(run, start, extra, None, None)
-        return await self._sample(run, prompt_ids, start, [], max_tokens, stop, chat)
+        return await self._sample(run, prompt_ids, start, start, [], max_tokens, stop, chat)
 
-    async def _sample(self, run: Run, prompt_ids: list[int], start: Node, prefix: list[int], max_tokens: int | None,
-                      stop: list[str], chat: bool) -> Reply:
-        """The call's answer, segment by segment from ``start`` (a fork: from its node, ``prefix``
-        sampled already); the run may fork at each boundary."""
+    async def _sample(self, run: Run, prompt_ids: list[int], start: Node, tip: Node, prefix: list[int],
+                      max_tokens: int | None, stop: list[str], chat: bool) -> Reply:
+        """The call's answer under ``start``, segment by segment from ``tip`` (a fork: its fork
+        point, ``prefix`` the ids sampled from start down to it); the run may fork at each boundary."""
         assert self.tree is not None
-        tip = start if not prefix else run.fork.node  # type: ignore[union-attr]
         room = self.cfg.max_response_tokens - start.end
         limit = room if max_tokens is None else min(max_tokens, room)
         if limit - len(prefix) <= 0:

@@ -40,6 +40,7 @@ from arbor.engines.openai_endpoint import OpenAIEndpoint
 from arbor.engines.types import RolloutEngine
 from arbor.errors import ConfigError
 from arbor.plugins import load_object
+from arbor.rollout.agent_thread import in_daemon_thread
 from arbor.rollout.episodes import reset_seed
 from arbor.rollout.program_render import ChatRender
 from arbor.rollout.program_tree import ProgramCalls, ProgramTree, Run
@@ -211,7 +212,8 @@ async def _call_program(program: ProgramSource, problem: dict, ctx: ProgramConte
     try:
         if program.is_async:
             return await program.function(dict(problem), ctx)
-        return await asyncio.to_thread(program.function, dict(problem), ctx)
+        # A daemon thread, not the loop's executor: a hung program must not hold the step's end.
+        return await in_daemon_thread(program.function, dict(problem), ctx)
     except asyncio.CancelledError:
         raise
     except Exception as e:
