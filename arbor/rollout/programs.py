@@ -295,5 +295,6 @@ def program_metrics(stats: Sequence[SampleStats]) -> dict[str, float]:
         "program/diverged": float(sum(s.program_diverged for s in stats)),
         "program/errors": float(sum(s.program_errors for s in stats)),
         "program/timeouts": float(sum(s.program_timeouts for s in stats)),
+        "program/dropped": float(sum(s.env_dropped for s in stats)),  # leaves of failed runs: never trained on
         "program/seconds": sum(s.program_seconds for s in stats) / max(runs, 1),
     }

@@ -30,7 +30,7 @@ class SampleStats:
     env_errors: int = 0  # branches stopped by a diverged replay or messages over the budget, close() failures
     env_episodes: int = 0  # episodes ended (reward read, instance closed), dropped ones aside
     env_episode_steps: int = 0  # Σ over those episodes of the steps on their path
-    env_dropped: int = 0  # leaves removed from the tree: never trained on
+    env_dropped: int = 0  # leaves removed from the tree: never trained on (a failed program run's too)
     dropped_too_long: int = 0  # of which: an agent's or environment's messages did not fit the budget
     env_live: int = 0  # instances still open when the tree was done (an abandoned call runs on)
     # Agent programs (rollout.program / rollout.program_command), docs/agent-programs.md:
