@@ -56,6 +56,9 @@ _EXPORTS: dict[str, str] = {
     "Message": "arbor.rollout.agents",
     "Env": "arbor.rollout.environments",
     "Step": "arbor.rollout.environments",
+    # agent programs: what a program run is given (rollout.program)
+    "ProgramContext": "arbor.rollout.programs",
+    "sample_program_trees": "arbor.rollout.programs",
     # environment adapters (each needs its optional extra: pip install 'arbor[envs]')
     "reasoning_gym_score": "arbor.rollout.adapters.reasoning_gym",
     "reasoning_gym_score_boxed": "arbor.rollout.adapters.reasoning_gym",
@@ -141,6 +144,7 @@ if TYPE_CHECKING:  # type checkers and IDEs see the names without the lazy table
     from arbor.rollout.agents import Agent, Message
     from arbor.rollout.answers import final_boxes, last_boxed
     from arbor.rollout.environments import Env, Step
+    from arbor.rollout.programs import ProgramContext, sample_program_trees
     from arbor.rollout.rewards import (
         RewardError,
         RewardFn,

@@ -58,6 +58,10 @@ def check_extensions(cfg: Config) -> None:
         from arbor.rollout.environments import require_reward, rollout_env
 
         require_reward(rollout_env(cfg.rollout, default_search_dirs(cfg.source)), cfg.reward)
+    if cfg.rollout.program is not None:
+        from arbor.rollout.programs import load_program
+
+        load_program(cfg.rollout, default_search_dirs(cfg.source))
 
 
 def print_config(cfg: Config) -> int:

@@ -124,6 +124,19 @@ class RolloutConfig:
     # Environment instances open at once while a step samples; 0: no cap. A branch that needs
     # one more waits for another to close.
     max_live_envs: int = 0
+    # module:attr of an agent program: a plain or async def program(problem, ctx) -> float | None
+    # calling the policy through an OpenAI-compatible endpoint (ctx.openai_client()); each run is
+    # one leaf, forks are replays (docs/agent-programs.md). Replaces rollout.env / rollout.agent.
+    program: str | None = None
+    # A command run once per episode instead (argv), with OPENAI_BASE_URL, OPENAI_API_KEY,
+    # ARBOR_MODEL and ARBOR_SEED set, the problem as JSON on stdin and {"reward": x} as the last
+    # line of its stdout. An argv[0] of python/python3/python3.N is this interpreter.
+    program_command: list[str] = field(default_factory=list)
+    # Wall-clock seconds one program run may take in all; past it the run is dropped and counted
+    # (program/timeouts). rollout.env_timeout_s bounds the time a run spends between its calls.
+    program_timeout_s: float = 600.0
+    # How tool calls are read out of the model's text for a program's chat completions.
+    tool_parser: Literal["hermes"] = "hermes"
     # Where paths fork. segment: TreePO's segment boundaries; entropy: TreeRL's EPTree, at the
     # highest-entropy tokens of whole paths already sampled (docs/fork-policies.md).
     fork_at: Literal["segment", "entropy"] = "segment"

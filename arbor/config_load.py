@@ -99,6 +99,19 @@ def validate(cfg: Config, where: Callable[[str], str] | None = None, on_gpu: boo
          "environment); keep one")
     need(r.env is not None or not r.env_args, "rollout.env_args", "needs rollout.env (the class it builds)")
     need(r.env_timeout_s > 0, "rollout.env_timeout_s", f"must be > 0, got {r.env_timeout_s}")
+    sources = [key for key, value in (("rollout.program", r.program), ("rollout.program_command", r.program_command),
+                                      ("rollout.env", r.env), ("rollout.agent", r.agent)) if value]
+    need(len(sources) <= 1 or sources == ["rollout.env", "rollout.agent"], sources[0] if sources else "rollout.program",
+         f"and {', '.join(sources[1:])} are all set: a program, a command, an environment and an agent are "
+         "alternatives; keep one")
+    need(r.program is None or ":" in r.program, "rollout.program", f"must be 'module:attr', got {r.program!r}")
+    need(all(isinstance(a, str) and a for a in r.program_command), "rollout.program_command",
+         f"must be a list of non-empty strings (argv), got {r.program_command!r}")
+    need(r.program_timeout_s > 0, "rollout.program_timeout_s", f"must be > 0, got {r.program_timeout_s}")
+    need(not (sources and sources[0].startswith("rollout.program") and r.mode != "tree"), "rollout.mode",
+         "must be tree with a program (each of a problem's rollout.width runs is a leaf of its tree)")
+    need(not (sources and sources[0].startswith("rollout.program") and r.fork_at != "segment"), "rollout.fork_at",
+         "must be segment with a program (a program's runs fork at segment boundaries, by replay)")
     need(r.max_live_envs >= 0, "rollout.max_live_envs", f"must be ≥ 0 (0: no cap), got {r.max_live_envs}")
     if r.fork_at == "entropy":
         need(r.mode == "tree", "rollout.fork_at", "entropy forks a tree: it needs rollout.mode: tree")
@@ -125,10 +138,16 @@ def validate(cfg: Config, where: Callable[[str], str] | None = None, on_gpu: boo
             need(name not in ("CPU", "GPU"), key, f"names custom resources; {name} is set by arbor from the run's device")
             need(isinstance(amount, (int, float)) and not isinstance(amount, bool) and amount > 0, key,
                  f"{name} must be a number > 0, got {amount!r}")
+    program = r.program is not None or bool(r.program_command)
+    need(not (program and e.partial_rollouts), "engine.partial_rollouts",
+         "must be false with a program (a program's answers are never sampled again)")
+    need(not (program and cfg.run.eval_every), "run.eval_every",
+         "must be 0 with a program (the periodic eval samples prompts, a program makes its own)")
     need(e.max_restarts >= 0, "engine.max_restarts", f"must be ≥ 0 (0: a dead engine stops the run), got {e.max_restarts}")
 
-    need(bool(cfg.reward.functions) or r.env is not None, "reward.functions",
-         "must name at least one reward function (it may be empty only when rollout.env gives the reward)")
+    need(bool(cfg.reward.functions) or r.env is not None or r.program is not None or bool(r.program_command),
+         "reward.functions", "must name at least one reward function (it may be empty only when rollout.env or a "
+         "program gives the reward)")
     for i, term in enumerate(cfg.reward.functions):
         need(":" in term.fn, f"reward.functions[{i}].fn", f"must be 'module:attr', got {term.fn!r}")
     need(math.isfinite(cfg.reward.env_weight), "reward.env_weight", f"must be a finite number, got {cfg.reward.env_weight}")

@@ -62,6 +62,8 @@ MEANINGS: dict[str, dict[str, str]] = {
         "Message": "A chat message an agent or environment returns (`role`, `content`, optional `error`).",
         "Env": "The environment protocol: `reset(problem, seed)`, `step(history) -> Step`, `reward()`, `fork`, `copy()`, `close()` (docs/environments.md).",
         "Step": "What an environment answers after a model turn: `Step(messages, done=False)`.",
+        "ProgramContext": "What an agent program run is given: `base_url`, `api_key`, `model`, `seed`, `openai_client()` (docs/agent-programs.md).",
+        "sample_program_trees": "One tree per problem from `rollout.width` runs of an agent program, forked by replay.",
         "ToolPool": "Runs sandboxed tool calls (Python) concurrently with time, memory and output limits.",
         "ToolResult": "The outcome of one tool call: output, time, and why it failed if it did.",
     },

@@ -131,8 +131,9 @@ def test_env_and_agent_together_and_a_missing_reward_are_config_errors(envs):
     with pytest.raises(ConfigError, match=r"rollout.env and rollout.agent are both set"):
         rollout_env(RolloutConfig(env="envs.py:Counter", agent="agents/single_turn.py:SingleTurn"), envs)
     with pytest.raises(ConfigError, match=r"reward.functions must name at least one reward function \(it may be "
-                                          r"empty only when rollout.env gives the reward\)"):
+                                          r"empty only when rollout.env or a program gives the reward\)"):
         load_config(None, ["reward.functions=[]"])
+    load_config(None, ["reward.functions=[]", "rollout.program=agents/openai_tool.py:program"])
     cfg = load_config(None, ["reward.functions=[]", "rollout.env=envs.py:Defaults"])
     with pytest.raises(ConfigError, match=r"reward.functions is empty but rollout.env 'envs.py:Defaults' defines "
                                           r"no reward\(\)"):

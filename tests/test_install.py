@@ -40,7 +40,7 @@ def test_readme_first_screen_is_clone_venv_and_two_commands():
     assert commands[0].startswith("git clone ") and commands[1].startswith("python3 -m venv ")
     setup = commands[2:]
     assert setup == [f"{INSTALL} . && arbor train configs/quickstart.yaml",
-                     f"{INSTALL} '.[dev,gguf,bench,envs]' && pytest"], setup
+                     f"{INSTALL} '.[dev,gguf,bench,envs,programs]' && pytest"], setup
     # Each command says what it takes, in a comment line above it.
     comments = [line for line in block.splitlines() if line.startswith("# ")]
     assert len(comments) >= 2 and all(re.search(r"\d+(\.\d+)? ?(GB|MB)", c) for c in comments[-2:]), comments
@@ -49,7 +49,7 @@ def test_readme_first_screen_is_clone_venv_and_two_commands():
 
 
 def test_ci_and_development_docs_install_as_the_readme_does():
-    second = f"{INSTALL} '.[dev,gguf,bench,envs]'"
+    second = f"{INSTALL} '.[dev,gguf,bench,envs,programs]'"
     assert f"python3 -m {second}" in (REPO / ".ci" / "run").read_text().replace(" -q", "")
     assert second in (REPO / "docs" / "development.md").read_text()
 

@@ -17,6 +17,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from sglang_env import sglang_python
 
 from arbor.config_load import load_config
@@ -169,12 +170,31 @@ def test_an_environment_forked_by_replay_on_sglang_asynchronously(tmp_path):
                f"rollout.env={REPO}/tests/env_fixtures.py:Recheck", "reward.functions=[]", "rollout.width=4",
                "rollout.segment_tokens=16", "rollout.max_depth=4", "algorithm.dynamic_sampling=false",
                f"run.output_dir={out}"]
-    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    steps = [m for m in read_metrics(out) if m["step"] >= 1]
-    assert [m["step"] for m in steps] == [1, 2]
-    for m in steps:
+    for m in trained_steps(command, out, 2):
         assert 1.0 < m["env/steps_per_episode"] <= 2.0 and m["env/replayed_steps"] > 0
         assert m["env/live"] == 0 and m["env/errors"] == 0
         assert m["reward/mean"] == m["env/reward_mean"]
         assert m["sync/logprob_gap"] < GAP_BOUND and m["rollout/cached_ratio"] > 0.5
+
+
+@pytest.mark.parametrize("program", ["agents/openai_agents_sdk.py:program", "agents/langgraph_tool.py:program"])
+def test_a_framework_agent_program_trains_on_sglang(tmp_path, program):
+    """An agent program on a framework drives a real SGLang server through arbor's endpoint: 2
+    steps, forks replayed, nothing re-tokenised, the trained ids scored as SGLang sampled them."""
+    python = sglang_python()
+    out = tmp_path / "program"
+    command = [sys.executable, "-m", "arbor", "train", "configs/program_openai.yaml", "engine.kind=sglang",
+               f"engine.python={python}", *SMALL, "run.steps=2", f"rollout.program={program}",
+               f"run.output_dir={out}"]
+    for m in trained_steps(command, out, 2):
+        assert m["program/replayed_calls"] > 0 and m["program/retokenized"] == 0 and m["program/errors"] == 0
+        assert m["train/logprob_gap"] < GAP_BOUND
+
+
+def trained_steps(command: list[str], out: Path, steps: int) -> list[dict]:
+    """The metrics of each step of the ``arbor train`` ``command`` writes to ``out`` (it must succeed)."""
+    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    metrics = [m for m in read_metrics(out) if m["step"] >= 1]
+    assert [m["step"] for m in metrics] == list(range(1, steps + 1))
+    return metrics

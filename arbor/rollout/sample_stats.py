@@ -32,7 +32,7 @@ class SampleStats:
     env_errors: int = 0  # branches stopped by a diverged replay or messages over the budget, close() failures
     env_episodes: int = 0  # episodes ended (reward read, instance closed), dropped ones aside
     env_episode_steps: int = 0  # Σ over those episodes of the steps on their path
-    env_dropped: int = 0  # leaves removed from the tree: never trained on
+    env_dropped: int = 0  # leaves removed from the tree: never trained on (a failed program run's too)
     env_diverged: int = 0  # replays (fork: replay) that did not rebuild the recorded episode
     dropped_too_long: int = 0  # of which: an agent's or environment's messages did not fit the budget
     # Episodes ended (not dropped) where the next message did not fit (rollout.env_overflow: unfinished).
@@ -40,6 +40,17 @@ class SampleStats:
     unstarted: int = 0  # branches (or whole trees) that never started: a reset or copy failed
     failures: list[EpisodeFailure] = field(default_factory=list)  # branches dropped: user code failed
     env_live: int = 0  # instances still open when the tree was done (an abandoned call runs on)
+    # Agent programs (rollout.program / rollout.program_command), docs/agent-programs.md:
+    program_runs: int = 0  # runs started (the first, and one per fork)
+    program_calls: int = 0  # calls the endpoint served (replayed ones included)
+    program_replayed_calls: int = 0  # calls of forked runs answered from their parent's recording
+    program_retokenized: int = 0  # assistant messages that matched no returned one (context, not trained)
+    program_offpath_calls: int = 0  # calls that did not extend their run's path (served, never trained)
+    program_ignored_params: int = 0  # request sampling fields ignored (temperature, top_p, ...)
+    program_diverged: int = 0  # forked runs whose requests differed from the recording (dropped)
+    program_errors: int = 0  # runs that raised, exited non-zero or gave a bad reward (dropped)
+    program_timeouts: int = 0  # runs past rollout.program_timeout_s or idle past rollout.env_timeout_s (dropped)
+    program_seconds: float = 0.0  # Σ wall-clock seconds of the runs
     finish_reasons: dict[str, int] = field(default_factory=dict)  # leaf reason → count
     shortfall_reason: str | None = None
 

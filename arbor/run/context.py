@@ -27,6 +27,7 @@ from arbor.engines.client import SGLangClient
 from arbor.engines.connect import engine_client
 from arbor.rollout.agents import Agent, fitting_problems
 from arbor.rollout.environments import require_reward, rollout_env
+from arbor.rollout.programs import load_program
 from arbor.rollout.rewards import RewardPool, reward_pool
 from arbor.run import checkpoint
 from arbor.run.engine_group import EngineGroup
@@ -156,10 +157,12 @@ def _start(cfg: Config, closers: list[Callable[[], Any]], clock: StartupClock) -
     output_token = mark_output_dir(cfg.run.output_dir)
     search = default_search_dirs(cfg.source)  # where rewards/ and agents/ specs resolve
     env = rollout_env(cfg.rollout, search)  # multi-turn episodes (rollout.env, or rollout.agent), or None
-    require_reward(env, cfg.reward)
+    program = load_program(cfg.rollout, search)  # agent programs (rollout.program / program_command), or None
+    if program is None:
+        require_reward(env, cfg.reward)
     with clock.phase("data"):
         stream, eval_problems, data_metrics = _load_problems(cfg, None if env is None else env.agent, tokenizer,
-                                                             skip_check=env is not None and env.agent is None)
+                                                             skip_check=(env is not None and env.agent is None) or program is not None)
     with clock.phase("metrics"):
         log = MetricsLog(cfg.run, cfg.run.steps, config=config_to_dict(cfg))  # the settled config
         closers.append(log.close)
@@ -193,7 +196,8 @@ def _start(cfg: Config, closers: list[Callable[[], Any]], clock: StartupClock) -
     engine = RecoveringEngine(engine_client(cfg.engine, engines.urls), recovery, weights)
     ctx = RunContext(
         cfg=cfg, sampling=Sampling(engine, tokenizer, env, eos_token_ids, cfg.data, cfg.model.chat_template,
-                                   env_weight=cfg.reward.env_weight, env_reward_only=not cfg.reward.functions),
+                                   env_weight=cfg.reward.env_weight, env_reward_only=not cfg.reward.functions,
+                                   program=program, model_name=Path(cfg.model.path).name or "arbor-policy"),
         stream=stream, eval_problems=eval_problems, data_metrics=data_metrics, log=log, rewards=rewards,
         placement=placement, engines=engines, learners=learners, weights=weights, recovery=recovery,
         schedule_steps=schedule_steps, startup=clock,

@@ -55,6 +55,7 @@ from typing import Any, Protocol
 
 from arbor.config import Config, EvalConfig, RolloutConfig
 from arbor.engines.types import RolloutEngine
+from arbor.errors import ConfigError
 from arbor.rollout.agents import Agent, Render, tool_turns
 from arbor.rollout.answers import final_boxes
 from arbor.rollout.episodes import EpisodeSetup
@@ -301,6 +302,10 @@ def main(cfg: Config) -> int:
     from arbor.run.startup import engine_device, problem_files, start_command
 
     e = cfg.eval
+    if cfg.rollout.program is not None or cfg.rollout.program_command:
+        raise ConfigError("arbor eval does not run agent programs (rollout.program, rollout.program_command): "
+                          "it samples the model's answers to the problems' prompts; evaluate the program with "
+                          "its own harness against a served checkpoint")
     ((key, path),) = problem_files(cfg, "eval").items()  # eval.path, else data.eval_path (else a ConfigError)
     started = start_command(cfg, "eval")
     cfg, tokenizer, eos = started.cfg, started.tokenizer, started.stop_ids

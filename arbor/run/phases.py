@@ -33,6 +33,7 @@ from arbor.rollout.agents import tool_turns
 from arbor.rollout.answers import has_final_answer
 from arbor.rollout.environments import FORK_MODES, EnvSource
 from arbor.rollout.episodes import EpisodeSetup, run_episodes
+from arbor.rollout.programs import ProgramSource, program_metrics, sample_program_trees
 from arbor.rollout.rewards import RewardPool, clip_text
 from arbor.rollout.sample_stats import SampleStats
 from arbor.rollout.sampler import sample_trees
@@ -74,6 +75,7 @@ class Batch:
     requests: int = 0  # /generate calls the rollouts sent (batched: one per round of all trees)
     unsandboxed_tool_calls: int = 0  # tool calls run without bubblewrap while sampling this step
     episodes: bool = False  # multi-turn episodes (rollout.env, or rollout.agent): env/* metrics
+    programs: bool = False  # agent programs (rollout.program, rollout.program_command): program/* metrics
 
 
 @dataclass
@@ -98,6 +100,9 @@ class Sampling:
     # Whether the run has warned that most episodes end at the response budget (warn_budget):
     # shared by the copies the asynchronous producer makes of this record.
     budget_warned: list[bool] = field(default_factory=lambda: [False])
+    # rollout.program / rollout.program_command: each tree's leaves are runs of it; None: none.
+    program: ProgramSource | None = None
+    model_name: str = "arbor-policy"  # the name a program's endpoint answers to (model.path's last part)
 
     def run(self, coroutine: Coroutine[Any, Any, T]) -> T:
         """Run a coroutine on the engine client from the synchronous loop."""
@@ -108,7 +113,7 @@ class Sampling:
 
     def prompts(self, problems: list[dict]) -> list[list[int]] | None:
         """Each problem's prompt ids; None with an environment (each tree's prompt is its reset's)."""
-        if self.env is not None:
+        if self.env is not None or self.program is not None:
             return None
         return [format_prompt(p, self.data_cfg, self.tokenizer, self.chat_template) for p in problems]
 
@@ -163,6 +168,7 @@ def collect_rollouts(
         batch.correct += correct
         batch.rounds = round_ + 1
         batch.episodes = sampling.env is not None
+        batch.programs = sampling.program is not None
         trees = [t for t in trees if t.leaves()]  # every branch dropped (failures, the budget): nothing to train
         kept = dynamic_sampling_filter(trees) if cfg.algorithm.dynamic_sampling else trees
         batch.alike += len(trees) - len(kept)
@@ -194,6 +200,12 @@ def sample(
         done[0] += 1
         status(f"rollout: {done[0]}/{len(problems)} trees")
 
+    if sampling.program is not None:
+        return sampling.run(sample_program_trees(
+            sampling.engine, problems, rollout_cfg, program=sampling.program, tokenizer=sampling.tokenizer,
+            stop_ids=sampling.eos_token_ids, seed=seed, model=sampling.model_name,
+            needs_reward=sampling.env_reward_only, on_progress=progress,
+        ))
     return sampling.run(sample_trees(
         sampling.engine, problems, sampling.prompts(problems), rollout_cfg, eos_token_ids=sampling.eos_token_ids,
         seed=seed, is_final_answer=lambda ids: has_final_answer(sampling.decode(ids)), decode=sampling.decode,
@@ -431,7 +443,8 @@ def rollout_metrics(batch: Batch) -> dict[str, float]:
         "agent/unsandboxed_tool_calls": float(batch.unsandboxed_tool_calls),
         # Episodes that ran out of the response budget (agent and environment messages count).
         "response/max_length": sum(leaf.finish_reason == "max_length" for leaf in leaves) / n,
-    } | failure_counts(batch.failures) | (env_metrics(batch) if batch.episodes else {})
+    } | failure_counts(batch.failures) | (env_metrics(batch) if batch.episodes else {}) | (
+        program_metrics(batch.stats) if batch.programs else {})
 
 
 def env_metrics(batch: Batch) -> dict[str, float]:

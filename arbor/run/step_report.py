@@ -41,9 +41,10 @@ def dropped_summary(batch: Batch, stale: float, cfg: Config) -> str:
         parts.append(f"{ended} episodes ended where the next message did not fit the response budget ({budget})")
     if too_long:
         parts.append(f"{too_long} branches dropped: the next message did not fit the response budget ({budget})")
-    diverged = sum(s.env_diverged for s in batch.stats)
+    diverged = sum(s.env_diverged + s.program_diverged for s in batch.stats)
     if diverged:
-        parts.append(f"{diverged} replays diverged (hidden non-determinism: seed it from reset's seed, or fork by copy)")
+        parts.append(f"{diverged} replays diverged and were dropped (hidden non-determinism, a global RNG or a "
+                     "clock: seed everything from the episode's seed; env/diverged, program/diverged)")
     if stale:
         parts.append(f"{stale:.0f} trees dropped as older than algorithm.max_staleness="
                      f"{cfg.algorithm.max_staleness} updates (async/dropped)")
