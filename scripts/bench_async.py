@@ -21,8 +21,11 @@ reward, batch, learning rate, evals every ``run.eval_every`` steps). ``wall`` is
 Writes ``curves.csv`` (arm, seed, step, wall_s, reward_accuracy, eval_accuracy) and
 ``curves.png`` (greedy eval accuracy against wall seconds; sampled-answer accuracy against
 step) into ``--out``, then ``SPREAD`` (every seed's values) and
-``RESULT wall_sync_s=... wall_async_s=... speedup=<sync / async wall> eval_sync=... eval_async=...``
-(means over seeds; eval = the greedy held-out accuracy after the last step). Timings only
+``RESULT wall_sync_s=... wall_async_s=... speedup=<sync / async wall> eval_sync=... eval_async=...
+reward_sync=... reward_async=... trained_sync=... trained_async=...`` (means over seeds; eval = the
+greedy held-out accuracy after the last step, nan for a config without an eval set; reward = the
+mean ``reward/mean`` over the second half of the steps; trained = the trees trained over the run,
+which an asynchronous run that drops its trees as too stale would show). Timings only
 mean something on a quiet machine. Wall time on a quiet 2-core machine: 13 min (3 seeds;
 RESULT speedup=1.424, per seed 1.27–1.59).
 """
@@ -57,6 +60,14 @@ class Run:
     seed: int
     wall_s: float = 0.0  # the whole train() call
     points: list[tuple[int, float, float, float | None]] = field(default_factory=list)  # (step, wall_s, reward_acc, eval_acc)
+    rewards: list[float] = field(default_factory=list)  # reward/mean per step
+    trees_trained: float = 0.0  # Σ rollout/trees_trained: what the arm learned from
+
+    @property
+    def late_reward(self) -> float:
+        """Mean reward/mean over the second half of the steps: learning where the config has no eval."""
+        half = self.rewards[len(self.rewards) // 2:]
+        return statistics.fmean(half) if half else float("nan")
 
     @property
     def final_eval(self) -> float:
@@ -88,6 +99,8 @@ def run_arm(config: str, arm: str, seed: int, steps: int, out: Path, overrides: 
     for step, metrics in enumerate(history, start=1):  # a fresh run: steps 1..steps
         elapsed += metrics["time/step_s"]
         run.points.append((step, elapsed, metrics["reward/accuracy"], metrics.get("eval/accuracy")))
+        run.rewards.append(metrics["reward/mean"])
+        run.trees_trained += metrics.get("rollout/trees_trained", 0.0)
     print(f"{arm} seed {seed}: {steps} steps in {run.wall_s:.1f} s (loop {elapsed:.1f} s); "
           f"final greedy accuracy {run.final_eval:.3f}", flush=True)
     return run
@@ -137,6 +150,10 @@ def figures(runs: list[Run]) -> dict[str, list[float]]:
         "wall_async_s": [by["async", s].wall_s for s in seeds],
         "eval_sync": [by["sync", s].final_eval for s in seeds],
         "eval_async": [by["async", s].final_eval for s in seeds],
+        "reward_sync": [by["sync", s].late_reward for s in seeds],
+        "reward_async": [by["async", s].late_reward for s in seeds],
+        "trained_sync": [by["sync", s].trees_trained for s in seeds],
+        "trained_async": [by["async", s].trees_trained for s in seeds],
     }
     out["speedup"] = [a / b for a, b in zip(out["wall_sync_s"], out["wall_async_s"])]
     return out
@@ -165,7 +182,8 @@ def main() -> None:
     plot(runs, out / "curves.png")
     print(f"wrote {out / 'curves.csv'} and {out / 'curves.png'}")
     per_seed = figures(runs)
-    keys = ("wall_sync_s", "wall_async_s", "speedup", "eval_sync", "eval_async")
+    keys = ("wall_sync_s", "wall_async_s", "speedup", "eval_sync", "eval_async", "reward_sync", "reward_async",
+            "trained_sync", "trained_async")
     print("SPREAD " + " ".join(f"{k}=" + ",".join(f"{v:.3f}" for v in per_seed[k]) for k in keys))
     print("RESULT " + " ".join(f"{k}={statistics.fmean(per_seed[k]):.3f}" for k in keys), flush=True)
 

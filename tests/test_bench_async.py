@@ -31,8 +31,10 @@ def test_smoke_run_trains_both_arms_and_writes_csv_plot_and_result(tmp_path):
     run = subprocess.run([sys.executable, str(REPO / "scripts/bench_async.py"), "--smoke", "--out", str(tmp_path)],
                          capture_output=True, text=True, timeout=900, cwd=REPO)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    assert re.search(r"^RESULT wall_sync_s=[\d.]+ wall_async_s=[\d.]+ speedup=[\d.]+ eval_sync=[\d.]+ eval_async=[\d.]+$",
-                     run.stdout, re.M), run.stdout
+    result = re.search(r"^RESULT wall_sync_s=[\d.]+ wall_async_s=[\d.]+ speedup=[\d.]+ eval_sync=[\d.]+ eval_async=[\d.]+ "
+                       r"reward_sync=[\d.]+ reward_async=[\d.]+ trained_sync=([\d.]+) trained_async=([\d.]+)$", run.stdout, re.M)
+    assert result, run.stdout
+    assert float(result.group(1)) > 0 and float(result.group(2)) > 0  # both arms trained trees
     assert re.search(r"^SPREAD wall_sync_s=[\d.]+ wall_async_s=[\d.]+ speedup=", run.stdout, re.M)
     rows = list(csv.DictReader((tmp_path / "curves.csv").open()))
     for arm in ("sync", "async"):

@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from async_checks import check_async_trained
 from sglang_env import sglang_python
 
 from arbor.config_load import load_config
@@ -49,6 +50,7 @@ def test_quickstart_async_on_sglang_then_arbor_eval(tmp_path):
     # (max_staleness 1), so their gap is the policy's own move in one step, not an engine error.
     assert steps[0]["train/logprob_gap"] < GAP_BOUND
     assert all(m["async/staleness_mean"] <= 1 for m in steps)
+    assert all(m["rollout/trees_trained"] > 0 and m["run/empty_steps"] == 0 for m in steps[1:])
     # Prefix reuse read from the server's own cached_tokens: forks share their parents' KV.
     assert all(m["rollout/cached_ratio"] > 0.5 for m in steps)
     assert "eval/accuracy" in read_metrics(out)[-1]
@@ -166,11 +168,13 @@ def test_an_environment_forked_by_replay_on_sglang_asynchronously(tmp_path):
     python = sglang_python()
     out = tmp_path / "env"
     command = [sys.executable, "-m", "arbor", "train", "configs/quickstart.yaml", "engine.kind=sglang",
-               f"engine.python={python}", *SMALL, "run.steps=2", "run.eval_every=0", "algorithm.max_staleness=1", "run.sync_probe_every=1",
+               f"engine.python={python}", *SMALL, "run.steps=3", "run.eval_every=0", "algorithm.max_staleness=1", "run.sync_probe_every=1",
                f"rollout.env={REPO}/tests/env_fixtures.py:Recheck", "reward.functions=[]", "rollout.width=4",
                "rollout.segment_tokens=16", "rollout.max_depth=4", "algorithm.dynamic_sampling=false",
                f"run.output_dir={out}"]
-    for m in trained_steps(command, out, 2):
+    history = trained_steps(command, out, 3)
+    check_async_trained(history, max_staleness=1)  # the environment's turns do not make a tree stale
+    for m in history:
         assert 1.0 < m["env/steps_per_episode"] <= 2.0 and m["env/replayed_steps"] > 0
         assert m["env/live"] == 0 and m["env/errors"] == 0
         assert m["reward/mean"] == m["env/reward_mean"]
