@@ -89,6 +89,19 @@ def test_replays_of_an_episode_answer_alike(lookup_rows):
     assert runs[0] == runs[1]
 
 
+@pytest.mark.parametrize(("environment", "diverge"), [(COUNTDOWN, False), ("verifiers_envs:load_clock_env", True)])
+def test_arbors_replay_check_drops_the_forks_of_an_environment_that_reads_the_clock(environment, diverge, caplog):
+    """The real adapter and the environment's own loop in a sampled tree: forks after a turn
+    replay its turns on a new instance; answers that read the clock differ, counted and dropped."""
+    from adapter_runs import check_replays, sample_a_tree
+
+    problem = {"id": "count", "prompt": "Count.", "answer": ""}
+    tree, stats = sample_a_tree("arbor.rollout.adapters.verifiers:VerifiersEnv",
+                                {"environment": environment, "args": {"turns": 4}}, problem)
+    check_replays(tree, stats, diverge=diverge)
+    assert ("'count': replaying the environment for a new branch diverged at turn" in caplog.text) == diverge
+
+
 def test_closing_mid_episode_cancels_the_rollout(lookup_rows):
     async def run():
         env = VerifiersEnv(LOOKUP)
