@@ -63,6 +63,7 @@ def check_replays(tree: RolloutTree, stats: SampleStats, diverge: bool) -> None:
         assert stats.env_errors == 0 and stats.env_dropped == 0 and len(tree.leaves()) == 8, stats
         return
     assert stats.env_errors > 0 and stats.env_dropped == stats.env_errors, stats
+    assert stats.env_diverged == stats.env_errors and not stats.failures  # counted, not a code failure
     assert len(tree.leaves()) == 8 - stats.env_dropped and stats.shortfall_reason.startswith("environment failures")
 
 

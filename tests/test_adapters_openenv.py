@@ -6,6 +6,7 @@ agree (or visibly do not)."""
 from __future__ import annotations
 
 import json
+import logging
 import sys
 from pathlib import Path
 
@@ -95,6 +96,7 @@ def test_arbors_replay_check_drops_the_forks_of_a_server_that_reads_the_clock(ji
     new session; with the clock in the feedback every replay differs, is counted and dropped."""
     from adapter_runs import check_replays, sample_a_tree
 
+    caplog.set_level(logging.INFO)  # per-branch lines go to a run's arbor.log, not the console
     problem = {"id": "keypad", "prompt": "", "seed": 7, "reset_args": {"jitter": jitter}}
     tree, stats = sample_a_tree("arbor.rollout.adapters.openenv:OpenEnvClient", ARGS, problem)
     check_replays(tree, stats, diverge=jitter)

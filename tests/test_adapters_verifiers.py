@@ -5,6 +5,7 @@ the environment's own rollout loop, arbor's turns as its client, its rubric as t
 from __future__ import annotations
 
 import asyncio
+import logging
 
 import pytest
 from adapter_packages import require
@@ -95,6 +96,7 @@ def test_arbors_replay_check_drops_the_forks_of_an_environment_that_reads_the_cl
     replay its turns on a new instance; answers that read the clock differ, counted and dropped."""
     from adapter_runs import check_replays, sample_a_tree
 
+    caplog.set_level(logging.INFO)  # per-branch lines go to a run's arbor.log, not the console
     problem = {"id": "count", "prompt": "Count.", "answer": ""}
     tree, stats = sample_a_tree("arbor.rollout.adapters.verifiers:VerifiersEnv",
                                 {"environment": environment, "args": {"turns": 4}}, problem)
