@@ -151,6 +151,14 @@ TIME_LIMITS = {
     "test_bench_rollout.py::test_bench_rollout_on_a_real_sglang_server_against_the_embedded_engine": 700,
     "test_bench_vs_trl.py": 700, "test_bench_async.py": 1000, "test_bench_learning.py": 1000,
     "test_build_env_model.py": 1000,
+    # Whole `train()` runs in files whose other tests are fast.
+    "test_lora_sync.py": 600, "test_engine_auth.py::test_a_run_keys_its_engines_and_writes_the_key_nowhere": 600,
+    "test_paged_lookup.py::test_the_config_forks_after_the_page_and_the_environment_gives_the_reward": 600,
+    "test_adapters_mcp.py::test_two_rl_steps_of_arbor_train_with_the_servers_tools": 600,
+    "test_adapters_openenv.py::test_two_rl_steps_of_arbor_train_replay_to_the_trees_and_rewards": 600,
+    "test_adapters_reasoning_gym.py::test_two_rl_steps_of_arbor_train_on_a_generated_set_scored_by_its_dataset": 600,
+    "test_adapters_textarena.py::test_two_rl_steps_of_arbor_train_replay_to_the_trees_and_rewards": 600,
+    "test_adapters_verifiers.py::test_two_rl_steps_of_arbor_train_run_the_environments_loop": 600,
 }
 
 

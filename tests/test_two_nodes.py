@@ -81,15 +81,15 @@ def test_ranks_on_two_addresses_learn_as_on_one_node(cluster, tmp_path):
     # An entropy bonus makes the loss a per-step value (-0.01 x the entropy, ~1e-3): the PPO
     # objective alone is ~1e-8 on fresh samples (advantages average to 0), float noise apart.
     entropy = "loss.entropy_coef=0.01"
-    split = train(cluster, tmp_path / "split", *SPLIT, "run.steps=3", entropy)
-    one = train(cluster, tmp_path / "one", *ONE_NODE, "run.steps=3", entropy)
+    split = train(cluster, tmp_path / "split", *SPLIT, "run.steps=2", entropy)  # step 2: on broadcast weights
+    one = train(cluster, tmp_path / "one", *ONE_NODE, "run.steps=2", entropy)
     a, b = cluster.address(1), cluster.address(2)
     assert f"engines http://{b}:" in started_line(split.stdout), started_line(split.stdout)
     assert f"2 learner rank(s) on {a}, {b}," in started_line(split.stdout)  # rank 0 beside the driver
     assert f"engines http://{a}:" in started_line(one.stdout) and f"on {a}, {a}," in started_line(one.stdout)
 
     two_nodes, one_node = steps_of(tmp_path / "split"), steps_of(tmp_path / "one")
-    assert [m["step"] for m in two_nodes] == [1, 2, 3]
+    assert [m["step"] for m in two_nodes] == [m["step"] for m in one_node] == [1, 2]
     for x, y in zip(two_nodes, one_node):
         assert x["reward/mean"] == pytest.approx(y["reward/mean"], abs=1e-9), (x, y)
         assert x["train/tokens"] == y["train/tokens"] and x["train/linearised_tokens"] == y["train/linearised_tokens"]
@@ -161,10 +161,10 @@ def test_weights_by_disk_a_lost_node_stops_the_run_naming_it_and_resume_continue
 def test_an_engine_alone_on_a_lost_node_starts_again_on_an_alive_one(cluster, tmp_path):
     """Both learner ranks on node 1, the engine on node 2 (SPREAD: a node the group does not use
     yet); node 2 dies after step 1: the engine starts again on node 1 with the run's weights,
-    and the run finishes every step."""
+    and the run finishes step 2 there."""
     out = tmp_path / "moved"
     process = start_train(cluster, out, "ray.learner_resources={node1: 1}", "ray.placement_strategy=SPREAD",
-                          "run.steps=3")
+                          "run.steps=2")
     a, b = cluster.address(1), cluster.address(2)
     try:
         wait_for_step(process, out, 1)
@@ -176,8 +176,8 @@ def test_an_engine_alone_on_a_lost_node_starts_again_on_an_alive_one(cluster, tm
     assert code == 0, stdout[-3000:] + stderr[-3000:]
     assert f"now runs at http://{a}:" in stderr, stderr[-3000:]
     steps = steps_of(out)
-    assert [m["step"] for m in steps] == [1, 2, 3]
-    assert sum(m["engine/restarts"] for m in steps) == 1
+    assert [m["step"] for m in steps] == [1, 2]
+    assert [m["engine/restarts"] for m in steps] == [0, 1]
     assert all(m["sync/logprob_gap"] < GAP_BOUND for m in steps)
 
 
