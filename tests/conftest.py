@@ -92,7 +92,8 @@ RESOURCES = {
     # Starts Ray: a whole run (`train()`, `arbor train`) or arbor's start_ray.
     "ray": {
         "test_trainer.py", "test_env_runs.py", "test_multinode.py", "test_ray_start.py", "test_sglang_runs.py",
-        "test_two_nodes.py", "test_bench_async.py", "test_bench_learning.py",
+        "test_two_nodes.py", "test_bench_async.py", "test_bench_learning.py", "test_program_runs.py",
+        "test_program_frameworks.py::test_a_framework_program_trains_two_steps",
         "test_agent_math.py::test_agent_math_run_calls_the_tool_and_logs_tool_errors",
         "test_startup.py::test_ray_started_early_is_awaited_and_outlives_the_thread_that_started_it",
         "test_smollm2.py::test_one_train_step_exports_a_tied_model",
@@ -152,6 +153,7 @@ TIME_LIMITS = {
     "test_bench_vs_trl.py": 700, "test_bench_async.py": 1000, "test_bench_learning.py": 1000,
     "test_build_env_model.py": 1000,
     # Whole `train()` runs in files whose other tests are fast.
+    "test_program_runs.py": 600, "test_program_frameworks.py::test_a_framework_program_trains_two_steps": 600,
     "test_lora_sync.py": 600, "test_engine_auth.py::test_a_run_keys_its_engines_and_writes_the_key_nowhere": 600,
     "test_paged_lookup.py::test_the_config_forks_after_the_page_and_the_environment_gives_the_reward": 600,
     "test_adapters_mcp.py::test_two_rl_steps_of_arbor_train_with_the_servers_tools": 600,
