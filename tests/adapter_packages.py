@@ -2,17 +2,16 @@
 
     textarena = require("textarena", "textarena")   # at the top of a test module
 
-Without the package the module's tests skip on a developer's machine; under CI (``CI``
-set) they fail: CI must test every adapter against its real package.
+Without the package the module's tests skip on a developer's machine; under CI they fail
+(tests/ci_rule.py): CI must test every adapter against its real package.
 """
 
 from __future__ import annotations
 
 import importlib
-import os
 from types import ModuleType
 
-import pytest
+from ci_rule import unavailable
 
 
 def require(module: str, extra: str) -> ModuleType:
@@ -20,7 +19,5 @@ def require(module: str, extra: str) -> ModuleType:
     try:
         return importlib.import_module(module)
     except ImportError as e:
-        why = f"{module} is not installed ({e}): pip install -e '.[{extra}]' (or '.[envs]' for every adapter)"
-        if os.environ.get("CI"):
-            pytest.fail(f"CI must test the {extra} adapter against its real package, but {why}", pytrace=False)
-        pytest.skip(why, allow_module_level=True)
+        unavailable(f"the {extra} adapter's package {module} is not installed ({e}): pip install -e '.[{extra}]' "
+                    "(or '.[envs]' for every adapter)")

@@ -2,16 +2,23 @@
 
     history, trees = train_steps(tmp_path, "configs/env_textarena.yaml", "rollout.width=4")
     # history: each step's metrics; trees: every tree the run saved ({step: [RolloutTree]})
+    tree, stats = sample_a_tree("arbor.rollout.adapters.openenv:OpenEnvClient", args, problem)
 
 Two RL steps on a few problems, on the plain-torch learner, every tree saved: enough to see
-what the environment returned in the trees and the rewards, in minutes on two cores.
+what the environment returned in the trees and the rewards, in minutes on two cores. One
+tree through arbor's sampler with a scripted engine (seconds): the replay check at each fork.
 """
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 from arbor.config_load import load_config
+from arbor.rollout.environments import load_env
+from arbor.rollout.episodes import EpisodeSetup
+from arbor.rollout.sample_stats import SampleStats
+from arbor.rollout.sampler import sample_trees
 from arbor.run.trainer import train
 from arbor.tree import Node, RolloutTree
 
@@ -29,6 +36,35 @@ def train_steps(tmp_path: Path, config: str, *overrides: str) -> tuple[list[dict
     trees = {int(p.stem.split("-")[1]): [RolloutTree.from_json(line) for line in p.read_text().splitlines()]
              for p in sorted((out / "trees").glob("step-*.jsonl"))}
     return history, trees
+
+
+def sample_a_tree(spec: str, args: dict, problem: dict) -> tuple[RolloutTree, SampleStats]:
+    """One tree of ``problem``, 8 leaves, sampled by arbor's sampler with ``rollout.env: spec``
+    (``rollout.env_args: args``): tests/test_sampler.py's scripted engine writes each model turn
+    as 2 seeded tokens and EOS (the text is the ids, "57 203"), tests/env_fixtures.py renders
+    the environment's turns. Forks after an environment turn get their instance by replay, each
+    replayed step compared with the recorded one (arbor.rollout.env_forks)."""
+    from env_fixtures import render
+    from test_sampler import EOS, PROMPT, ScriptedEngine, cfg_of, fresh
+
+    engine = ScriptedEngine(8, lambda request, j, depth: (fresh(request, j, 2) + [EOS], "stop"))
+    setup = EpisodeSetup(load_env(spec, kwargs=args), render, prompt=lambda messages, tools=None: list(PROMPT))
+    (tree,), (stats,) = asyncio.run(sample_trees(
+        engine, [problem], None, cfg_of(width=8, segment_tokens=8, max_depth=64), eos_token_ids=[EOS],
+        decode=lambda ids: " ".join(map(str, ids)), env=setup, seed=5))
+    return tree, stats
+
+
+def check_replays(tree: RolloutTree, stats: SampleStats, diverge: bool) -> None:
+    """Forks replayed the environment's turns; with ``diverge`` (a non-deterministic environment)
+    the check caught each replay that differed: counted, the branch dropped, never sampled."""
+    assert stats.env_forks.get("replay", 0) > 0 and stats.env_replayed_steps > 0, stats
+    if not diverge:
+        assert stats.env_errors == 0 and stats.env_dropped == 0 and len(tree.leaves()) == 8, stats
+        return
+    assert stats.env_errors > 0 and stats.env_dropped == stats.env_errors, stats
+    assert stats.env_diverged == stats.env_errors and not stats.failures  # counted, not a code failure
+    assert len(tree.leaves()) == 8 - stats.env_dropped and stats.shortfall_reason.startswith("environment failures")
 
 
 def forks_after_a_turn(tree: RolloutTree, is_env_turn) -> int:

@@ -21,7 +21,8 @@ def under_ci() -> bool:
 
 
 def unavailable(why: str) -> NoReturn:
-    """Skip the running test saying ``why``; under CI, fail it instead."""
+    """Skip the running test saying ``why``; under CI, fail it instead. At a module's top level
+    (an import the whole module needs) it skips, or fails, the module's tests."""
     if under_ci():
         pytest.fail(f"CI must run this test, but {why}", pytrace=False)
-    pytest.skip(why)
+    pytest.skip(why, allow_module_level=True)

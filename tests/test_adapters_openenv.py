@@ -6,6 +6,7 @@ agree (or visibly do not)."""
 from __future__ import annotations
 
 import json
+import logging
 import sys
 from pathlib import Path
 
@@ -87,6 +88,19 @@ def test_replays_agree_unless_the_environment_reads_the_clock(envs):
 
     assert run({}) == run({})  # what arbor's replay fork checks, turn by turn
     assert run({"jitter": True}) != run({"jitter": True})  # a replay would diverge, and be dropped
+
+
+@pytest.mark.parametrize("jitter", [False, True])
+def test_arbors_replay_check_drops_the_forks_of_a_server_that_reads_the_clock(jitter, caplog):
+    """The real client and server in a sampled tree: forks after a turn replay the guesses on a
+    new session; with the clock in the feedback every replay differs, is counted and dropped."""
+    from adapter_runs import check_replays, sample_a_tree
+
+    caplog.set_level(logging.INFO)  # per-branch lines go to a run's arbor.log, not the console
+    problem = {"id": "keypad", "prompt": "", "seed": 7, "reset_args": {"jitter": jitter}}
+    tree, stats = sample_a_tree("arbor.rollout.adapters.openenv:OpenEnvClient", ARGS, problem)
+    check_replays(tree, stats, diverge=jitter)
+    assert ("'keypad': replaying the environment for a new branch diverged at turn" in caplog.text) == jitter
 
 
 def test_bad_arguments_and_servers_are_clear_errors(envs, tmp_path):

@@ -5,6 +5,7 @@ the environment's own rollout loop, arbor's turns as its client, its rubric as t
 from __future__ import annotations
 
 import asyncio
+import logging
 
 import pytest
 from adapter_packages import require
@@ -87,6 +88,20 @@ def test_replays_of_an_episode_answer_alike(lookup_rows):
     """What arbor's replay fork checks: a fresh instance stepped with the same turns says the same."""
     runs = [episode(LOOKUP, lookup_rows[5], [call("k5"), call("k1"), said("v5")]) for _ in range(2)]
     assert runs[0] == runs[1]
+
+
+@pytest.mark.parametrize(("environment", "diverge"), [(COUNTDOWN, False), ("verifiers_envs:load_clock_env", True)])
+def test_arbors_replay_check_drops_the_forks_of_an_environment_that_reads_the_clock(environment, diverge, caplog):
+    """The real adapter and the environment's own loop in a sampled tree: forks after a turn
+    replay its turns on a new instance; answers that read the clock differ, counted and dropped."""
+    from adapter_runs import check_replays, sample_a_tree
+
+    caplog.set_level(logging.INFO)  # per-branch lines go to a run's arbor.log, not the console
+    problem = {"id": "count", "prompt": "Count.", "answer": ""}
+    tree, stats = sample_a_tree("arbor.rollout.adapters.verifiers:VerifiersEnv",
+                                {"environment": environment, "args": {"turns": 4}}, problem)
+    check_replays(tree, stats, diverge=diverge)
+    assert ("'count': replaying the environment for a new branch diverged at turn" in caplog.text) == diverge
 
 
 def test_closing_mid_episode_cancels_the_rollout(lookup_rows):

@@ -19,6 +19,7 @@ from arbor.data import read_rows
 from arbor.rollout.agents import episode_inputs, load_agent
 from arbor.run.sft import encode_example
 from arbor.run.trainer import train
+from arbor.tree import RolloutTree
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = REPO / "configs" / "agent_math.yaml"
@@ -48,12 +49,21 @@ def test_agent_math_run_calls_the_tool_and_logs_tool_errors(tmp_path):
             "learner.backend=torch",
             "learner.zero_stage=0",
             "algorithm.dynamic_sampling=false",
+            "run.save_trees_every=1",
         ],
     )
     (metrics,) = train(cfg)
     # ~0.95 measured; a model that never wrote a ```python block would give 0.
     assert metrics["agent/tool_calls_per_episode"] >= 0.5
-    assert metrics["agent/tool_errors"] >= 0 and metrics["train/linearised_tokens"] > 0
+    assert metrics["train/linearised_tokens"] > 0
+    # The step's 4 trees, saved: each tool call is one node of the model's none (a shared
+    # one once), and a failed call's message says "Error: the code ..." (arbor.rollout.tools).
+    tokenizer = AutoTokenizer.from_pretrained(MODEL)
+    trees = [RolloutTree.from_json(line) for line in (out / "trees" / "step-000001.jsonl").read_text().splitlines()]
+    tool_turns = [tokenizer.decode(node.token_ids) for tree in trees for node in tree.nodes()
+                  if node.loss_mask and not any(node.loss_mask)]
+    assert len(trees) == 4 and tool_turns
+    assert metrics["agent/tool_errors"] == sum("Error: the code" in turn for turn in tool_turns), tool_turns
     (events,) = (out / "tensorboard").glob("events.out.tfevents.*")
     scalars = EventAccumulator(str(events)).Reload().Tags()["scalars"]
     assert {"agent/tool_calls_per_episode", "agent/tool_errors"} <= set(scalars), scalars

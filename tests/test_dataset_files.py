@@ -3,12 +3,11 @@ shards, verl's nested rows; written here by the real ``datasets`` library from h
 
 import json
 
+import datasets
 import pytest
 
 from arbor.config import DataConfig
 from arbor.data import DataError, load_problems
-
-datasets = pytest.importorskip("datasets")
 
 # verl's layout (examples/data_preprocess/gsm8k.py, math_dataset.py): no id column, the
 # prompt is chat messages, the answer is nested in reward_model.

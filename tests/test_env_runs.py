@@ -5,7 +5,9 @@ in tests/test_sglang_runs.py."""
 
 from __future__ import annotations
 
+import json
 import re
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -13,6 +15,7 @@ from async_checks import check_async_trained
 
 from arbor.config_load import load_config
 from arbor.errors import ConfigError
+from arbor.run import evaluate
 from arbor.run.trainer import train
 
 REPO = Path(__file__).resolve().parents[1]
@@ -40,11 +43,23 @@ def check_env_step(metrics: dict) -> None:
 
 
 def test_an_environment_trains_and_evaluates_on_the_embedded_engine(tmp_path):
-    cfg = env_run(tmp_path / "sync", "run.steps=1", "run.eval_every=1", "eval.max_problems=4")
+    out = tmp_path / "sync"
+    cfg = env_run(out, "run.steps=1", "run.eval_every=1", "eval.max_problems=8")
     history = train(cfg)
     check_env_step(history[-1])
-    assert 0 <= history[-1]["eval/accuracy"] <= 1 and history[-1]["eval/env_errors"] == 0
-    assert history[-1]["sync/logprob_gap"] <= 1e-4
+    assert history[-1]["eval/env_errors"] == 0 and history[-1]["sync/logprob_gap"] <= 1e-4
+    # The step's eval is `arbor eval`'s on the weights the run exported (greedy: the same
+    # episodes), and its accuracy is the share of episodes that boxed the gold answer
+    # (Recheck's reward), read back from that report's responses.
+    report = tmp_path / "eval.json"
+    assert evaluate.main(replace(cfg, model=replace(cfg.model, path=str(out / "hf")),
+                                 eval=replace(cfg.eval, output=str(report)))) == 0
+    result = json.loads(report.read_text())
+    samples = [(p["gold"], s) for p in result["problems"] for s in p["samples"]]
+    assert len(samples) == 8
+    for key in ("eval/accuracy", "eval/reward_mean", "eval/length_mean"):
+        assert history[-1][key] == pytest.approx(result["metrics"][key], abs=1e-9), key
+    assert history[-1]["eval/accuracy"] == sum(f"\\boxed{{{gold}}}" in s["response"] for gold, s in samples) / 8
 
 
 def test_an_environment_in_an_asynchronous_run(tmp_path):

@@ -11,13 +11,12 @@ import os
 from pathlib import Path
 
 import pytest
+import ray
 import torch
 from test_learner import batch, config, tiny_model_dir
 from transformers import Qwen2ForCausalLM
 
 from arbor.train.packed_loss import policy_loss
-
-ray = pytest.importorskip("ray")
 
 
 class GradientProbe:

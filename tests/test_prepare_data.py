@@ -6,12 +6,11 @@ import importlib.util
 import json
 from pathlib import Path
 
-import pytest
+import datasets
 
 from arbor.config import DataConfig
 from arbor.data import load_problems
 
-datasets = pytest.importorskip("datasets")
 REPO = Path(__file__).resolve().parents[1]
 spec = importlib.util.spec_from_file_location("prepare_data", REPO / "scripts" / "prepare_data.py")
 prepare_data = importlib.util.module_from_spec(spec)

@@ -2,7 +2,8 @@
 ``engine.python: $ARBOR_SGLANG_PYTHON``; tests/sglang_env.py): the quickstart, asynchronous
 with partial rollouts and weights by broadcast, then ``arbor eval`` on its export; a
 synchronous run with weights by disk whose SGLang scheduler is killed mid-rollout; an
-asynchronous one whose scheduler is killed while the producer samples; an asynchronous
+asynchronous one whose scheduler is killed while the producer samples (at a barrier:
+tests/engine_kills.py); an asynchronous
 LoRA run (its requests name the adapter, which SGLang would otherwise silently ignore); and an
 asynchronous run with an environment (``rollout.env``).
 
@@ -19,6 +20,7 @@ from pathlib import Path
 
 import pytest
 from async_checks import check_async_trained
+from engine_kills import kill_while_the_producer_samples
 from sglang_env import sglang_python
 
 from arbor.config_load import load_config
@@ -120,14 +122,12 @@ def quickstart(tmp_path, *overrides):
 
 
 def test_async_run_whose_scheduler_is_killed_while_the_producer_samples(tmp_path):
-    from test_trainer import kill_engine_while_the_producer_samples
-
-    # 5 steps: the kill waits for the producer to sample outside an update and its push, a
-    # window a 3-step run can miss (it did once in CI).
-    cfg = quickstart(tmp_path, "run.steps=5", "algorithm.max_staleness=1", "run.sync_probe_every=1")  # weights by broadcast
-    arm, kills = kill_engine_while_the_producer_samples(1, victim=scheduler_of)
+    # After step 1 the trainer waits until the producer samples step 3's batch, then the kill
+    # (tests/engine_kills.py): steps 2 and 3 run on the restarted server.
+    cfg = quickstart(tmp_path, "run.steps=3", "algorithm.max_staleness=1", "run.sync_probe_every=1")  # weights by broadcast
+    arm, kills = kill_while_the_producer_samples(1, victim=scheduler_of)
     history = train(cfg, after_step=arm)
-    assert len(kills) == 1 and len(history) == 5  # the run finished
+    assert len(kills) == 1 and len(history) == 3  # the run finished
     assert sum(m["engine/restarts"] for m in history) >= 1
     # The restarted server got the pushed weights back and joined the next broadcast's group.
     assert all(m["sync/logprob_gap"] < GAP_BOUND for m in history)
@@ -140,21 +140,19 @@ def test_lora_async_run_names_the_adapter_and_restores_it_after_a_scheduler_kill
     the probe after each push matches the learner's adapted policy, the producer's LoRA
     rollouts run on a real SGLang, and its scheduler killed while the producer samples comes
     back with the adapters."""
-    from test_trainer import kill_engine_while_the_producer_samples
-
     # SGLang's LoRA path pins host memory, which needs CUDA: tests/sglang_cpu_pinless makes it
     # a no-op in SGLang's processes alone (an interpreter that puts it on their path).
     python = tmp_path / "sglang-pinless"
     python.write_text(f'#!/bin/sh\nPYTHONPATH="{REPO / "tests" / "sglang_cpu_pinless"}${{PYTHONPATH:+:$PYTHONPATH}}" '
                       f'exec "{sglang_python()}" "$@"\n')
     python.chmod(0o755)
-    # 5 steps: the kill waits for the producer to sample between a push and the next update
-    # (no push under way), a window a 3-step run on a fast machine could miss.
-    cfg = quickstart(tmp_path, "run.steps=5", "algorithm.max_staleness=1", "run.sync_probe_every=1", "model.lora_rank=8", "model.lora_alpha=16",
+    # The kill between step 1's push and step 2's update, while the producer samples step 3's
+    # batch (tests/engine_kills.py).
+    cfg = quickstart(tmp_path, "run.steps=3", "algorithm.max_staleness=1", "run.sync_probe_every=1", "model.lora_rank=8", "model.lora_alpha=16",
                      "optim.lr=2e-3", f"engine.python={python}", "engine.extra_args=[--lora-backend, torch_native]")
-    arm, kills = kill_engine_while_the_producer_samples(1, victim=scheduler_of)
+    arm, kills = kill_while_the_producer_samples(1, victim=scheduler_of)
     history = train(cfg, after_step=arm)
-    assert len(kills) == 1 and len(history) == 5
+    assert len(kills) == 1 and len(history) == 3
     assert sum(m["engine/restarts"] for m in history) >= 1
     assert all(m["sync/logprob_gap"] < GAP_BOUND for m in history)
     assert all(m["async/staleness_mean"] <= 1 for m in history)

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from ci_rule import unavailable
 
 from arbor.train.advantage import compute_advantages
 from arbor.tree import RolloutTree
@@ -304,13 +305,10 @@ def blobs(mask: np.ndarray) -> list[tuple[int, int, int, int]]:
     return out
 
 
-needs_chromium = pytest.mark.skipif(
-    shutil.which("chromium") is None, reason="chromium not installed (apt-get install chromium)"
-)
-
-
 def chromium(page: Path, *flags: str) -> subprocess.CompletedProcess:
     """Headless Chromium on a local file, with a throwaway profile (runs as root in CI)."""
+    if shutil.which("chromium") is None:  # .ci/run installs it
+        unavailable("chromium is not installed (apt-get install chromium)")
     return subprocess.run(
         [
             "chromium",
@@ -328,7 +326,6 @@ def chromium(page: Path, *flags: str) -> subprocess.CompletedProcess:
     )
 
 
-@needs_chromium
 def test_screenshot_in_headless_chromium_shows_every_leaf(tmp_path):
     tree = sixteen_leaves()
     src = write_jsonl(tmp_path / "trees.jsonl", [tree])
@@ -351,7 +348,6 @@ def test_screenshot_in_headless_chromium_shows_every_leaf(tmp_path):
     assert [b - a for a, b in zip(tops, tops[1:])] == [ROW] * 15
 
 
-@needs_chromium
 def test_click_hover_and_selector_in_headless_chromium(tmp_path):
     src = write_jsonl(tmp_path / "trees.jsonl", [sixteen_leaves(), sixteen_leaves()])
     assert main([str(src)]) == 0

@@ -2,12 +2,15 @@
 
     env = load_lookup_env()            # a ToolEnv: a lookup tool over a table, rubric: the right value
     env = load_countdown_env(turns=3)  # a MultiTurnEnv: the environment counts the turns down
+    env = load_clock_env(turns=3)      # the same, its answers reading the clock (replays differ)
 
 Both are built the way verifiers' own examples are (``load_environment`` returning the
 environment with its dataset and rubric), so arbor loads them as a user's would be.
 """
 
 from __future__ import annotations
+
+import time
 
 import verifiers as vf
 from datasets import Dataset
@@ -53,3 +56,16 @@ def turns_taken(state) -> float:
 def load_countdown_env(turns: int = 3) -> vf.Environment:
     rows = [{"question": f"Count with me ({i}).", "answer": ""} for i in range(4)]
     return Countdown(dataset=Dataset.from_list(rows), max_turns=turns, rubric=vf.Rubric(funcs=[turns_taken]))
+
+
+class Clock(Countdown):
+    """Countdown whose answers carry the clock: hidden non-determinism a replay cannot repeat."""
+
+    async def env_response(self, messages, state, **kwargs):
+        (message,) = await super().env_response(messages, state, **kwargs)
+        return [vf.UserMessage(content=f"{message.content} ({time.monotonic_ns()})")]
+
+
+def load_clock_env(turns: int = 3) -> vf.Environment:
+    rows = [{"question": f"Count with me ({i}).", "answer": ""} for i in range(4)]
+    return Clock(dataset=Dataset.from_list(rows), max_turns=turns, rubric=vf.Rubric(funcs=[turns_taken]))

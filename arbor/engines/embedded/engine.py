@@ -55,7 +55,6 @@ import torch
 from arbor.engines.embedded.decode_batch import (
     DecodeBatch,
     LlamaDecoder,
-    make_cache,
     make_decoder,
     sample_rows,
     sample_token,
@@ -63,7 +62,8 @@ from arbor.engines.embedded.decode_batch import (
 )
 from arbor.engines.embedded.jobs import EngineReleased, EngineStats, Job, Row, fail_jobs
 from arbor.engines.embedded.lora import MergedAdapters
-from arbor.engines.embedded.radix_cache import TOKENS, PrefixHit, RadixKVCache, stack_kv
+from arbor.engines.embedded.prefill import Prefill
+from arbor.engines.embedded.radix_cache import TOKENS, RadixKVCache
 from arbor.engines.types import GenerateOutput, GenerateRequest
 
 
@@ -97,6 +97,9 @@ class LocalEngine:
             eos if isinstance(eos, list) else [eos] if eos is not None else []
         )
         self.cache = RadixKVCache(max_cached_tokens)
+        self.stats = EngineStats()
+        # Prompts into the cache: max_prefill_tokens padded tokens at most in one batched forward.
+        self.prefill = Prefill(self.model, self.cache, self.stats, self.device, max_prefill_tokens)
         self.adapters = MergedAdapters(self.model)  # LoRA adapters, merged (engines/embedded/lora.py)
         self._decoder = make_decoder(self.model)
         # Batched prefill reads logits as lm_head(final hidden state), which holds for the
@@ -105,11 +108,9 @@ class LocalEngine:
         self._batched_prefill = isinstance(self._decoder, LlamaDecoder)
         # The running rows' KV buffers, kept between batches (allocation is not free).
         self._batch = DecodeBatch(self.device)
-        self.stats = EngineStats()
         self.weight_version = "default"
         self.released = False
         self.max_batch_rows = max_batch_rows
-        self.max_prefill_tokens = max_prefill_tokens  # padded tokens in one batched prefill forward
         self._prefill_failures = 0
         self._updates = 0
         self._rng = random.Random(seed)
@@ -333,7 +334,7 @@ class LocalEngine:
             fail_jobs(jobs, EngineReleased("engine memory is released; call resume first"))
             return
         try:
-            hits = self._prefill_batched(jobs) if self._batched_prefill else {}
+            hits = self.prefill.batched(jobs) if self._batched_prefill else {}
         except Exception as exc:  # the batch's prompts are bad together: each job prefills alone
             hits = {}
             self._prefill_failures += 1
@@ -359,83 +360,6 @@ class LocalEngine:
                     self._finish(row, kv)
         batch.add(new_kv)
 
-    def _prefill_batched(self, jobs: list[Job]) -> dict[int, tuple[int, torch.Tensor]]:
-        """Prefill, in batched forwards, the prompts of ``jobs`` that the cache does not hold
-        up to their last token (prefix commits: up to their end), and cache them.
-
-        Returns ``{id(job): (tokens its prompt found cached, last-position logits [V])}`` for
-        the jobs whose prompt ran. The prompts of one admission that found the same cached
-        prefix run as one right-padded batch over that prefix's KV with a causal mask (a real
-        token never sees the padding after it). A prompt equal to another of the admission,
-        or inside a longer one, does not run: it finds the cache filled, as it would after
-        the other one ran alone.
-        """
-        # (job id, prompt, the cached prefix it found: at most all but its last token)
-        wanted: list[tuple[int, list[int], PrefixHit]] = []
-        for job in jobs:
-            prompt, sp = job.request.input_ids, job.request.sampling
-            commit = sp.max_new_tokens == 0
-            if len(prompt) < 2 and not commit:
-                continue  # one token: nothing to cache ahead of the first sample
-            hit = self.cache.match(prompt)
-            if hit.length < len(prompt) - (0 if commit else 1):
-                wanted.append((id(job), prompt, hit.upto(min(hit.length, len(prompt) - 1))))
-        # cached prefix -> its hit (the KV every chunk runs over, without a second cache
-        # walk) and the prompts to run over it
-        groups: dict[tuple[int, ...], tuple[PrefixHit, list[list[int]]]] = {}
-        owner: dict[tuple[int, ...], int] = {}  # a prompt that runs -> the first job that asked
-        for job_id, prompt, hit in sorted(wanted, key=lambda w: -len(w[1])):
-            _, group = groups.setdefault(tuple(prompt[: hit.length]), (hit, []))
-            if not any(other[: len(prompt)] == prompt for other in group):
-                group.append(prompt)
-                owner[tuple(prompt)] = job_id
-        found = {job_id: hit.length for job_id, _, hit in wanted}
-        result: dict[int, tuple[int, torch.Tensor]] = {}
-        for prefix, prompts in groups.values():
-            prompts.sort(key=len)
-            start = 0
-            while start < len(prompts):  # chunks of at most max_prefill_tokens padded tokens
-                end = start + 1
-                while end < len(prompts) and (end + 1 - start) * (len(prompts[end]) - prefix.length) <= self.max_prefill_tokens:
-                    end += 1
-                logits = self._prefill_group(prefix, prompts[start:end])
-                for prompt, row in zip(prompts[start:end], logits):
-                    job_id = owner[tuple(prompt)]
-                    result[job_id] = (found[job_id], row)
-                start = end
-        return result
-
-    def _prefill_group(self, prefix: PrefixHit, prompts: list[list[int]]) -> torch.Tensor:
-        """Cache the KV of ``prompts`` (each starting with the tokens of the cached ``prefix``);
-        their last-position logits ``[B, V]``."""
-        cached = prefix.length
-        past_keys: list[torch.Tensor] = []
-        past_values: list[torch.Tensor] = []
-        width = len(prompts)
-        if cached:  # per layer [B, H, T, D], one shared copy
-            kv = prefix.kv
-            past_keys = [k[None].expand(width, -1, -1, -1) for k in kv[0]]
-            past_values = [v[None].expand(width, -1, -1, -1) for v in kv[1]]
-        longest = max(len(p) for p in prompts) - cached
-        rest = torch.zeros((width, longest), dtype=torch.long, device=self.device)
-        for i, prompt in enumerate(prompts):
-            rest[i, : len(prompt) - cached] = torch.tensor(prompt[cached:])
-        positions = torch.arange(cached, cached + longest, device=self.device).expand(width, -1)
-        out = self.model.base_model(
-            input_ids=rest, position_ids=positions, past_key_values=make_cache(past_keys, past_values), use_cache=True
-        )
-        last = torch.tensor([len(p) - cached - 1 for p in prompts], device=self.device)
-        hidden = out.last_hidden_state[torch.arange(width, device=self.device), last]
-        logits = self.model.get_output_embeddings()(hidden).float()
-        layers = out.past_key_values.layers
-        for i, prompt in enumerate(prompts):
-            n = len(prompt)
-            self.cache.insert(prompt, stack_kv([layer.keys[i, :, :n] for layer in layers],
-                                               [layer.values[i, :, :n] for layer in layers]))
-            self.stats.prefill_tokens += n - cached
-            self.stats.cached_tokens += cached
-        return logits
-
     def _start(self, job: Job, memo: list[tuple[list[int], torch.Tensor]],
                prefilled: tuple[int, torch.Tensor] | None = None):
         """Prefill ``job``'s prompt; returns its forks as (row, KV ``[2, L, H, T, D]``).
@@ -446,7 +370,7 @@ class LocalEngine:
         Otherwise the prompt is prefilled once and each fork's first token is sampled
         from the prefill's logits. ``memo`` holds the last cached prefix handed out in
         this admission (see :meth:`_admit`). ``prefilled``: the prompt ran in this
-        admission's :meth:`_prefill_batched` (the tokens it found cached, its last logits).
+        admission's :meth:`Prefill.batched` (the tokens it found cached, its last logits).
         """
         request = job.request
         sp, prompt = request.sampling, request.input_ids
@@ -456,7 +380,7 @@ class LocalEngine:
             if prefilled is not None and hit.length == len(prompt):
                 cached = prefilled[0]
             else:
-                cached = hit.length if hit.length == len(prompt) else self._prefill(prompt, hit)[2]
+                cached = hit.length if hit.length == len(prompt) else self.prefill.one(prompt, hit)[2]
             job.outputs, job.remaining = [None] * sp.n, sp.n
             for fork in range(sp.n):  # n empty outputs, so callers get the n they asked for
                 self._complete(Row(job, fork, torch.Generator(), cached))
@@ -482,7 +406,7 @@ class LocalEngine:
                 memo[:] = [(prompt, kv)]
             return [(Row(job, fork, g, cached), kv) for fork, g in enumerate(generators)]
         else:
-            kv, logits, cached = self._prefill(prompt, hit)
+            kv, logits, cached = self.prefill.one(prompt, hit)
         forks = []
         for fork, generator in enumerate(generators):
             # Forks after the first reuse the whole prefill: all their prompt is cached.
@@ -490,27 +414,6 @@ class LocalEngine:
             self._append_sample(row, logits)
             forks.append((row, kv))
         return forks
-
-    def _prefill(self, prompt: list[int], hit: PrefixHit):
-        """KV of ``prompt`` ``[2, L, H, T, D]``, last-position logits ``[V]``, cached count."""
-        cached = min(hit.length, len(prompt) - 1)  # the last token is recomputed for its logits
-        prefix = hit.upto(cached)
-        past_keys: list[torch.Tensor] = []
-        past_values: list[torch.Tensor] = []
-        if prefix.parts:  # per layer [1, H, T, D]
-            past_keys, past_values = (list(half) for half in prefix.kv[:, :, None])
-        past = make_cache(past_keys, past_values)
-        rest = torch.tensor([prompt[cached:]], device=self.device)
-        positions = torch.arange(cached, len(prompt), device=self.device).unsqueeze(0)
-        out = self.model(
-            input_ids=rest, position_ids=positions, past_key_values=past, use_cache=True
-        )
-        layers = out.past_key_values.layers
-        kv = stack_kv([layer.keys[0] for layer in layers], [layer.values[0] for layer in layers])
-        self.cache.insert(prompt, kv)
-        self.stats.prefill_tokens += len(prompt) - cached
-        self.stats.cached_tokens += cached
-        return kv, out.logits[0, -1].float(), cached
 
     @torch.no_grad()
     def _step(self, batch: DecodeBatch, rows: list[Row]) -> None:
