@@ -110,7 +110,7 @@ def test_python_tool_agent_without_a_sandbox_fails_at_start_up(tmp_path, monkeyp
     assert main(["train", "configs/agent_math.yaml", "--dry-run", unsandboxed]) == 2
     assert "FAIL  tool sandbox: cannot cut tools off the network here (no `unshare`" in capsys.readouterr().out
     assert main(["train", "configs/agent_math.yaml", "--dry-run", unsandboxed, "rollout.agent_args.allow_network=true"]) == 0
-    assert "ok    reward.functions, rollout.agent: " in capsys.readouterr().out
+    assert "ok    rollout.agent: agents/python_tool.py:PythonTool: the agent builds" in capsys.readouterr().out
 
 
 def test_a_tool_messages_error_flag_never_reaches_the_chat_template():
