@@ -314,3 +314,17 @@ def test_arbor_eval_without_a_set_says_so(tmp_path):
                f"run.output_dir={tmp_path}"]
     done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and "eval.path or data.eval_path" in done.stderr
+
+
+def test_a_problem_that_lost_some_samples_scores_pass_at_k_over_what_is_left():
+    """With the failure policy a sample can be dropped (its environment failed): a problem with 2
+    of its 3 samples left is pass@2 over them, not an error of pass@3 over 2."""
+    from arbor.run.evaluate import SampleRecord, problem_record
+
+    def sample(correct: bool) -> SampleRecord:
+        return SampleRecord(response="r", answer="1" if correct else "2", reward=float(correct), correct=correct,
+                            tokens=3, finish_reason="stop", tool_calls=0)
+
+    record = problem_record({"id": "p", "answer": "1"}, [sample(False), sample(True)], k=3)
+    assert record.pass_at_k == 1.0 and record.correct == 1
+    assert problem_record({"id": "p"}, [sample(False), sample(False)], k=3).pass_at_k == 0.0

@@ -153,6 +153,8 @@ def majority_vote(answers: Sequence[str | None]) -> int | None:
 
 
 def problem_record(problem: dict, samples: list[SampleRecord], k: int) -> ProblemRecord:
+    """A problem's samples scored; with fewer than ``k`` left (the others dropped: a failed
+    environment call, a diverged replay), pass@k is pass@n over what is left."""
     correct = sum(s.correct for s in samples)
     winner = majority_vote([s.answer for s in samples])
     return ProblemRecord(
@@ -160,7 +162,7 @@ def problem_record(problem: dict, samples: list[SampleRecord], k: int) -> Proble
         gold=problem.get("answer"),
         samples=samples,
         correct=correct,
-        pass_at_k=pass_at_k(len(samples), correct, k),
+        pass_at_k=pass_at_k(len(samples), correct, min(k, len(samples))),
         majority=None if winner is None else samples[winner].answer,
         majority_correct=winner is not None and samples[winner].correct,
     )
