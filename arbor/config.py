@@ -197,6 +197,36 @@ class RewardConfig:
 
 
 @dataclass
+class TeacherConfig:
+    """The teacher of on-policy distillation: engines of its own, placed like the policy's."""
+
+    # The teacher's HF directory, served by engines the run starts; its tokenizer must be model.path's.
+    model: str | None = None
+    # auto: the policy engines' kind (embedded on CPU); external: servers already running at urls.
+    kind: Literal["auto", "sglang", "embedded", "external"] = "auto"
+    urls: list[str] = field(default_factory=list)  # kind external: the running teacher servers
+    num_engines: int = 1  # teacher servers the run starts (one Ray actor and bundle each)
+
+
+@dataclass
+class DistillConfig:
+    """On-policy distillation (docs/distillation.md): the teacher scores the student's tokens."""
+
+    # The teacher's engines; distillation is on when teacher.model or teacher.urls is set.
+    teacher: TeacherConfig = field(default_factory=TeacherConfig)
+    # Token t's advantage gets − coef × (log π_behav(t) − log π_teacher(t)), unwhitened.
+    coef: float = 1.0
+    # Weight of the task reward's (whitened) advantage; 0: pure distillation, dynamic sampling off.
+    reward_weight: float = 0.0
+    # reverse_kl: the per-token log-ratio; k3: (r − 1) − log r, r = π_teacher / π_behav (≥ 0, lower variance).
+    kind: Literal["reverse_kl", "k3"] = "reverse_kl"
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.teacher.model or self.teacher.urls)
+
+
+@dataclass
 class AlgorithmConfig:
     # Advantage estimator: TreePO subgroups, GRPO groups, REINFORCE++, TEMPO, or treerl (TreeRL's
     # global + local advantage per node).
@@ -214,6 +244,8 @@ class AlgorithmConfig:
     # weights at most this many updates old (older trees are dropped and counted); the loss
     # is then AReaL's decoupled objective (loss.behaviour_cap). 0: sample, then train (on-policy).
     max_staleness: int = 0
+    # On-policy distillation from a teacher served by its own engines; off unless a teacher is set.
+    distill: DistillConfig = field(default_factory=DistillConfig)
 
 
 @dataclass

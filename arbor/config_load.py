@@ -154,6 +154,14 @@ def validate(cfg: Config, where: Callable[[str], str] | None = None, on_gpu: boo
          "the policy before a tree's one update as its proximal policy")
     need(not (e.partial_rollouts and not a.max_staleness), "engine.partial_rollouts",
          "needs algorithm.max_staleness ≥ 1 (on-policy runs never change weights while sampling)")
+    d, t = a.distill, a.distill.teacher
+    need(not (t.model and t.urls), "algorithm.distill.teacher", "give model (engines the run starts) or urls, not both")
+    need(bool(t.urls) == (t.kind == "external"), "algorithm.distill.teacher.kind",
+         f"must be external exactly when teacher.urls is set (got kind {t.kind!r}, {len(t.urls)} url(s))")
+    need(t.num_engines >= 1, "algorithm.distill.teacher.num_engines", f"must be ≥ 1, got {t.num_engines}")
+    need(d.coef >= 0 and math.isfinite(d.coef), "algorithm.distill.coef", f"must be a finite number ≥ 0, got {d.coef}")
+    need(d.reward_weight >= 0 and math.isfinite(d.reward_weight), "algorithm.distill.reward_weight",
+         f"must be a finite number ≥ 0, got {d.reward_weight}")
     need(
         a.minibatches <= cfg.data.prompts_per_step,
         "algorithm.minibatches",

@@ -44,6 +44,7 @@ from arbor.run.learner_group import LearnerGroup
 from arbor.run.recovery import EngineRecovery, RecoveringEngine
 from arbor.run.weight_sync import EngineWeights, probe_samples
 from arbor.train.advantage import compute_advantages, dynamic_sampling_filter
+from arbor.train.distill import distill_advantages
 from arbor.train.loss import LossStats
 from arbor.train.packing import PackedBatch, loss_denominator
 from arbor.train.rank_balance import rank_imbalance, rank_packs
@@ -216,10 +217,16 @@ def score_trees(
 
 
 def batch_advantages(trees: list[RolloutTree], algorithm: AlgorithmConfig) -> list:
-    return compute_advantages(
+    """The estimator's advantages; with ``algorithm.distill`` per-token values mixing them
+    (× ``reward_weight``; not computed at 0) with the teacher's term (:mod:`arbor.train.distill`)."""
+    distill = algorithm.distill
+    reward = None if distill.enabled and distill.reward_weight == 0 else compute_advantages(
         trees, algorithm.advantage, treepo_aggregate=algorithm.treepo_aggregate,
         std_normalize=algorithm.std_normalize, whiten_tokens=algorithm.whiten,
     )
+    if not distill.enabled:
+        return reward  # type: ignore[return-value]  # computed above when not distilling
+    return distill_advantages(trees, reward, reward_weight=distill.reward_weight, coef=distill.coef, kind=distill.kind)
 
 
 def train_on_batch(

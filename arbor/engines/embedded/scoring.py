@@ -18,20 +18,27 @@ the engine's sampled log-probs), so a teacher's and a student's agree on what th
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import torch
 
 from arbor.engines.embedded.decode_batch import make_cache
-from arbor.engines.embedded.radix_cache import stack_kv
+from arbor.engines.embedded.jobs import EngineStats
+from arbor.engines.embedded.radix_cache import RadixKVCache, stack_kv
 
-if TYPE_CHECKING:
-    from arbor.engines.embedded.engine import LocalEngine
+
+class ScoringEngine(Protocol):
+    """What scoring reads of :class:`~arbor.engines.embedded.engine.LocalEngine`."""
+
+    model: Any  # a transformers causal LM
+    cache: RadixKVCache
+    stats: EngineStats
+    device: torch.device
 
 
 @torch.no_grad()
 def input_logprobs(
-    engine: LocalEngine, prompt: list[int], logprob_start_len: int, temperature: float
+    engine: ScoringEngine, prompt: list[int], logprob_start_len: int, temperature: float
 ) -> tuple[list[float | None], int]:
     """SGLang's ``input_token_logprobs`` values for ``prompt[logprob_start_len:]`` and the
     tokens found cached. Call it holding the engine (its weights and cache must not change)."""
