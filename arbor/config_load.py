@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import importlib.util
 import math
+import re
 from collections.abc import Callable
 from pathlib import Path
 
@@ -130,7 +131,21 @@ def validate(cfg: Config, where: Callable[[str], str] | None = None, on_gpu: boo
     need(bool(cfg.reward.functions) or r.env is not None, "reward.functions",
          "must name at least one reward function (it may be empty only when rollout.env gives the reward)")
     for i, term in enumerate(cfg.reward.functions):
-        need(":" in term.fn, f"reward.functions[{i}].fn", f"must be 'module:attr', got {term.fn!r}")
+        key = f"reward.functions[{i}]"
+        need(term.kind != "function" or ":" in term.fn, f"{key}.fn", f"must be 'module:attr', got {term.fn!r}")
+        need(term.kind != "judge" or bool(term.model) != bool(term.url), f"{key}.model",
+             "a judge needs model (an engine the run starts) or url (a running one), one of them")
+        need(term.kind != "classifier" or bool(term.model), f"{key}.model", "a classifier needs model")
+        need(term.kind != "http" or bool(term.url), f"{key}.url", "an http reward needs url")
+        need(term.timeout_s > 0 and term.max_new_tokens >= 1, f"{key}.timeout_s",
+             "timeout_s must be > 0 and max_new_tokens ≥ 1")
+        if term.kind == "judge":
+            try:
+                groups = re.compile(term.parser).groups
+            except re.error as error:
+                groups = -1
+                need(False, f"{key}.parser", f"is not a regular expression: {error}")
+            need(groups != 0, f"{key}.parser", f"needs a group: group 1 is the score, got {term.parser!r}")
     need(math.isfinite(cfg.reward.env_weight), "reward.env_weight", f"must be a finite number, got {cfg.reward.env_weight}")
     need(cfg.reward.timeout_s > 0, "reward.timeout_s", "must be > 0")
     need(cfg.reward.workers >= 1, "reward.workers", "must be ≥ 1")

@@ -70,6 +70,7 @@ class Batch:
     correct: list[bool] = field(default_factory=list)  # per sampled leaf: first reward term > 0
     reward_timeouts: int = 0
     reward_crashed: int = 0  # checks whose worker died (killed, segfault); scored 0
+    reward_served_failures: int = 0  # judge / classifier / http calls or items that failed (their failure_value)
     reward_failures: list[str] = field(default_factory=list)  # one line per timed-out / crashed check
     rounds: int = 0
     requests: int = 0  # /generate calls the rollouts sent (batched: one per round of all trees)
@@ -211,6 +212,7 @@ def score_trees(
         log.warning("%s", line)
     batch.reward_timeouts += len(result.timed_out)
     batch.reward_crashed += len(result.crashed)
+    batch.reward_served_failures += result.served_failures
     batch.reward_failures += failures
     first = next(iter(result.term_scores.values()), [leaf.reward or 0.0 for _, leaf in leaves])
     return [v > 0 for v in first]
@@ -383,6 +385,7 @@ def rollout_metrics(batch: Batch) -> dict[str, float]:
         "reward/accuracy": sum(batch.correct) / n,
         "reward/timeouts": float(batch.reward_timeouts),
         "reward/crashed": float(batch.reward_crashed),
+        "reward/served_failures": float(batch.reward_served_failures),
         # Leaves whose group-relative advantage can be non-zero: those of trees whose leaves'
         # rewards differ (the rest teach nothing). Why an arm learns more per step than another.
         "reward/signal_leaves": sum(len(t.leaves()) for t in batch.sampled
