@@ -379,5 +379,5 @@ def cpu_threads(cfg: Config, processes: int | None = None) -> int:
     if cfg.run.cpu_threads:
         return cfg.run.cpu_threads
     if processes is None:
-        processes = cfg.engine.num_engines + cfg.learner.num_ranks + 1
+        processes = cfg.engine.num_engines + cfg.learner.num_ranks + 1 + teacher_engines(cfg)
     return max(1, (os.cpu_count() or 1) // processes)
