@@ -22,7 +22,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # Every test of these files is slow.
 SLOW_FILES = {
     "test_trainer.py", "test_startup.py", "test_agent_math.py", "test_multinode.py", "test_zero3.py",
-    "test_tied_embeddings.py", "test_smollm2.py", "test_sglang_real.py", "test_sglang_runs.py", "test_sglang_scoring.py", "test_distill_run.py",
+    "test_tied_embeddings.py", "test_smollm2.py", "test_sglang_real.py", "test_sglang_runs.py", "test_sglang_scoring.py", "test_distill_run.py", "test_build_teacher.py",
     "test_sglang_lora.py", "test_build_tiny_model.py", "test_profile_learner_step.py",
     "test_bench_async.py", "test_bench_learning.py", "test_bench_lora_memory.py", "test_bench_loss_memory.py",
     "test_bench_packing.py", "test_bench_rollout.py", "test_bench_train_step.py", "test_bench_vs_trl.py",
