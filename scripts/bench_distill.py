@@ -13,7 +13,8 @@ the held-out set every ``budget / evals`` training seconds, eval and start-up ex
 - **both**: the whitened task advantage plus the distillation term (``reward_weight: 1``).
 
 The teacher's own greedy accuracy on the same problems is measured first (a plain greedy
-decode of the teacher, :func:`build_tiny_model.evaluate`). Writes ``curves.csv`` into
+decode of the teacher, :func:`build_tiny_model.evaluate`). The progress lines name each run
+``tree`` (the sampling every arm shares); ``--out/<arm>/`` holds each arm's runs. Writes ``curves.csv`` into
 ``--out`` and prints, per arm, the median over seeds of the training seconds to first reach
 90% of the teacher's accuracy (``inf`` when an arm never does within the budget) and the mean
 final accuracy, then the distill arm's teacher tokens over the linearised count
@@ -46,15 +47,26 @@ ARMS = {
 }
 
 
-def teacher_accuracy(teacher: str, test_path: Path, problems: int = 200) -> float:
-    """The teacher's greedy accuracy on the first ``problems`` of the eval set."""
+def teacher_accuracy(overrides: list[str]) -> float:
+    """The teacher's greedy accuracy on the problems the arms' evals score (``eval.path`` or
+    ``data.eval_path``, the first ``eval.max_problems``)."""
     import json
 
     import build_tiny_model as tiny
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    rows = [json.loads(line) for line in test_path.read_text().splitlines() if line.strip()][:problems]
+    from arbor.config_load import load_config
+
+    cfg = load_config(CONFIG, overrides)
+    teacher, test_path = cfg.algorithm.distill.teacher.model, Path(cfg.eval.path or cfg.data.eval_path or "")
+    assert teacher is not None, "configs/distill.yaml names its teacher"
+    if not test_path.is_absolute():
+        test_path = REPO / test_path
+    rows = [json.loads(line) for line in test_path.read_text().splitlines() if line.strip()]
+    rows = rows[: cfg.eval.max_problems or None]
+    if not Path(teacher).is_absolute():
+        teacher = str(REPO / teacher)
     model = AutoModelForCausalLM.from_pretrained(teacher, dtype=torch.float32).eval()
     return float(tiny.evaluate(model, AutoTokenizer.from_pretrained(teacher), rows, samples=0, seed=0)["acc"])
 
@@ -70,7 +82,7 @@ def main() -> None:
     args = parser.parse_args()
     arms = args.arms.split(",")
     out = Path(args.out)
-    teacher_acc = teacher_accuracy(str(REPO / "models" / "teacher-arith"), REPO / "data" / "arith" / "test.jsonl")
+    teacher_acc = teacher_accuracy(args.overrides)
     target = 0.9 * teacher_acc
     print(f"teacher greedy accuracy {teacher_acc:.3f}: target {target:.3f}", flush=True)
     curves, figures = [], {}
