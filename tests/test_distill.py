@@ -150,3 +150,31 @@ def test_a_tokenizer_mismatch_names_both_models(tmp_path):
     check_same_tokenizer(str(student), str(student))
     with pytest.raises(ConfigError, match=f"teacher {other}.*model.path {student}"):
         check_same_tokenizer(str(student), str(other))
+
+
+def test_a_teacher_that_stops_answering_stops_the_run_naming_it(tmp_path):
+    """An external teacher (an arbor serve in a thread): scores, then, once it is gone, the step
+    stops with EngineFailedError naming the teacher (what `arbor train` reports and exits on)."""
+    from types import SimpleNamespace
+
+    from arbor.run.recovery import EngineFailedError
+    from arbor.run.teacher import Teacher
+
+    model = build_tiny_model_dir(tmp_path / "t", seed=2)
+    engine = LocalEngine(model)
+    server = ServerThread(engine)
+    url = server.__enter__()
+    cfg = Config()
+    cfg = replace(cfg, engine=replace(cfg.engine, kind="embedded", max_retries=0), algorithm=replace(
+        cfg.algorithm, distill=DistillConfig(teacher=TeacherConfig(kind="external", urls=[url]))))
+    teacher = Teacher(cfg, SimpleNamespace(teacher_options=None, engine_options=None), str(tmp_path / "logs"))
+    teacher.wait_started()
+    tree = branching_tree(0)
+    metrics = teacher.score([tree], temperature=1.0)
+    assert metrics["distill/teacher_tokens"] < metrics["distill/linearised_tokens"]
+    assert all(node.teacher_logprobs is not None for node in tree.nodes() if node.parent is not None)
+    server.__exit__(None, None, None)
+    engine.shutdown()
+    with pytest.raises(EngineFailedError, match="algorithm.distill.teacher"):
+        teacher.score([branching_tree(1)], temperature=1.0)
+    teacher.shutdown()

@@ -24,9 +24,11 @@ from typing import Any, TypeVar
 
 from arbor.config import Config
 from arbor.engines.connect import closing, engine_client
+from arbor.engines.errors import EngineError
 from arbor.errors import ConfigError
 from arbor.rollout.teacher_scoring import score_trees
 from arbor.run.engine_group import EngineGroup
+from arbor.run.recovery import EngineFailedError
 from arbor.run.teacher_settle import TEACHER_KEY
 from arbor.train.distill import mean_divergence
 from arbor.tree import RolloutTree
@@ -52,7 +54,8 @@ class Teacher:
 
     def __init__(self, cfg: Config, placement: Any, log_dir: str, output_token: str | None = None) -> None:
         self.cfg = teacher_config(cfg)
-        self.group = EngineGroup(self.cfg, placement, os.path.join(log_dir, "teacher"), wait=False,
+        self.log_dir = os.path.join(log_dir, "teacher")
+        self.group = EngineGroup(self.cfg, placement, self.log_dir, wait=False,
                                  output_token=output_token, place=placement.teacher_options)
         self.starting = self.group.starting
         self.urls: list[str] = []
@@ -81,7 +84,11 @@ class Teacher:
         ``distill/*`` metrics: tokens the teacher computed against the linearised count, the
         mean per-token reverse KL (and k3), seconds."""
         started = time.perf_counter()
-        stats = self._run(lambda client: score_trees(client, trees, temperature))
+        try:
+            stats = self._run(lambda client: score_trees(client, trees, temperature))
+        except EngineError as e:  # not restarted (its weights never change, but its place may be gone)
+            raise EngineFailedError(f"the teacher's engine failed while scoring ({TEACHER_KEY}): {e}; its log is "
+                                    f"under {self.log_dir}") from e
         metrics = {
             "distill/teacher_tokens": float(stats.computed_tokens),
             "distill/linearised_tokens": float(stats.linearised_tokens),
