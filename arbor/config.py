@@ -175,13 +175,13 @@ class EngineConfig:
 
 @dataclass
 class RewardTermConfig:
-    # function: fn; judge: a generative model's verdict (model or url, template, parser); classifier:
-    # a sequence-classification reward model (model); http: a reward server (url). docs/distillation.md
-    kind: Literal["function", "judge", "classifier", "http"] = "function"
     # module:attr or path/to/file.py:attr of fn(problem, completion) -> float.
     fn: str = "rewards/math.py:boxed_accuracy"
     # The term's weight in the reward, the weighted sum of the terms.
     weight: float = 1.0
+    # function: fn; judge: a generative model's verdict (model or url, template, parser); classifier:
+    # a sequence-classification reward model (model); http: a reward server (url). docs/distillation.md
+    kind: Literal["function", "judge", "classifier", "http"] = "function"
     model: str | None = None  # judge (served by an `arbor serve` the run starts) / classifier: its HF directory
     url: str | None = None  # judge: a running engine (SGLang's API); http: the reward server's URL
     # judge: the judge's prompt; {prompt}, {response} and {answer} are replaced by the problem's.
