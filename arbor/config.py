@@ -198,6 +198,17 @@ class RewardTermConfig:
     fn: str = "rewards/math.py:boxed_accuracy"
     # The term's weight in the reward, the weighted sum of the terms.
     weight: float = 1.0
+    # function: fn; judge: a generative model's verdict (model or url, template, parser); classifier:
+    # a sequence-classification reward model (model); http: a reward server (url). docs/distillation.md
+    kind: Literal["function", "judge", "classifier", "http"] = "function"
+    model: str | None = None  # judge (served by an `arbor serve` the run starts) / classifier: its HF directory
+    url: str | None = None  # judge: a running engine (SGLang's API); http: the reward server's URL
+    # judge: the judge's prompt; {prompt}, {response} and {answer} are replaced by the problem's.
+    template: str = "{prompt}\n{response}\nIs the answer {answer} right? Score 0-10:"
+    parser: str = "(-?[0-9]+(?:[.][0-9]+)?)"  # judge: a regex searched in the verdict; group 1 is the score
+    failure_value: float = 0.0  # what a failed call, a null or an unparsable verdict scores (counted)
+    timeout_s: float = 60.0  # served kinds: seconds one batched call may take
+    max_new_tokens: int = 16  # judge: the verdict's length at most (greedy)
 
 
 @dataclass
@@ -218,6 +229,36 @@ class RewardConfig:
 
 
 @dataclass
+class TeacherConfig:
+    """The teacher of on-policy distillation: engines of its own, placed like the policy's."""
+
+    # The teacher's HF directory, served by engines the run starts; its tokenizer must be model.path's.
+    model: str | None = None
+    # auto: the policy engines' kind (embedded on CPU); external: servers already running at urls.
+    kind: Literal["auto", "sglang", "embedded", "external"] = "auto"
+    urls: list[str] = field(default_factory=list)  # kind external: the running teacher servers
+    num_engines: int = 1  # teacher servers the run starts (one Ray actor and bundle each)
+
+
+@dataclass
+class DistillConfig:
+    """On-policy distillation (docs/distillation.md): the teacher scores the student's tokens."""
+
+    # The teacher's engines; distillation is on when teacher.model or teacher.urls is set.
+    teacher: TeacherConfig = field(default_factory=TeacherConfig)
+    # Token t's advantage gets − coef × (log π_behav(t) − log π_teacher(t)), unwhitened.
+    coef: float = 1.0
+    # Weight of the task reward's (whitened) advantage; 0: pure distillation, dynamic sampling off.
+    reward_weight: float = 0.0
+    # reverse_kl: the per-token log-ratio; k3: (r − 1) − log r, r = π_teacher / π_behav (≥ 0, lower variance).
+    kind: Literal["reverse_kl", "k3"] = "reverse_kl"
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.teacher.model or self.teacher.urls)
+
+
+@dataclass
 class AlgorithmConfig:
     # Advantage estimator: TreePO subgroups, GRPO groups, REINFORCE++, TEMPO, or treerl (TreeRL's
     # global + local advantage per node).
@@ -235,6 +276,8 @@ class AlgorithmConfig:
     # weights at most this many updates old (older trees are dropped and counted); the loss
     # is then AReaL's decoupled objective (loss.behaviour_cap). 0: sample, then train (on-policy).
     max_staleness: int = 0
+    # On-policy distillation from a teacher served by its own engines; off unless a teacher is set.
+    distill: DistillConfig = field(default_factory=DistillConfig)
 
 
 @dataclass

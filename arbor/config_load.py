@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import importlib.util
 import math
+import re
 from collections.abc import Callable
 from pathlib import Path
 
@@ -149,7 +150,21 @@ def validate(cfg: Config, where: Callable[[str], str] | None = None, on_gpu: boo
          "reward.functions", "must name at least one reward function (it may be empty only when rollout.env or a "
          "program gives the reward)")
     for i, term in enumerate(cfg.reward.functions):
-        need(":" in term.fn, f"reward.functions[{i}].fn", f"must be 'module:attr', got {term.fn!r}")
+        key = f"reward.functions[{i}]"
+        need(term.kind != "function" or ":" in term.fn, f"{key}.fn", f"must be 'module:attr', got {term.fn!r}")
+        need(term.kind != "judge" or bool(term.model) != bool(term.url), f"{key}.model",
+             "a judge needs model (an engine the run starts) or url (a running one), one of them")
+        need(term.kind != "classifier" or bool(term.model), f"{key}.model", "a classifier needs model")
+        need(term.kind != "http" or bool(term.url), f"{key}.url", "an http reward needs url")
+        need(term.timeout_s > 0 and term.max_new_tokens >= 1, f"{key}.timeout_s",
+             "timeout_s must be > 0 and max_new_tokens ≥ 1")
+        if term.kind == "judge":
+            try:
+                groups = re.compile(term.parser).groups
+            except re.error as error:
+                groups = -1
+                need(False, f"{key}.parser", f"is not a regular expression: {error}")
+            need(groups != 0, f"{key}.parser", f"needs a group: group 1 is the score, got {term.parser!r}")
     need(math.isfinite(cfg.reward.env_weight), "reward.env_weight", f"must be a finite number, got {cfg.reward.env_weight}")
     need(cfg.reward.timeout_s > 0, "reward.timeout_s", "must be > 0")
     need(cfg.reward.workers >= 1, "reward.workers", "must be ≥ 1")
@@ -174,6 +189,14 @@ def validate(cfg: Config, where: Callable[[str], str] | None = None, on_gpu: boo
          "the policy before a tree's one update as its proximal policy")
     need(not (e.partial_rollouts and not a.max_staleness), "engine.partial_rollouts",
          "needs algorithm.max_staleness ≥ 1 (on-policy runs never change weights while sampling)")
+    d, t = a.distill, a.distill.teacher
+    need(not (t.model and t.urls), "algorithm.distill.teacher", "give model (engines the run starts) or urls, not both")
+    need(bool(t.urls) == (t.kind == "external"), "algorithm.distill.teacher.kind",
+         f"must be external exactly when teacher.urls is set (got kind {t.kind!r}, {len(t.urls)} url(s))")
+    need(t.num_engines >= 1, "algorithm.distill.teacher.num_engines", f"must be ≥ 1, got {t.num_engines}")
+    need(d.coef >= 0 and math.isfinite(d.coef), "algorithm.distill.coef", f"must be a finite number ≥ 0, got {d.coef}")
+    need(d.reward_weight >= 0 and math.isfinite(d.reward_weight), "algorithm.distill.reward_weight",
+         f"must be a finite number ≥ 0, got {d.reward_weight}")
     need(
         a.minibatches <= cfg.data.prompts_per_step,
         "algorithm.minibatches",

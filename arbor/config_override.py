@@ -104,7 +104,8 @@ def _examples(key: str, tp: Any, given: Any = None) -> tuple[str, str]:
     """Two overrides of ``key``: its whole value, and one part of it."""
     item_tp = _list_item(tp)
     if _is_record(item_tp):
-        example = {f.name: getattr(item_tp(), f.name) for f in dataclasses.fields(item_tp)}
+        # Its first two keys (reward.functions: fn, weight); the rest keep their defaults.
+        example = {f.name: getattr(item_tp(), f.name) for f in dataclasses.fields(item_tp)[:2]}
         first = next(iter(example))
         if isinstance(given, str) and isinstance(example[first], str):
             example[first] = given

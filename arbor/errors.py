@@ -2,8 +2,8 @@
 
 Two kinds of trouble, two rules (docs/failures.md):
 
-- **A failure of one episode's user code** (an environment, agent, program, reward function or
-  judge raised, returned a bad value or ran past its time limit) drops that branch, never trained
+- **A failure of one episode's user code** (an environment, agent, program or reward function
+  raised, returned a bad value or ran past its time limit) drops that branch, never trained
   on, and is recorded as an :class:`EpisodeFailure` (counted in ``failures/<kind>``). The run goes
   on unless more than ``reward.max_failure_fraction`` of a step's episodes failed: then
   :class:`RewardFailureError` stops it, naming the first failure's problem id, turn and message.
@@ -41,8 +41,9 @@ FAILURE_KINDS = (
     "reward_error",  # a reward function raised or returned a non-finite value
     "reward_timeout",  # ... ran past reward.timeout_s (killed)
     "reward_crash",  # ... its worker process died
-    "judge_error",  # a served judge or reward model failed to score
 )
+# Served judges and reward models (reward.functions kind judge / classifier / http) are not in
+# this list: a call that fails scores the term's failure_value, counted in reward/served_failures.
 
 
 @dataclass(frozen=True)

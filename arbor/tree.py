@@ -42,6 +42,7 @@ class Node:
         "token_ids",
         "logprobs",
         "learner_logprobs",
+        "teacher_logprobs",
         "loss_mask",
         "reward",
         "env_reward",
@@ -68,6 +69,9 @@ class Node:
         # π_old: the learner's log-probs of these tokens before the update, set by the
         # trainer when loss.rollout_correction needs them (arbor.train.rollout_correction).
         self.learner_logprobs: list[float] | None = None
+        # log π_teacher of these tokens at the sampling temperature, set when a run distils
+        # (arbor.rollout.teacher_scoring); None otherwise.
+        self.teacher_logprobs: list[float] | None = None
         self.loss_mask = loss_mask
         self.reward: float | None = None
         # A leaf's environment reward (rollout.env's reward(), read when its episode ended);

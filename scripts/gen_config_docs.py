@@ -121,6 +121,9 @@ def collect_keys(source: str, defaults: Any) -> tuple[list[tuple[str, str]], lis
             if not meaning:
                 missing.append(full)
             value = getattr(instance, name)
+            if annotation in fields:  # a nested record (algorithm.distill): its keys, each documented
+                walk(annotation, f"{full}.", value)
+                continue
             keys.append(Key(full, annotation, value, meaning))
             if item_cls is not None:  # a list of records (reward.functions): document their keys
                 item = value[0] if value else None

@@ -28,7 +28,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # Every test of these files is slow.
 SLOW_FILES = {
     "test_trainer.py", "test_startup.py", "test_program_runs.py", "test_agent_math.py", "test_multinode.py", "test_zero3.py",
-    "test_tied_embeddings.py", "test_smollm2.py", "test_sglang_real.py", "test_sglang_runs.py",
+    "test_tied_embeddings.py", "test_smollm2.py", "test_sglang_real.py", "test_sglang_runs.py", "test_sglang_scoring.py",
+    "test_distill_run.py", "test_build_teacher.py",
     "test_sglang_lora.py", "test_build_tiny_model.py", "test_profile_learner_step.py",
     "test_bench_async.py", "test_bench_learning.py", "test_bench_lora_memory.py", "test_bench_loss_memory.py",
     "test_bench_packing.py", "test_bench_rollout.py", "test_bench_train_step.py", "test_bench_vs_trl.py",
@@ -38,6 +39,7 @@ SLOW_FILES = {
 # Slow tests of files whose other tests are fast: file -> test functions (all their parameters).
 SLOW_TESTS = {
     "test_program_frameworks.py": {"test_a_framework_program_trains_two_steps"},
+    "test_served_rewards.py": {"test_a_two_step_run_scored_by_a_judge_and_a_reward_server"},
     "test_sft.py": {"test_two_zero3_ranks_lower_the_loss_and_export", "test_torch_backend_run_resumes",
                     "test_the_sft_recipe_runs"},
     "test_lora.py": {"test_zero3_two_ranks_train_the_adapter_as_one_process", "test_sft_trains_an_adapter_and_resumes"},

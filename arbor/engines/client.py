@@ -46,15 +46,17 @@ import aiohttp
 from arbor.engines.auth import API_KEY_ENV
 from arbor.engines.errors import EngineError, Retryable, check_reply, with_retries
 from arbor.engines.prefix_cache import CachedPrefixes
-from arbor.engines.types import GenerateOutput, GenerateRequest
+from arbor.engines.types import GenerateOutput, GenerateRequest, ScoreOutput, ScoreRequest
 from arbor.engines.wire import (
     entropy_top_k,
     error_message,
     fork_items,
     generate_payload,
     parse_output,
+    parse_score,
     rank_layout,
     sampling_payload,
+    score_payload,
 )
 
 
@@ -166,6 +168,27 @@ class SGLangClient:
 
         await asyncio.gather(*(batch(url, indices) for url, indices in by_server.items()))
         return results
+
+    async def score_many(self, requests: list[ScoreRequest]) -> list[ScoreOutput]:
+        """Input-token log-probs of each request (prefill only; :func:`arbor.engines.wire.score_payload`),
+        results in order: one batched ``/generate`` per server. A request whose context another
+        scored before (its parent node) finds it in the server's radix cache: send parents in an
+        earlier call than their children."""
+        by_server: dict[str, list[int]] = {}
+        for i, request in enumerate(requests):
+            by_server.setdefault(self.server_for(request.affinity_key), []).append(i)
+        results: list[ScoreOutput | None] = [None] * len(requests)
+
+        async def batch(url: str, indices: list[int]) -> None:
+            body = await self._call(url, "POST", "/generate", score_payload([requests[i] for i in indices]))
+            replies = body if isinstance(body, list) else [body]
+            if len(replies) != len(indices):
+                raise EngineError(f"sent {len(indices)} prompts to score, got {len(replies)} replies", url=url)
+            for i, reply in zip(indices, replies):
+                results[i] = parse_score(reply, requests[i])
+
+        await asyncio.gather(*(batch(url, indices) for url, indices in by_server.items()))
+        return [r for r in results if r is not None]
 
     async def _commit_prefixes(self, url: str, requests: list[GenerateRequest]) -> None:
         """Put the uncached prompts of multi-fork ``requests`` into ``url``'s cache."""

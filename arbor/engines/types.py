@@ -54,3 +54,21 @@ class RolloutEngine(Protocol):
     """What the sampler needs from an engine: one request in, ``n`` outputs back."""
 
     async def generate(self, request: GenerateRequest) -> list[GenerateOutput]: ...
+
+
+@dataclass
+class ScoreRequest:
+    """A prefill-only request for the log-probs of tokens the engine did not sample (a teacher
+    scoring a student's tokens): ``input_ids[start:]`` each given what precedes it."""
+
+    input_ids: list[int]  # the context, then the tokens to score
+    start: int  # index of the first token scored (≥ 1: a token needs a context)
+    temperature: float = 1.0  # log-probs of softmax(logits / temperature)
+    affinity_key: str | None = None  # as GenerateRequest's: one server holds a tree's prefixes
+
+
+@dataclass
+class ScoreOutput:
+    logprobs: list[float]  # log p(input_ids[i] | input_ids[:i]) for i = start .. len - 1
+    prompt_tokens: int  # len(input_ids)
+    cached_tokens: int  # served from the radix cache: prompt_tokens - cached_tokens were computed

@@ -7,7 +7,9 @@ weight-update group's requests carry (:func:`rank_layout`).
     #  "return_logprob": True}
     parse_output({"output_ids": [4], "meta_info": {"output_token_logprobs": [[-0.5, 4, None]], ...}})
 
-``logprob_start_len`` stays at its default: asking for prompt logprobs disables prefix reuse.
+Generation leaves ``logprob_start_len`` at its default: asking for prompt logprobs limits prefix
+reuse to that position. Scoring (:func:`score_payload`) asks for it at the first scored token's
+context, so only the scored tokens and the one before them are computed.
 """
 
 from __future__ import annotations
@@ -17,7 +19,13 @@ import math
 from dataclasses import replace
 from typing import Any
 
-from arbor.engines.types import GenerateOutput, GenerateRequest, SamplingParams
+from arbor.engines.types import (
+    GenerateOutput,
+    GenerateRequest,
+    SamplingParams,
+    ScoreOutput,
+    ScoreRequest,
+)
 
 
 def generate_payload(request: GenerateRequest, send_seeds: bool = True) -> dict[str, Any]:
@@ -125,6 +133,36 @@ def _entropies(meta: dict[str, Any], tokens: int) -> list[float] | None:
     if len(values) != tokens:
         raise ValueError(f"{tokens} output ids but {len(values)} per-token entropies")
     return values
+
+
+def score_payload(requests: list[ScoreRequest]) -> dict[str, Any]:
+    """SGLang's batch ``/generate`` body scoring ``requests``: prefill only, input log-probs from
+    ``start - 1`` (the row there predicts the first scored token; SGLang's first entry is None).
+
+    >>> score_payload([ScoreRequest([1, 2, 3], start=2, temperature=0.7)])["logprob_start_len"]
+    [1]
+    """
+    for r in requests:
+        if not 1 <= r.start <= len(r.input_ids):
+            raise ValueError(f"ScoreRequest.start must be in [1, {len(r.input_ids)}], got {r.start}")
+    return {
+        "input_ids": [list(r.input_ids) for r in requests],
+        "sampling_params": [{"max_new_tokens": 0, "temperature": r.temperature} for r in requests],
+        "return_logprob": True,
+        "logprob_start_len": [r.start - 1 for r in requests],
+    }
+
+
+def parse_score(item: dict[str, Any], request: ScoreRequest) -> ScoreOutput:
+    """One reply to :func:`score_payload` -> :class:`ScoreOutput` (the leading None dropped)."""
+    meta = item.get("meta_info", {})
+    entries = meta.get("input_token_logprobs") or []
+    wanted = len(request.input_ids) - request.start
+    if len(entries) != wanted + 1:
+        raise ValueError(f"asked the log-probs of {wanted} input tokens, got {len(entries)} entries "
+                         f"(SGLang gives one more: the first, None)")
+    return ScoreOutput(logprobs=[float(e[0]) for e in entries[1:]], prompt_tokens=int(meta.get("prompt_tokens", 0)),
+                       cached_tokens=int(meta.get("cached_tokens", 0)))
 
 
 def error_message(text: str) -> str:

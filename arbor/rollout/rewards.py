@@ -80,6 +80,7 @@ class ScoreResult:
     # score(record_errors=True): index -> what the failing reward function said (scored 0 here;
     # the run drops those branches, arbor.errors).
     errors: dict[int, str] = field(default_factory=dict)
+    served_failures: int = 0  # served terms' calls or items that failed, scored their failure_value
 
 
 class RewardError(RuntimeError):
@@ -263,7 +264,9 @@ class RewardPool:
         timeout_s: float = 5.0,
         search_dirs: Sequence[str] = (),
         start_timeout_s: float = 120.0,
+        served: Sequence[tuple[int, Any]] = (),
     ) -> None:
+        self.served = list(served)  # (place in reward.functions, a judge/classifier/http term): served_rewards
         if workers < 1:
             raise ValueError(f"workers must be ≥ 1, got {workers}")
         if not timeout_s > 0:
@@ -314,7 +317,12 @@ class RewardPool:
         drops such branches and counts them (one failure policy, :mod:`arbor.errors`).
         """
         with self._busy:
-            return self._score(items, on_progress, record_errors)
+            result = self._score(items, on_progress, record_errors)
+            if not self.served:
+                return result
+            from arbor.rollout.served_rewards import add_served
+
+            return add_served(result, items, self.served)
 
     def _score(
         self, items: Sequence[Item], on_progress: Callable[[int, int], None] | None, record_errors: bool = False,
@@ -466,7 +474,9 @@ class RewardPool:
         )
 
     def close(self) -> None:
-        """Stop the workers (a busy one is killed after 2 s)."""
+        """Stop the workers (a busy one is killed after 2 s) and a judge's engine."""
+        for _, term in self.served:
+            term.close()
         for w in self._workers:
             try:
                 w.conn.send(None)
@@ -491,8 +501,11 @@ def reward_pool(reward_cfg: RewardConfig, search_dirs: Sequence[str] = ()) -> Re
     """The pool a run's ``reward:`` section describes (its functions, workers, timeout);
     ``search_dirs``: where relative specs resolve (:func:`~arbor.plugins.default_search_dirs`
     of the config file)."""
-    terms = [RewardTerm(t.fn, t.weight) for t in reward_cfg.functions]
-    return RewardPool(terms, workers=reward_cfg.workers, timeout_s=reward_cfg.timeout_s, search_dirs=search_dirs)
+    from arbor.rollout.served_rewards import served_terms
+
+    terms = [RewardTerm(t.fn, t.weight) for t in reward_cfg.functions if t.kind == "function"]
+    return RewardPool(terms, workers=reward_cfg.workers, timeout_s=reward_cfg.timeout_s, search_dirs=search_dirs,
+                      served=served_terms(reward_cfg))
 
 
 def score_batch(

@@ -38,6 +38,7 @@ from arbor.run.orchestration import Placement, ray_cpus, start_groups, start_ray
 from arbor.run.phases import Sampling
 from arbor.run.recovery import EngineRecovery, RecoveringEngine
 from arbor.run.startup import StartupClock, problem_files, start_command
+from arbor.run.teacher import Teacher
 from arbor.run.weight_sync import EngineWeights
 
 T = TypeVar("T")
@@ -61,6 +62,8 @@ class RunContext:
     recovery: EngineRecovery  # restarts a dead engine with the run's weights
     schedule_steps: int  # run.steps the LR schedule spans (kept from the first run on resume)
     startup: StartupClock  # seconds per start-up phase (printed once everything is up)
+    # algorithm.distill's teacher engines (arbor.run.teacher); None: the run does not distil.
+    teacher: Teacher | None = None
     start_step: int = 0  # the last step done before this process started (0: a fresh run)
     checkpoint_cleanup_failures: int = 0  # old checkpoints that could not be removed, so far
 
@@ -189,7 +192,14 @@ def _start(cfg: Config, closers: list[Callable[[], Any]], clock: StartupClock) -
     learners = LearnerGroup(cfg, placement, total_steps=schedule_steps * updates_per_step(cfg), wait=False,
                             output_token=output_token)
     closers.append(learners.shutdown)
+    teacher = None
+    if cfg.algorithm.distill.enabled:  # its engines start beside the policy's, on bundles of their own
+        teacher = Teacher(cfg, placement, str(out.resolve() / "logs"), output_token)
+        closers.append(teacher.shutdown)
     start_groups(engines, learners, clock)
+    if teacher is not None:
+        with clock.phase("teacher"):
+            teacher.wait_started()
     # A server that dies mid-step is restarted with the run's weights; its requests are sent again.
     weights = EngineWeights(cfg, learners, engines.urls)
     recovery = EngineRecovery(engines, weights, cfg.engine, cfg.run.output_dir)
@@ -200,7 +210,7 @@ def _start(cfg: Config, closers: list[Callable[[], Any]], clock: StartupClock) -
                                    program=program, model_name=Path(cfg.model.path).name or "arbor-policy"),
         stream=stream, eval_problems=eval_problems, data_metrics=data_metrics, log=log, rewards=rewards,
         placement=placement, engines=engines, learners=learners, weights=weights, recovery=recovery,
-        schedule_steps=schedule_steps, startup=clock,
+        schedule_steps=schedule_steps, startup=clock, teacher=teacher,
     )
     if previous is not None:
         with clock.phase("resume"):

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Callable
 from typing import Any
 
 from arbor.config import Config
@@ -128,9 +129,12 @@ class EngineGroup:
     """
 
     def __init__(self, cfg: Config, placement: Placement, log_dir: str, wait: bool = True,
-                 output_token: str | None = None) -> None:
+                 output_token: str | None = None, place: Callable[[int, int], dict[str, Any]] | None = None) -> None:
         """Start the engines; with ``wait=False`` return at once and fill ``urls`` in :meth:`started`.
-        ``output_token``: :func:`arbor.run.nodes.mark_output_dir`'s, which every engine checks on its node."""
+        ``output_token``: :func:`arbor.run.nodes.mark_output_dir`'s, which every engine checks on its node.
+        ``place(index, tp_size)``: engine ``index``'s actor options (default ``placement.engine_options``;
+        a distilling run's teacher engines: ``placement.teacher_options``)."""
+        self.place = place or placement.engine_options
         self.workers: list[Any] = []
         self.starting: list[Any] = []  # ref i: engine i's URLs, once its server is healthy
         self.startup_timeout_s = cfg.engine.startup_timeout_s
@@ -154,7 +158,7 @@ class EngineGroup:
         import ray
 
         log_dir = os.path.join(self.log_dir, f"engine-{index}" + (f"-{self.starts[index]}" if self.starts[index] > 1 else ""))
-        return ray.remote(EngineWorker).options(**self.placement.engine_options(index, self.cfg.engine.tp_size)).remote(
+        return ray.remote(EngineWorker).options(**self.place(index, self.cfg.engine.tp_size)).remote(
             self.cfg, index, log_dir, self.cfg.ray.address is not None, self.output_token
         )
 

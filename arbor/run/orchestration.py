@@ -55,8 +55,14 @@ _early_start: concurrent.futures.Future[None] | None = None  # start_ray_early's
 
 
 def ray_cpus(cfg: Config) -> int:
-    """Logical CPUs a run's actors ask Ray for: one per learner rank and engine."""
-    return cfg.learner.num_ranks + cfg.engine.num_engines
+    """Logical CPUs a run's actors ask Ray for: one per learner rank and engine (teachers' too)."""
+    return cfg.learner.num_ranks + cfg.engine.num_engines + teacher_engines(cfg)
+
+
+def teacher_engines(cfg: Config) -> int:
+    """Teacher engines the run starts (``algorithm.distill.teacher``; none when it is external)."""
+    teacher = cfg.algorithm.distill.teacher
+    return teacher.num_engines if cfg.algorithm.distill.enabled and teacher.kind != "external" else 0
 
 
 def start_ray_early(cfg: Config) -> None:
@@ -214,6 +220,11 @@ class Placement:
         if not self.colocate:
             self.bundles += [engine_bundle | cfg.ray.engine_resources] * engines
             self.labels += [f"engine {i}" for i in range(engines)]
+        # A distilling run's teacher engines: a bundle each after the policy's (one GPU on GPUs).
+        self.teacher_start = len(self.bundles)
+        teacher_bundle = engine_bundle | cfg.ray.engine_resources | ({"GPU": 1} if self.gpu else {})
+        self.bundles += [teacher_bundle] * teacher_engines(cfg)
+        self.labels += [f"teacher engine {i}" for i in range(teacher_engines(cfg))]
         self.strategy = cfg.ray.placement_strategy
         nodes = cluster_nodes()
         where = "the local Ray instance has" if _started_here else "the Ray cluster's alive nodes have"
@@ -296,6 +307,10 @@ class Placement:
             return self.options(index, 0.5)
         return self.options(self.num_ranks + index, tp_size if self.gpu else 0)
 
+    def teacher_options(self, index: int, tp_size: int) -> dict[str, Any]:
+        """Teacher engine ``index``'s actor options (its own bundle; ``tp_size`` is 1)."""
+        return self.options(self.teacher_start + index, tp_size if self.gpu else 0)
+
     def remove(self) -> None:
         from ray.util.placement_group import remove_placement_group
 
@@ -365,5 +380,5 @@ def cpu_threads(cfg: Config, processes: int | None = None) -> int:
     if cfg.run.cpu_threads:
         return cfg.run.cpu_threads
     if processes is None:
-        processes = cfg.engine.num_engines + cfg.learner.num_ranks + 1
+        processes = cfg.engine.num_engines + cfg.learner.num_ranks + 1 + teacher_engines(cfg)
     return max(1, (os.cpu_count() or 1) // processes)

@@ -42,6 +42,7 @@ from arbor.run.learner_group import LearnerGroup
 from arbor.run.recovery import EngineRecovery, RecoveringEngine
 from arbor.run.weight_sync import EngineWeights, probe_samples
 from arbor.train.advantage import compute_advantages, dynamic_sampling_filter
+from arbor.train.distill import distill_advantages
 from arbor.train.loss import LossStats
 from arbor.train.packing import PackedBatch, loss_denominator
 from arbor.train.rank_balance import rank_imbalance, rank_packs
@@ -71,6 +72,7 @@ class Batch:
     # arbor.errors' one failure policy. The step stops past reward.max_failure_fraction.
     failures: list[EpisodeFailure] = field(default_factory=list)
     alike: int = 0  # trees dynamic sampling filtered (their leaves all scored alike)
+    reward_served_failures: int = 0  # judge / classifier / http calls or items that failed (their failure_value)
     rounds: int = 0
     requests: int = 0  # /generate calls the rollouts sent (batched: one per round of all trees)
     unsandboxed_tool_calls: int = 0  # tool calls run without bubblewrap while sampling this step
@@ -239,6 +241,7 @@ def score_trees(
         log.info("%s: the branch is dropped", failure.describe())
     batch.reward_timeouts += len(result.timed_out)
     batch.reward_crashed += len(result.crashed)
+    batch.reward_served_failures += result.served_failures
     for (_, leaf), score in zip(leaves, result.scores):
         leaf.reward = score + (0.0 if leaf.env_reward is None else env_weight * leaf.env_reward)
     by_tree: dict[int, list] = {}
@@ -252,10 +255,16 @@ def score_trees(
 
 
 def batch_advantages(trees: list[RolloutTree], algorithm: AlgorithmConfig) -> list:
-    return compute_advantages(
+    """The estimator's advantages; with ``algorithm.distill`` per-token values mixing them
+    (× ``reward_weight``; not computed at 0) with the teacher's term (:mod:`arbor.train.distill`)."""
+    distill = algorithm.distill
+    reward = None if distill.enabled and distill.reward_weight == 0 else compute_advantages(
         trees, algorithm.advantage, treepo_aggregate=algorithm.treepo_aggregate,
         std_normalize=algorithm.std_normalize, whiten_tokens=algorithm.whiten,
     )
+    if not distill.enabled:
+        return reward  # type: ignore[return-value]  # computed above when not distilling
+    return distill_advantages(trees, reward, reward_weight=distill.reward_weight, coef=distill.coef, kind=distill.kind)
 
 
 def train_on_batch(
@@ -412,6 +421,7 @@ def rollout_metrics(batch: Batch) -> dict[str, float]:
         "reward/accuracy": sum(batch.correct) / n,
         "reward/timeouts": float(batch.reward_timeouts),
         "reward/crashed": float(batch.reward_crashed),
+        "reward/served_failures": float(batch.reward_served_failures),
         # Leaves whose group-relative advantage can be non-zero: those of trees whose leaves'
         # rewards differ (the rest teach nothing). Why an arm learns more per step than another.
         "reward/signal_leaves": sum(len(t.leaves()) for t in batch.sampled

@@ -124,6 +124,10 @@ def settled(cfg: Config, command: Command = "train") -> Config:
         kind = resolve_kind(cfg.engine.kind, device=engine_device(cfg), python=cfg.engine.python)
         key = run_api_key(cfg.engine.api_key, launch=kind != "external")
         cfg = replace(cfg, engine=replace(cfg.engine, kind=kind, api_key=key))  # type: ignore[arg-type]  # kind: one of KINDS
+        if command == "train" and cfg.algorithm.distill.enabled:
+            from arbor.run.teacher_settle import settled_distill
+
+            cfg = settled_distill(cfg, engine_device(cfg))
         check_model_context(cfg, command)
     validate(cfg, lambda key: f"{cfg.source or '<config>'} (settled for this machine)", on_gpu=uses_gpu(cfg))
     return cfg

@@ -61,6 +61,9 @@ def train(cfg: Config, after_step: Callable[[RunContext, int, dict], None] | Non
             if said or dropped:
                 ctx.log.note(step, said or dropped)
             if batch.trees:  # else every prompt's leaves scored the same: nothing to learn
+                if ctx.teacher is not None:  # distillation: the teacher scores each tree node by node
+                    with ctx.log.phase("teacher"):
+                        metrics |= ctx.teacher.score(batch.trees, cfg.rollout.temperature, cfg.algorithm.distill.kind)
                 with ctx.log.phase("advantage"):
                     advantages = phases.batch_advantages(batch.trees, cfg.algorithm)
                 with ctx.weights.changing():  # a restarted engine waits for the push (arbor.run.weight_sync)

@@ -64,7 +64,7 @@ from arbor.engines.embedded.jobs import EngineReleased, EngineStats, Job, Row, f
 from arbor.engines.embedded.lora import MergedAdapters
 from arbor.engines.embedded.prefill import Prefill
 from arbor.engines.embedded.radix_cache import TOKENS, RadixKVCache
-from arbor.engines.types import GenerateOutput, GenerateRequest
+from arbor.engines.types import GenerateOutput, GenerateRequest, SamplingParams
 
 
 class LocalEngine:
@@ -147,6 +147,17 @@ class LocalEngine:
         """Blocking variant for scripts and tests: all requests join the same wave(s)."""
         futures = [self.submit(r) for r in requests]
         return [f.result() for f in futures]
+
+    def score(self, prompt: list[int], logprob_start_len: int, temperature: float) -> tuple[list[float | None], int]:
+        """Input-token log-probs of a prefill-only request, and the tokens it found cached:
+        :func:`arbor.engines.embedded.scoring.input_logprobs`, run between decode batches."""
+        from arbor.engines.embedded.scoring import input_logprobs
+
+        self.validate(GenerateRequest(prompt, SamplingParams(0, temperature=temperature)))
+        with self._exclusive():
+            if self.released:
+                raise EngineReleased("engine memory is released; call resume first")
+            return input_logprobs(self, prompt, logprob_start_len, temperature)
 
     def validate(self, request: GenerateRequest) -> None:
         """Raise ``ValueError`` naming the problem for a request the engine cannot run."""

@@ -6,8 +6,9 @@ Run:  python -m arbor.engines.embedded.server --model PATH [--host 127.0.0.1] [-
 Endpoints (request / response fields as SGLang 0.5 names them):
 - ``POST /generate`` ``{"input_ids": [..] | [[..], ..], "text": str | [str], "sampling_params":
   {max_new_tokens, temperature, top_p, top_k, n, stop_token_ids, sampling_seed},
-  "return_logprob", "top_logprobs_num"}`` -> one object, or a list for batches / ``n > 1``
-  (prompt-major). ``top_logprobs_num > 0`` returns each output token's exact entropy as
+  "return_logprob", "top_logprobs_num", "logprob_start_len"}`` -> one object, or a list for
+  batches / ``n > 1`` (prompt-major). ``logprob_start_len: k`` with ``max_new_tokens: 0`` scores
+  the prompt: ``meta_info.input_token_logprobs`` as SGLang's (:mod:`arbor.engines.embedded.scoring`). ``top_logprobs_num > 0`` returns each output token's exact entropy as
   ``meta_info.output_token_entropy`` (an arbor field) instead of SGLang's top-k lists.
   ``max_new_tokens: 0`` commits the prompt into the radix cache and returns no tokens.
 - ``POST /update_weights_from_disk`` ``{model_path, weight_version?}``;
@@ -119,6 +120,33 @@ class ServerState:
         return {"text": text, "output_ids": out.output_ids, "meta_info": meta}
 
 
+async def score_replies(
+    state: ServerState, prompts: list[list[int]], params: list[SamplingParams], starts: Any
+) -> list[dict[str, Any]]:
+    """SGLang's replies to prefill-only requests for input-token log-probs
+    (:mod:`arbor.engines.embedded.scoring`), scored in order: a prompt sent after its prefix
+    finds the prefix cached."""
+    starts = starts if isinstance(starts, list) else [starts] * len(prompts)
+    if len(starts) != len(prompts) or not all(isinstance(k, int) and not isinstance(k, bool) for k in starts):
+        raise BadRequest(f"logprob_start_len must be an int or one per prompt, got {starts!r}")
+    if any(sp.max_new_tokens != 0 or sp.n != 1 for sp in params):
+        raise BadRequest("arbor serve returns input_token_logprobs only for prefill-only requests "
+                         "(max_new_tokens 0, n 1)")
+    loop = asyncio.get_running_loop()
+    items = []
+    for prompt, sp, start in zip(prompts, params, starts):
+        with checking_request():
+            values, cached = await loop.run_in_executor(None, state.engine.score, prompt, start, sp.temperature)
+        meta = {
+            "finish_reason": {"type": "length", "length": 0}, "prompt_tokens": len(prompt),
+            "completion_tokens": 0, "cached_tokens": cached, "weight_version": state.engine.weight_version,
+            "input_token_logprobs": [[v, t, None] for v, t in zip(values, prompt[start:])],
+            "output_token_logprobs": [],
+        }
+        items.append({"text": "", "output_ids": [], "meta_info": meta})
+    return items
+
+
 def build_app(
     engine: LocalEngine, tokenizer: Any = None, *, api_key: str | None = None,
     admin_api_key: str | None = None,
@@ -165,6 +193,10 @@ def build_app(
             raise BadRequest(f"{len(params)} sampling_params for {len(prompts)} prompts")
         if params is None:
             params = [parse_sampling_params(raw_params)] * len(prompts)
+        starts = body.get("logprob_start_len")
+        if body.get("return_logprob") and starts not in (None, -1):  # a teacher's scoring request
+            items = await score_replies(state, prompts, params, starts)
+            return web.json_response(items if batch or len(items) > 1 else items[0])
         # top_logprobs_num > 0 (the client's request for entropies) is answered with the
         # exact per-token entropy ("output_token_entropy"), not SGLang's top-k lists.
         top = body.get("top_logprobs_num") or 0
