@@ -4,11 +4,10 @@
     cfg.loss.clip_high          # 0.3
     print(dump_config(cfg))     # the resolved config, loadable again
 
-Every key is declared below with its type and default; the field names are the glossary
-of the docs. Unknown keys, wrong types and invalid combinations raise
-:class:`~arbor.errors.ConfigError` naming the key and the file before any work starts
-(``load_config`` and its checks: :mod:`arbor.config_load`).
-Functions receive only the section they need (``cfg.loss``), never the whole config.
+Every key is declared below with its type and default; the field names are the glossary of the
+docs. Unknown keys, wrong types and invalid combinations raise :class:`~arbor.errors.ConfigError`
+naming the key and the file before any work starts (:mod:`arbor.config_load`). Functions
+receive only the section they need (``cfg.loss``), never the whole config.
 """
 
 from __future__ import annotations
@@ -117,9 +116,9 @@ class RolloutConfig:
     # its siblings go on.
     env_timeout_s: float = 60.0
     # An episode whose next environment (or agent) message does not fit the response budget.
-    # unfinished: it ends there, scored with the environment's reward (0 if it gives none) and
-    # counted (env/overflow_ended): dropping it would keep only the episodes short enough to
-    # fit, a bias toward the easy ones. drop: the branch is removed, never trained (env/dropped).
+    # unfinished: it ends there, scored with the environment's reward (0 if none), counted in
+    # env/overflow_ended (dropping would keep only episodes short enough to fit: a bias toward
+    # easy ones). drop: the branch is removed, never trained (env/dropped).
     env_overflow: Literal["drop", "unfinished"] = "unfinished"
     # Environment instances open at once while a step samples; 0: no cap. A branch that needs
     # one more waits for another to close.
@@ -445,9 +444,8 @@ class RunConfig:
     sync_probe_every: int | None = None
     # Continue from output_dir's latest checkpoint (a new run refuses a used output_dir).
     resume: bool = False
-    # Consecutive steps that train nothing (every tree dropped: too stale, failed, over the
-    # budget; not when dynamic sampling filtered groups that all scored alike) before the run
-    # stops. Each is said on the console and counted in run/empty_steps. 0: never stop.
+    # Consecutive steps that train nothing (every tree too stale, failed or over the budget; not
+    # dynamic sampling's filter) before the run stops; each is said and counted in run/empty_steps. 0: never.
     max_empty_steps: int = 3
     # Where every step's metrics and the resolved config go beside metrics.jsonl: tensorboard
     # (output_dir/tensorboard), wandb (W&B: WANDB_PROJECT, WANDB_MODE), mlflow (MLflow:

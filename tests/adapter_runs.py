@@ -30,7 +30,9 @@ def train_steps(tmp_path: Path, config: str, *overrides: str) -> tuple[list[dict
     cfg = load_config(REPO / config, [
         f"run.output_dir={out}", "run.steps=2", "run.eval_every=0", "run.save_every=0", "run.save_trees_every=1",
         "run.cpu_threads=1", "data.prompts_per_step=4", "learner.backend=torch", "learner.zero_stage=0",
-        "reward.workers=1", *overrides,
+        # Synchronous: these runs check what the adapters put in the trees, over 2 steps; an
+        # asynchronous run is checked over max_staleness + 2 steps (tests/async_checks.py).
+        "reward.workers=1", "algorithm.max_staleness=0", *overrides,
     ])
     history = train(cfg)
     trees = {int(p.stem.split("-")[1]): [RolloutTree.from_json(line) for line in p.read_text().splitlines()]

@@ -50,6 +50,7 @@ def test_agent_math_run_calls_the_tool_and_logs_tool_errors(tmp_path):
             "learner.zero_stage=0",
             "algorithm.dynamic_sampling=false",
             "run.save_trees_every=1",
+            "algorithm.max_staleness=0",  # one step: the asynchronous run is the last test below
         ],
     )
     (metrics,) = train(cfg)

@@ -53,3 +53,10 @@ def test_the_layout_names_every_module_and_only_modules():
     assert sorted(modules() - named) == [], "modules missing from docs/development.md's layout"
     assert sorted(named - modules()) == [], "names in docs/development.md's layout that are no module"
 
+
+
+def test_no_module_is_over_500_lines():
+    """STYLE: small single-purpose files, 500 lines the cap (split by cohesion, not by count)."""
+    long = {str(p.relative_to(REPO)): n for p in (REPO / "arbor").rglob("*.py")
+            if (n := len(p.read_text().splitlines())) > 500}
+    assert long == {}, long

@@ -586,3 +586,62 @@ def test_sft_loss_by_hand(uniform_model):
     assert sft_loss(uniform_model, [single]).item() == pytest.approx(math.log(V), rel=1e-14, abs=0)
     with pytest.raises(ValueError, match="^SFT leaf weights must be ≥ 0$"):
         sft_loss(uniform_model, [tree], [[1.0, -0.5, 1.0]])
+
+
+# -- the off-policy paths of token_sums, by hand (the survivors of the 2026-11-28 mutation run) --
+
+LOG4 = math.log(4.0)
+
+
+def _one_token(correction=None, prox_gap=LOG4, behaviour_cap=2.0, prox_logp=True):
+    """One token, A = +1, π_θ = π_prox, π_prox/π_behav = exp(prox_gap)."""
+    from arbor.train.rollout_correction import Correction
+
+    old = t(-2.0)
+    prox = old + prox_gap
+    return token_sums(
+        prox.clone(), t(0.0), old, None, weight=t(1.0), adv_pos=t(1.0), adv_neg=t(0.0), leaf_count=t(1.0),
+        n_pos=t(1.0), n_neg=t(0.0), clip_low=0.2, clip_high=0.28, kl_estimator="k3",
+        prox_logp=prox if prox_logp else None, behaviour_cap=behaviour_cap, correction=correction or Correction(),
+    )
+
+
+def test_the_decoupled_objective_weighs_by_its_own_cap_whatever_the_corrections_level():
+    from arbor.train.loss import decoupled_objective
+    from arbor.train.rollout_correction import Correction
+
+    # π_prox/π_behav = 4, capped at behaviour_cap 1.5 (not Correction's default 2): 1.5 · A.
+    lp, old = t(-1.0), t(-1.0 - math.log(4.0))
+    objective, _, weight = decoupled_objective(lp, lp, old, t(1.0), t(0.0), 0.2, 0.28, 1.5)
+    assert weight.item() == pytest.approx(1.5) and objective.item() == pytest.approx(1.5)
+    # No correction recomputes π_old: the decoupled objective is token-level TIS at the cap, even
+    # when loss.rollout_correction_level says sequence (it applies to tis/mis only).
+    sums = _one_token(Correction(mode="none", level="sequence"), behaviour_cap=2.0)
+    assert sums.objective.item() == pytest.approx(2.0) and sums.stats.behaviour_weight == pytest.approx(2.0)
+    # The engine-vs-learner mismatch is measured against π_prox on this path too.
+    assert sums.stats.mismatch.tokens == 1.0 and sums.stats.mismatch.kl > 0
+
+
+def test_a_sequence_level_correction_leaves_token_weights_at_one_and_reports_no_behaviour_weight():
+    from arbor.train.rollout_correction import Correction
+
+    # tis at sequence level: the leaf's weight is already in its advantage columns, so the token
+    # weight is 1 (a token-level weight would be min(4, 2) = 2), and it is no decoupled objective.
+    sums = _one_token(Correction(mode="tis", level="sequence"))
+    assert sums.objective.item() == pytest.approx(1.0)
+    assert sums.stats.behaviour_weight == 0.0 and sums.stats.truncated == 0.0
+
+
+def test_a_behaviour_weight_exactly_at_the_cap_is_not_counted_truncated():
+    # π_prox = π_behav: weight exp(0) = 1 exactly, the cap 1: min(1, 1) = 1 truncates nothing.
+    sums = _one_token(prox_gap=0.0, behaviour_cap=1.0)
+    assert sums.stats.behaviour_weight == 1.0 and sums.stats.truncated == 0.0
+    sums = _one_token(prox_gap=math.log(4.0), behaviour_cap=1.0)
+    assert sums.stats.truncated == 1.0
+
+
+def test_a_correction_without_pi_old_is_an_error_naming_it():
+    from arbor.train.rollout_correction import Correction
+
+    with pytest.raises(ValueError, match=r"loss.rollout_correction 'mis' needs π_old \(prox_logp\) recomputed"):
+        _one_token(Correction(mode="mis"), prox_logp=False)

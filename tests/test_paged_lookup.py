@@ -147,6 +147,7 @@ def test_the_config_forks_after_the_page_and_the_environment_gives_the_reward(tm
     cfg = load_config(REPO / "configs/paged_lookup.yaml", [
         f"run.output_dir={out}", "run.steps=1", "run.eval_every=0", "data.prompts_per_step=4",
         "learner.backend=torch", "learner.zero_stage=0", "algorithm.dynamic_sampling=false", "run.save_trees_every=1",
+        "algorithm.max_staleness=0",
     ])  # the trees of the step are saved: their shape is checked below
     (metrics,) = train(cfg)
     assert metrics["tree/leaves"] == 8 and metrics["env/steps_per_episode"] == 2  # the call, the answer

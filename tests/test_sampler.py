@@ -522,13 +522,10 @@ def test_an_engine_that_returns_too_few_outputs_is_an_error() -> None:
 
 
 def test_finish_reasons_listed_for_a_shortfall() -> None:
-    from arbor.rollout.sampler import _reasons
+    from arbor.rollout.sample_stats import SampleStats
 
-    tree = RolloutTree([1])
-    for reason in ("stop", "length", "stop", None, None):
-        tree.add_segment(tree.root, [2]).finish_reason = reason
-    assert _reasons(tree) == "?: 2, length: 1, stop: 2"
-    assert _reasons(RolloutTree([1])) == "no leaves"
+    assert SampleStats(finish_reasons={"stop": 2, "length": 1, "?": 2}).finish_summary() == "?: 2, length: 1, stop: 2"
+    assert SampleStats().finish_summary() == "no leaves"
 
 
 def test_branch_temperature_and_favor_reach_the_assignment() -> None:

@@ -28,13 +28,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from arbor.config import DataConfig, RolloutConfig
-from arbor.errors import ConfigError, EpisodeFailure
+from arbor.errors import ConfigError, EpisodeFailure, RewardFailureError
 from arbor.rollout.agents import Agent, Message, Render, continuation_ids, episode_prompt
 from arbor.rollout.budget import request_seed
 from arbor.rollout.env_calls import EnvCalls, EnvTimeout, LiveEnvsError
 from arbor.rollout.env_forks import Forks, check_messages
 from arbor.rollout.environments import EnvSource, Step, agent_source, fork_mode
-from arbor.rollout.rewards import RewardFailureError
 from arbor.rollout.sample_stats import SampleStats
 from arbor.tree import Node, RolloutTree
 
@@ -160,22 +159,24 @@ class TreeEpisodes:
             return None
         prompt = self.setup.prompt(self.start, tools=self._tools(env))
         if self.setup.max_prompt_tokens and len(prompt) > self.setup.max_prompt_tokens:
-            raise EpisodeStartError(self._failure(
-                f"{kind}_error", 0, f"reset gave a prompt of {len(prompt)} tokens, more than data.max_prompt_tokens="
-                f"{self.setup.max_prompt_tokens} (an environment's prompts are only known when its episode starts)"))
+            raise self._start_failed(f"{kind}_error", f"reset gave a prompt of {len(prompt)} tokens, more than "
+                                     f"data.max_prompt_tokens={self.setup.max_prompt_tokens} (an environment's "
+                                     "prompts are only known when its episode starts)")
         return prompt
 
     def _start_failed(self, kind: str, what: str) -> EpisodeStartError:
-        return EpisodeStartError(self._failure(kind, 0, what))
+        failure = self._failure(kind, 0, what)
+        log.info("%s: the tree is dropped", failure.describe())
+        return EpisodeStartError(failure)
 
     def _tools(self, env: Any) -> list[dict] | None:
         """The environment's optional ``tools`` after ``reset`` (OpenAI function format, rendered in
         the prompt the chat template's way: the adapters to MCP servers and verifiers' ToolEnv set it)."""
         tools = getattr(env, "tools", None)
         if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
-            raise EpisodeStartError(self._failure(
-                "agent_error" if self.agent else "env_error", 0, f"reset left tools={tools!r:.120}: it must be a "
-                'list of tool dicts ({"type": "function", "function": {"name", "description", "parameters"}})'))
+            raise self._start_failed("agent_error" if self.agent else "env_error", f"reset left tools={tools!r:.120}: "
+                                     'it must be a list of tool dicts ({"type": "function", "function": {"name", '
+                                     '"description", "parameters"}})')
         return tools or None
 
     async def close(self, tree: RolloutTree | None) -> None:

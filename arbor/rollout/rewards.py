@@ -45,7 +45,10 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
-from arbor.errors import ConfigError, RewardFailureError
+from arbor.errors import ConfigError
+from arbor.errors import (
+    RewardFailureError as RewardFailureError,  # its home before arbor.errors: importable here still
+)
 from arbor.plugins import default_search_dirs, load_object
 
 if TYPE_CHECKING:
@@ -94,34 +97,6 @@ class RewardError(RuntimeError):
         super().__init__(message)
         self.problem_id = problem_id
         self.partial_scores = partial_scores
-
-
-def failed_checks(result: ScoreResult, items: Sequence[Item]) -> list[str]:
-    """One line per timed-out or crashed check of ``result``, naming the problem id."""
-    lines = []
-    for kind, indices in (("timed out", result.timed_out), ("crashed (worker died)", result.crashed)):
-        for i in indices:
-            problem_id = items[i][0].get("id", f"<item {i}>")
-            lines.append(f"problem id {problem_id!r}: reward check {kind} after "
-                         f"{result.check_seconds[i]:.1f} s, scored 0")
-    return lines
-
-
-def check_failure_fraction(failed: int, checks: int, max_fraction: float, examples: Sequence[str]) -> None:
-    """Raise :class:`RewardFailureError` when ``failed / checks > max_fraction``.
-
-    ``examples``: lines from :func:`failed_checks`, a few of which the message quotes.
-    ``check_failure_fraction(3, 16, 0.1, [...])`` raises (0.19 > 0.1); ``(1, 16, 0.1, …)`` does not.
-    """
-    if checks == 0 or failed / checks <= max_fraction:
-        return
-    shown = "\n  ".join(examples[:5]) + (f"\n  … and {len(examples) - 5} more" if len(examples) > 5 else "")
-    raise RewardFailureError(
-        f"{failed} of {checks} reward checks this step timed out or crashed "
-        f"({failed / checks:.0%} > reward.max_failure_fraction={max_fraction}); their zeros are "
-        f"not rewards, so the run stops. Fix the reward function or raise reward.timeout_s / "
-        f"reward.max_failure_fraction:\n  {shown}"
-    )
 
 
 def clip_text(text: str, limit: int = _SHOW) -> str:

@@ -54,6 +54,10 @@ class SampleStats:
     finish_reasons: dict[str, int] = field(default_factory=dict)  # leaf reason → count
     shortfall_reason: str | None = None
 
+    def finish_summary(self) -> str:
+        """The leaves' finish reasons with their counts, sorted: ``"?: 2, length: 1, stop: 2"``."""
+        return ", ".join(f"{k}: {v}" for k, v in sorted(self.finish_reasons.items())) or "no leaves"
+
     @property
     def tokens_computed(self) -> int:
         """Prefill + decode tokens the engine actually ran through the model."""

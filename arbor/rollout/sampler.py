@@ -20,10 +20,8 @@ multimodal-art-projection/TreePO at b86ce51, ``vllm_rollout_spmd.py``, cited "sp
   ``k`` copies (``1``: one root path, every leaf sharing its first segment — the most
   prefix sharing, which the paper does not use), or
   ``[lo, hi]``: ``randint(lo, hi)`` per tree (the paper's "More Init Divergence", 2 to 8;
-  spmd:606-615). The reference's training script asks for 2 to 8 but the setting never
-  arrives: it sets ``actor_rollout_ref.tree_random_first_div_max`` where
-  ``fsdp_workers.py:711`` reads ``rollout.tree_random_first_div_max``, and spmd:539-540
-  overwrite the arguments with ``kwargs.get``, which never holds them; it runs with b.
+  spmd:606-615; the reference's own script never passes it: fsdp_workers.py:711,
+  spmd:539-540, docs/algorithms.md).
 - Every ended path (finished or failed) is a leaf and counts towards ``width``; the
   budget of every path that ended in a round is transferred to the survivors (spmd:844-850).
 - ``branch_assignment: logprob`` scores a path by its last segment's mean token log-prob
@@ -37,9 +35,8 @@ multimodal-art-projection/TreePO at b86ce51, ``vllm_rollout_spmd.py``, cited "sp
   repeats itself: some ``repetition_window``-long substring of its decoded text occurs
   ``repetition_count`` times, or token n-grams when no ``decode`` is given),
   "max_length" (``max_depth · segment_tokens`` response tokens), "max_depth", or
-  "abort" (the engine aborted the request), or "agent_timeout"/"env_timeout" (an agent's
-  ``step`` or an environment call ran past its limit: the episode ends at that model turn,
-  a warning names the problem, and the stats count it; the rest of the batch goes on).
+  "abort" (the engine aborted the request). A branch whose agent or environment failed
+  (raised, a bad value, past its time limit) is dropped and recorded (:mod:`arbor.errors`).
 - Fallback, only when a tree has no active path and fewer than ``width`` leaves (paper
   §2.2; spmd:949-955), spends the whole remaining budget ``width − leaves`` in one round:
   every finished ("stop") trajectory, answered ones first then in random order, is cut at
@@ -64,7 +61,6 @@ multimodal-art-projection/TreePO at b86ce51, ``vllm_rollout_spmd.py``, cited "sp
 from __future__ import annotations
 
 import asyncio
-import logging
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -94,8 +90,6 @@ from arbor.rollout.episodes import (
 )
 from arbor.rollout.sample_stats import SampleStats
 from arbor.tree import Node, RolloutTree
-
-log = logging.getLogger(__name__)
 
 FINISHED = "stop"  # the only well-formed ending; everything else is an early stop
 
@@ -167,11 +161,9 @@ async def sample_trees(
         try:
             try:
                 prompt = None if episodes is None else await episodes.reset(problems[index], reset_seed(seed, index))
-            except EpisodeStartError as e:
-                # Its environment could not start: the tree is dropped (no leaves), the failure counted.
+            except EpisodeStartError as e:  # its environment could not start: a tree with no leaves
                 stats.failures.append(e.failure)
                 stats.unstarted += 1
-                log.info("%s: the tree is dropped", e.failure.describe())
                 tree = RolloutTree([], problems[index])
             else:
                 tree = RolloutTree(list(prompts[index]) if prompt is None else prompt, problems[index])  # type: ignore[index]
@@ -496,17 +488,11 @@ class _TreeSampler:
                                   f"errors, {s.env_timeouts} timeouts, {len(s.failures)} failures: env/errors, "
                                   "env/timeouts, failures/*)")
         if len(leaves) < self.cfg.width and self.stats.shortfall_reason is None:
-            self.stats.shortfall_reason = f"the engine ended every path early ({_reasons(tree)})"
+            self.stats.shortfall_reason = f"the engine ended every path early ({self.stats.finish_summary()})"
         return self.stats
 
 
 def _response_upto(tree: RolloutTree, node: Node) -> list[int]:
     return tree.response_ids(node) if node.parent is not None else []
 
-
-def _reasons(tree: RolloutTree) -> str:
-    counts: dict[str, int] = {}
-    for leaf in tree.leaves():
-        counts[leaf.finish_reason or "?"] = counts.get(leaf.finish_reason or "?", 0) + 1
-    return ", ".join(f"{k}: {v}" for k, v in sorted(counts.items())) or "no leaves"
 

@@ -147,8 +147,8 @@ def collect_rollouts(
 
     Reads ``data.prompts_per_step``, ``algorithm.dynamic_sampling`` / ``max_refill_rounds``,
     ``rollout.*``, ``run.seed`` and ``reward.max_failure_fraction``. Raises
-    :class:`~arbor.rollout.rewards.RewardFailureError` when more than ``reward.max_failure_fraction``
-    of the step's reward checks timed out or crashed.
+    :class:`~arbor.errors.RewardFailureError` when more than ``reward.max_failure_fraction``
+    of the step's episodes failed (arbor.errors: the one failure policy).
     """
     target = cfg.data.prompts_per_step
     rounds = 1 + (cfg.algorithm.max_refill_rounds if cfg.algorithm.dynamic_sampling else 0)

@@ -5,22 +5,17 @@
 
 How requests run (one scheduler thread, continuous batching):
 1. between decode steps, every request that arrived joins the running batch;
-2. a request's longest cached prefix comes from the radix cache. If the cache holds all
-   but its last token (a fork after a prefix commit, a child sent with its parent's
-   prefix + output), its rows join the batch directly and feed that last token in the
-   next step. Otherwise the rest of the prompt is prefilled, the whole prompt is
-   committed to the cache (so forks and children hit), and each fork's first token is
-   sampled from that one prefill. The prompts that arrive together and found the same
-   cached prefix prefill as one right-padded batch (a forward per batch, not per prompt:
-   on CPU a small model's forward costs its call overhead, whatever its rows);
+2. a request's longest cached prefix comes from the radix cache. If it holds all but the
+   last token (a fork after a prefix commit, a child sent with its parent's prefix + output),
+   its rows join the batch and feed that token next step. Otherwise the rest of the prompt is
+   prefilled (prompts that arrived together and found the same prefix as one batch:
+   ``prefill.py``), committed to the cache, and each fork's first token sampled from it;
 3. a request with ``n = k`` becomes k rows sharing the prefix KV;
-4. rows decode together, one token per step: each row's KV sits in preallocated
-   per-layer buffers (right-padded, written in place at the row's own length, attended
-   with a per-row length mask; ``decode_batch.py``), and Llama-family models run a lean
-   forward straight from their modules. A finished row leaves the batch (the last row
-   moves into its slot), its sequence (prompt + output minus the last token, whose KV
-   was never computed) enters the cache, and its request returns once all its forks
-   are done. Weight changes wait for the batch to drain (no new rows join meanwhile).
+4. rows decode together, one token per step, each row's KV in preallocated per-layer buffers
+   (``decode_batch.py``; Llama-family models run a lean forward from their modules). A
+   finished row leaves the batch, its sequence (minus the last token, whose KV was never
+   computed) enters the cache, and its request returns once all its forks are done. Weight
+   changes wait for the batch to drain (no new rows join meanwhile).
 
 Sampling matches SGLang's defaults: logits / temperature, then top-k and top-p, drawn by
 inverting the CDF at one uniform number per token from the row's own ``torch.Generator``
@@ -30,8 +25,8 @@ sampled token is ``log_softmax(logits / temperature)`` at that token — SGLang'
 (before top-k/top-p renormalisation; temperature 0 = greedy, logprob at T = 1). At
 temperature 1 this is the model's own log-probability, which the learner recomputes.
 
-``weight_version`` starts at ``"default"`` (as SGLang's) and becomes the given string on
-each weight update, or a counter ``"1"``, ``"2"``, ... when none is given.
+``weight_version`` starts at ``"default"`` (as SGLang's) and becomes the given string on each
+weight update, or a counter ``"1"``, ``"2"``, ... when none is given.
 """
 
 from __future__ import annotations
@@ -149,10 +144,8 @@ class LocalEngine:
         return [f.result() for f in futures]
 
     def score(self, prompt: list[int], logprob_start_len: int, temperature: float) -> tuple[list[float | None], int]:
-        """Input-token log-probs of a prefill-only request, and the tokens it found cached:
-        :func:`arbor.engines.embedded.scoring.input_logprobs`, run between decode batches."""
+        """Input-token log-probs of a prefill-only request and its cached tokens (between decode batches)."""
         from arbor.engines.embedded.scoring import input_logprobs
-
         self.validate(GenerateRequest(prompt, SamplingParams(0, temperature=temperature)))
         with self._exclusive():
             if self.released:
