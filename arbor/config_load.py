@@ -109,8 +109,6 @@ def validate(cfg: Config, where: Callable[[str], str] | None = None, on_gpu: boo
     need(all(isinstance(a, str) and a for a in r.program_command), "rollout.program_command",
          f"must be a list of non-empty strings (argv), got {r.program_command!r}")
     need(r.program_timeout_s > 0, "rollout.program_timeout_s", f"must be > 0, got {r.program_timeout_s}")
-    need(not (sources and sources[0].startswith("rollout.program") and r.mode != "tree"), "rollout.mode",
-         "must be tree with a program (each of a problem's rollout.width runs is a leaf of its tree)")
     need(not (sources and sources[0].startswith("rollout.program") and r.fork_at != "segment"), "rollout.fork_at",
          "must be segment with a program (a program's runs fork at segment boundaries, by replay)")
     need(r.max_live_envs >= 0, "rollout.max_live_envs", f"must be ≥ 0 (0: no cap), got {r.max_live_envs}")
@@ -142,8 +140,6 @@ def validate(cfg: Config, where: Callable[[str], str] | None = None, on_gpu: boo
     program = r.program is not None or bool(r.program_command)
     need(not (program and e.partial_rollouts), "engine.partial_rollouts",
          "must be false with a program (a program's answers are never sampled again)")
-    need(not (program and cfg.run.eval_every), "run.eval_every",
-         "must be 0 with a program (the periodic eval samples prompts, a program makes its own)")
     need(e.max_restarts >= 0, "engine.max_restarts", f"must be ≥ 0 (0: a dead engine stops the run), got {e.max_restarts}")
 
     need(bool(cfg.reward.functions) or r.env is not None or r.program is not None or bool(r.program_command),

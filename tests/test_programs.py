@@ -42,8 +42,8 @@ def tokenizer():
 
 class ScriptedEngine:
     """Answers the k-th model turn of a conversation (its k-th assistant header) with
-    ``texts[k]`` + EOS, cut to ``max_new_tokens`` ("length"), each token at log-prob -0.25;
-    keeps every request."""
+    ``texts[k]`` + EOS, cut to ``max_new_tokens`` ("length"), each token at log-prob -0.25, ``n``
+    times; keeps every request."""
 
     def __init__(self, tokenizer, texts: list[str]) -> None:
         self.tokenizer, self.texts = tokenizer, texts
@@ -57,7 +57,7 @@ class ScriptedEngine:
         ids = [*self.tokenizer.encode(self.texts[min(turn, len(self.texts) - 1)], add_special_tokens=False), eos]
         cut = ids[: request.sampling.max_new_tokens]
         return [GenerateOutput(cut, [-0.25] * len(cut), "stop" if cut == ids else "length", len(request.input_ids),
-                               0, "v1")]
+                               0, "v1") for _ in range(request.sampling.n)]
 
 
 def run(engine, program, tokenizer, **cfg) -> tuple:
@@ -288,11 +288,37 @@ def test_streaming_text_completions_and_the_key(tokenizer) -> None:
     assert tokenizer.decode(tree.leaves()[0].token_ids) == "35"  # the ids cut at the stop, trained
 
 
-def test_arbor_eval_refuses_a_program() -> None:
-    from arbor.config_load import load_config
-    from arbor.errors import ConfigError
-    from arbor.run.evaluate import main
+def test_a_fork_point_samples_its_runs_in_one_request(tokenizer) -> None:
+    """The runs starting at a fork point share one request (n = the runs): the engine computes
+    their common prefix once, however the runs' calls interleave."""
+    async def program(problem, ctx):
+        client = ctx.openai_client()
+        messages = [{"role": "user", "content": problem["prompt"]}]
+        reply = await client.chat.completions.create(model=ctx.model, messages=messages)
+        messages += [reply.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "Sure?"}]
+        await client.chat.completions.create(model=ctx.model, messages=messages)
+        return 1.0
 
-    cfg = load_config(ROOT / "configs" / "program_openai.yaml", ["data.eval_path=data/arith/test.jsonl"])
-    with pytest.raises(ConfigError, match="arbor eval does not run agent programs"):
-        main(cfg)
+    for settings in ({"root_fork": 1, "branch": 4}, {"mode": "independent", "branch": 2}):
+        engine = ScriptedEngine(tokenizer, ["12+23=35 \\boxed{35}", "yes"])
+        tree, stats = run(engine, program, tokenizer, width=4, segment_tokens=64, max_depth=2, **settings)
+        assert len(tree.leaves()) == 4 and stats.program_diverged == 0
+        if settings.get("mode") == "independent":  # GRPO's group: 4 runs from the root, no replays
+            assert stats.program_replayed_calls == 0
+            assert [r.sampling.n for r in engine.requests] == [4, 1, 1, 1, 1]
+        else:  # one run answers call 1; call 2 forks 4 ways: three replays, one request of n=4
+            assert stats.program_replayed_calls == 3
+            assert [r.sampling.n for r in engine.requests] == [1, 4]
+
+
+def test_independent_runs_of_the_example_never_replay(tokenizer) -> None:
+    from arbor.engines.embedded.engine import LocalEngine
+
+    program = load_object("agents/openai_tool.py:program", "rollout.program", [str(ROOT)])
+    tree, stats = run(LocalEngine(MODEL), program, tokenizer, mode="independent", width=4, branch=2,
+                      segment_tokens=32, max_depth=4)
+    assert len(tree.leaves()) == 4 and stats.program_calls == 12
+    assert stats.program_replayed_calls == 0 and stats.program_diverged == 0
+    # Four paths from the prompt: no two leaves share a sampled token.
+    firsts = {id(tree.path(leaf)[0]) for leaf in tree.leaves()}
+    assert len(firsts) == 4

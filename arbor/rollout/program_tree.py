@@ -14,7 +14,8 @@ trained, with the engine's log-probs. A call that does not extend the path is se
 recorded, never trained on (``offpath_calls``).
 
 Forks: at every segment boundary of a call (its start included) a run may fork — ``root_fork``
-copies at the root, ``branch`` elsewhere, up to ``width`` runs. A fork inside call k+1 is a new
+copies at the root, ``branch`` elsewhere, up to ``width`` runs (``rollout.mode: independent``, the
+GRPO baseline: ``width`` runs from the root, none forked later). A fork inside call k+1 is a new
 run of the program whose calls 1..k are answered from its parent's recording and whose call
 k+1, when its prompt ids equal the parent's, goes on from the fork point with the ids sampled
 so far. A request that differs from the recording (an unseeded RNG, a clock, outside state)
@@ -23,6 +24,7 @@ is divergence: the run is dropped, never trained on, counted with its problem an
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import random
 import secrets
@@ -143,6 +145,9 @@ class ProgramTree:
         self.runs: list[Run] = []
         self.forked: set[int] = set()  # node ids a fork was decided at (once per node)
         self.sent: dict[int, int] = {}  # node id -> requests sampled from it (their seeds)
+        # A fork point's runs sample their next segments in one request (n = the runs), so the
+        # engine computes the shared prefix once, as TreePO's sampler does: node id -> the batch.
+        self.groups: dict[int, _Group] = {}
         self.dropped: list[Node] = []
         self.key = f"tree-{index}"
 
@@ -224,8 +229,9 @@ class ProgramTree:
                                 f"{self.cfg.max_response_tokens} tokens) is spent: the run cannot go on")
         output, finish = list(prefix), "length"
         while len(output) < limit:
-            self._maybe_fork(run, tip, len(run.calls), prompt_ids, start, output)
-            out = await self._generate(tip, min(self.cfg.segment_tokens, limit - len(output)))
+            max_new = min(self.cfg.segment_tokens, limit - len(output))
+            self._maybe_fork(run, tip, len(run.calls), prompt_ids, start, output, max_new)
+            out = await self._generate(tip, max_new)
             ids, logprobs, finish = _cut_at_stop(out, stop, self.calls.decode, output)
             tip = self._add(run, tip, ids, logprobs, out.weight_version)
             output += ids
@@ -236,20 +242,33 @@ class ProgramTree:
         return self._record(run, prompt_ids, tip, output, "stop" if finish == "stop" else "length", stop, chat)
 
     async def _generate(self, parent: Node, max_new: int) -> GenerateOutput:
+        """The next segment under ``parent``: at a fork point, this run's share of the one request
+        sampled for all the runs starting there (a run asking for another length samples alone)."""
+        group = self.groups.get(parent.id)
+        if group is not None and group.max_new == max_new and group.taken < group.size:
+            group.taken += 1
+            if group.outputs is None:
+                group.outputs = asyncio.ensure_future(self._request(parent, max_new, group.size))
+            out = (await asyncio.shield(group.outputs))[group.taken - 1]
+        else:
+            [out] = await self._request(parent, max_new, 1)
+        self.stats.tokens_generated += len(out.output_ids)
+        self.stats.prompt_tokens += out.prompt_tokens
+        self.stats.cached_tokens += out.cached_tokens
+        return out
+
+    async def _request(self, parent: Node, max_new: int, n: int) -> list[GenerateOutput]:
         assert self.tree is not None
         fork = self.sent.get(parent.id, 0)
         self.sent[parent.id] = fork + 1
         cfg = self.cfg
         sampling = SamplingParams(max_new_tokens=max_new, temperature=cfg.temperature, top_p=cfg.top_p,
-                                  top_k=cfg.top_k, stop_token_ids=list(self.calls.stop_ids),
+                                  top_k=cfg.top_k, n=n, stop_token_ids=list(self.calls.stop_ids),
                                   seed=request_seed(self.calls.seed, self.index, parent.id, fork))
-        out = (await self.calls.engine.generate(GenerateRequest(
-            [*self.tree.prompt_ids, *self._response(parent)], sampling, self.key)))[0]
+        outputs = await self.calls.engine.generate(GenerateRequest(
+            [*self.tree.prompt_ids, *self._response(parent)], sampling, self.key))
         self.stats.requests += 1
-        self.stats.tokens_generated += len(out.output_ids)
-        self.stats.prompt_tokens += out.prompt_tokens
-        self.stats.cached_tokens += out.cached_tokens
-        return out
+        return outputs
 
     async def _offpath(self, run: Run, prompt_ids: list[int], max_tokens: int | None, stop: list[str],
                        chat: bool) -> Reply:
@@ -287,8 +306,9 @@ class ProgramTree:
     # -- forks ----------------------------------------------------------------------------------
 
     def _maybe_fork(self, run: Run, node: Node, call: int, prompt_ids: list[int], start: Node,
-                    output: list[int]) -> None:
-        """At a segment boundary (``node``) of call ``call``: start the forks the budget allows."""
+                    output: list[int], max_new: int) -> None:
+        """At a segment boundary (``node``) of call ``call``: start the forks the budget allows; the
+        run and its forks sample their next ``max_new`` tokens in one request."""
         if node.parent is not None:
             run.level += 1
         if node.id in self.forked:  # a fork's first boundary is its parent's fork point
@@ -296,11 +316,16 @@ class ProgramTree:
         self.forked.add(node.id)
         cfg = self.cfg
         rng = random.Random(f"{self.calls.seed}/{self.index}/init")
-        roots = min(cfg.width, root_copies(cfg.root_fork, branch=cfg.branch, rng=rng))
+        if cfg.mode == "independent":  # GRPO's group: every run starts at the root, none forks later
+            roots, branch = cfg.width, 1
+        else:
+            roots, branch = min(cfg.width, root_copies(cfg.root_fork, branch=cfg.branch, rng=rng)), cfg.branch
         # As TreePO's rounds: root_fork copies at the root, branch copies at each later boundary,
         # while the runs started stay within roots · branch^level (and width).
-        cap = min(cfg.width, roots * cfg.branch ** run.level)
-        copies = min(roots if node.parent is None else cfg.branch, cap - len(self.runs) + 1) - 1
+        cap = min(cfg.width, roots * branch ** run.level)
+        copies = min(roots if node.parent is None else branch, cap - len(self.runs) + 1) - 1
+        if copies > 0:  # the run's next segment and its forks' first ones: one request
+            self.groups[node.id] = _Group(copies + 1, max_new)
         for _ in range(max(copies, 0)):
             child = self.new_run(run.calls[:call], Fork(call, node, list(prompt_ids), start, list(output)))
             child.level = run.level
@@ -379,6 +404,16 @@ class ProgramTree:
     def _response(self, node: Node) -> list[int]:
         assert self.tree is not None
         return self.tree.response_ids(node) if node.parent is not None else []
+
+
+@dataclass
+class _Group:
+    """One request's outputs shared by the runs sampling from a fork point, in arrival order."""
+
+    size: int  # the runs starting there: the request's n
+    max_new: int  # the segment length they ask for (a run asking for another samples alone)
+    taken: int = 0
+    outputs: asyncio.Future | None = None
 
 
 def _cut_at_stop(out: GenerateOutput, stop: list[str], decode: Callable[[list[int]], str],

@@ -29,11 +29,12 @@ import json
 import math
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
-from arbor.config import RolloutConfig
+from arbor.config import Config, RolloutConfig
 from arbor.engines.openai_endpoint import OpenAIEndpoint
 from arbor.engines.types import RolloutEngine
 from arbor.errors import ConfigError
@@ -96,6 +97,11 @@ def load_program(rollout_cfg: RolloutConfig, search_dirs: Sequence[str] = ()) ->
     return None
 
 
+def model_name(cfg: Config) -> str:
+    """The name a program's endpoint answers to: the last part of ``model.path``."""
+    return Path(cfg.model.path).name or "arbor-policy"
+
+
 class ProgramFailure(Exception):
     """A run's failure, with its kind (``error`` | ``timeout``) for the metric it is counted in."""
 
@@ -141,6 +147,23 @@ async def sample_program_trees(
     finally:
         await endpoint.close()
     return [t for t, _ in results], [s for _, s in results]
+
+
+# A program's trees: (problems, rollout settings, seed, on_progress) -> the coroutine
+# of sample_program_trees (eval and training sample through one).
+ProgramSampler = Callable[[list[dict], RolloutConfig, int, Callable[..., None]],
+                          Coroutine[Any, Any, tuple[list[RolloutTree], list[SampleStats]]]]
+
+
+def program_sampler(engine: RolloutEngine, program: ProgramSource, tokenizer: Any, stop_ids: Sequence[int],
+                    model: str, needs_reward: bool) -> ProgramSampler:
+    """How training and eval sample ``program``'s trees through ``engine``: ``needs_reward``
+    when no reward function scores the runs (each must return its reward)."""
+    def sample(problems: list[dict], cfg: RolloutConfig, seed: int, on_progress: Callable[..., None]) -> Any:
+        return sample_program_trees(engine, problems, cfg, program=program, tokenizer=tokenizer, stop_ids=stop_ids,
+                                    seed=seed, model=model, needs_reward=needs_reward, on_progress=on_progress)
+
+    return sample
 
 
 async def _sample_tree(calls: ProgramCalls, endpoint: OpenAIEndpoint, program: ProgramSource, problem: dict,

@@ -27,7 +27,7 @@ from arbor.engines.client import SGLangClient
 from arbor.engines.connect import engine_client
 from arbor.rollout.agents import Agent, fitting_problems
 from arbor.rollout.environments import require_reward, rollout_env
-from arbor.rollout.programs import load_program
+from arbor.rollout.programs import load_program, model_name
 from arbor.rollout.rewards import RewardPool, reward_pool
 from arbor.run import checkpoint
 from arbor.run.engine_group import EngineGroup
@@ -207,7 +207,7 @@ def _start(cfg: Config, closers: list[Callable[[], Any]], clock: StartupClock) -
     ctx = RunContext(
         cfg=cfg, sampling=Sampling(engine, tokenizer, env, eos_token_ids, cfg.data, cfg.model.chat_template,
                                    env_weight=cfg.reward.env_weight, env_reward_only=not cfg.reward.functions,
-                                   program=program, model_name=Path(cfg.model.path).name or "arbor-policy"),
+                                   program=program, model_name=model_name(cfg)),
         stream=stream, eval_problems=eval_problems, data_metrics=data_metrics, log=log, rewards=rewards,
         placement=placement, engines=engines, learners=learners, weights=weights, recovery=recovery,
         schedule_steps=schedule_steps, startup=clock, teacher=teacher,

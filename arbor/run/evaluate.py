@@ -37,6 +37,11 @@ response, decoded — what the reward sees in training — plus ``reward.env_wei
 environment's reward, and the report adds ``eval/tool_calls_per_episode``,
 ``eval/tool_errors`` and ``eval/agent_timeouts`` (with ``rollout.env``: ``eval/env_timeouts``,
 ``eval/env_errors``).
+
+With ``rollout.program`` (or ``rollout.program_command``) every sample is one run of the agent
+program from its first call (no forks), sampled at ``eval.temperature``; the scored text is the
+run's last answer's path, and the program's returned reward is added as an environment's.
+Runs that fail are counted in ``eval/failures`` (``eval/program_errors``, ``eval/program_timeouts``).
 """
 
 from __future__ import annotations
@@ -55,10 +60,10 @@ from typing import Any, Protocol
 
 from arbor.config import Config, EvalConfig, RolloutConfig
 from arbor.engines.types import RolloutEngine
-from arbor.errors import ConfigError
 from arbor.rollout.agents import Agent, Render, tool_turns
 from arbor.rollout.answers import final_boxes
 from arbor.rollout.episodes import EpisodeSetup
+from arbor.rollout.programs import ProgramSampler
 from arbor.rollout.rewards import Item, ScoreResult
 from arbor.rollout.sampler import sample_trees
 from arbor.tree import RolloutTree
@@ -215,6 +220,7 @@ def run_eval(
     render: Render | None = None,
     env: EpisodeSetup | None = None,
     env_weight: float = 1.0,
+    programs: ProgramSampler | None = None,
 ) -> EvalReport:
     """Sample ``eval_cfg.samples`` answers per problem, score them, compute the metrics.
 
@@ -223,7 +229,8 @@ def run_eval(
     client's session); ``status(text)`` reports progress. With an ``env`` (its reset gives the
     prompts: ``prompts`` None), or an ``agent`` (and its ``render``, as from
     :func:`arbor.rollout.agents.episode_inputs`), each answer is an episode; ``env_weight``
-    (``reward.env_weight``) weighs the environment's reward.
+    (``reward.env_weight``) weighs the environment's reward. With ``programs`` (agent programs:
+    :func:`~arbor.rollout.programs.program_sampler`) every answer is one run of the program, from the root (no forks).
     """
     k = eval_cfg.samples
     done = [0]
@@ -233,11 +240,11 @@ def run_eval(
         status(f"eval: sampled {done[0]}/{len(problems)} problems")
 
     trees: list[RolloutTree]
+    settings = eval_rollout_config(eval_cfg, rollout_cfg)
     trees, stats = run_async(sample_trees(
-        engine, list(problems), prompts, eval_rollout_config(eval_cfg, rollout_cfg),
-        eos_token_ids=eos_token_ids, seed=seed, decode=decode, on_progress=sampled,
-        agent=agent, render=render, env=env,
-    ))
+        engine, list(problems), prompts, settings, eos_token_ids=eos_token_ids, seed=seed, decode=decode,
+        on_progress=sampled, agent=agent, render=render, env=env,
+    ) if programs is None else programs(list(problems), settings, seed, sampled))
     # A problem whose every episode was dropped (its messages over the response budget, a
     # diverged replay) has no answer to score: counted in eval/dropped_problems, left out of
     # the accuracy; when no problem kept one, the eval stops naming the budget's keys.
@@ -276,6 +283,9 @@ def run_eval(
             "eval/tool_errors": float(sum(s.tool_errors for s in stats)),
             "eval/agent_timeouts": float(sum(s.agent_timeouts for s in stats)),
         }
+    if programs is not None:
+        metrics |= {"eval/program_errors": float(sum(s.program_errors for s in stats)),
+                    "eval/program_timeouts": float(sum(s.program_timeouts for s in stats))}
     if env is not None and not env.source.is_agent:
         metrics |= {"eval/env_timeouts": float(sum(s.env_timeouts for s in stats)),
                     "eval/env_errors": float(sum(s.env_errors for s in stats))}
@@ -298,37 +308,38 @@ def main(cfg: Config) -> int:
     from arbor.rollout.agents import fitting_problems
     from arbor.rollout.environments import require_reward, rollout_env
     from arbor.rollout.episodes import run_episodes
+    from arbor.rollout.programs import load_program, model_name, program_sampler
     from arbor.rollout.rewards import reward_pool
     from arbor.run.engine_group import launch_options
     from arbor.run.orchestration import cpu_threads
     from arbor.run.startup import engine_device, problem_files, start_command
 
     e = cfg.eval
-    if cfg.rollout.program is not None or cfg.rollout.program_command:
-        raise ConfigError("arbor eval does not run agent programs (rollout.program, rollout.program_command): "
-                          "it samples the model's answers to the problems' prompts; evaluate the program with "
-                          "its own harness against a served checkpoint")
     ((key, path),) = problem_files(cfg, "eval").items()  # eval.path, else data.eval_path (else a ConfigError)
     started = start_command(cfg, "eval")
     cfg, tokenizer, eos = started.cfg, started.tokenizer, started.stop_ids
     search = default_search_dirs(cfg.source)
     env = rollout_env(cfg.rollout, search)  # the episodes the run trains on
-    require_reward(env, cfg.reward)
+    program = load_program(cfg.rollout, search)  # or runs of an agent program (it writes its own prompts)
+    if program is None:
+        require_reward(env, cfg.reward)
     columns = used_columns(cfg.rollout.env, len(cfg.reward.functions))
     problems, skipped = load_problems(path, cfg.data, key, columns), list[str]()
-    if env is None or env.agent is not None:  # an environment's prompts are only known at its reset
+    if program is None and (env is None or env.agent is not None):  # an environment's prompts: known at its reset
         # As arbor train does: prompts longer than data.max_prompt_tokens are skipped (and counted), never cut.
         problems, skipped = fitting_problems(problems, None if env is None else env.agent, tokenizer, cfg.data,
                                              cfg.model.chat_template, key)
     problems = problems[: e.max_problems or None]
     episodes = None if env is None else run_episodes(env, tokenizer, cfg.data, needs_reward=not cfg.reward.functions)
-    prompts = None if env is not None else [format_prompt(p, cfg.data, tokenizer, cfg.model.chat_template)
-                                            for p in problems]
+    prompts = None if env is not None or program is not None else [
+        format_prompt(p, cfg.data, tokenizer, cfg.model.chat_template) for p in problems]
     out_dir = Path(cfg.run.output_dir)
     output = Path(e.output) if e.output else out_dir / "eval.json"
     print(f"arbor eval: {cfg.model.path} on {path}: {len(problems)} problems x {e.samples} answer(s), "
           + (f"temperature {e.temperature}" if e.temperature > 0 else "greedy")
-          + (f", {env.key} {env.spec}" if env is not None else ""), flush=True)
+          + (f", {env.key} {env.spec}" if env is not None else "")
+          + (f", {program.key} {cfg.rollout.program or ' '.join(program.command)}" if program is not None else ""),
+          flush=True)
 
     def decode(ids: list[int]) -> str:
         return tokenizer.decode(ids, skip_special_tokens=True)
@@ -341,10 +352,12 @@ def main(cfg: Config) -> int:
     ) as engines:
         print(f"arbor eval: engines {', '.join(engines.urls)}", flush=True)
         client = engine_client(cfg.engine, engines.urls)
+        programs = None if program is None else program_sampler(
+            client, program, tokenizer, eos, model_name(cfg), needs_reward=not cfg.reward.functions)
         report = run_eval(
             client, rewards, problems, prompts, e, cfg.rollout, decode=decode, eos_token_ids=eos,
             seed=cfg.run.seed, run_async=lambda coroutine: asyncio.run(closing(client, coroutine)),
-            status=_console_status, env=episodes, env_weight=cfg.reward.env_weight,
+            status=_console_status, env=episodes, env_weight=cfg.reward.env_weight, programs=programs,
         )
     _console_status("")
     report.metrics["eval/seconds"] = time.perf_counter() - t0
@@ -366,7 +379,7 @@ def write_report(output: Path, report: EvalReport, cfg: Config, data_path: str) 
     e = cfg.eval
     settings = {"model": cfg.model.path, "data": data_path, "samples": e.samples, "temperature": e.temperature,
                 "top_p": e.top_p, "seed": cfg.run.seed, "step": e.step, "agent": cfg.rollout.agent,
-                "env": cfg.rollout.env}
+                "env": cfg.rollout.env, "program": cfg.rollout.program or cfg.rollout.program_command or None}
     output.parent.mkdir(parents=True, exist_ok=True)
     output.write_text(json.dumps(settings | report.to_dict(), indent=1) + "\n")
 

@@ -33,7 +33,7 @@ from arbor.rollout.agents import tool_turns
 from arbor.rollout.answers import has_final_answer
 from arbor.rollout.environments import FORK_MODES, EnvSource
 from arbor.rollout.episodes import EpisodeSetup, run_episodes
-from arbor.rollout.programs import ProgramSource, program_metrics, sample_program_trees
+from arbor.rollout.programs import ProgramSampler, ProgramSource, program_metrics, program_sampler
 from arbor.rollout.rewards import RewardPool, clip_text
 from arbor.rollout.sample_stats import SampleStats
 from arbor.rollout.sampler import sample_trees
@@ -119,6 +119,13 @@ class Sampling:
             return None
         return [format_prompt(p, self.data_cfg, self.tokenizer, self.chat_template) for p in problems]
 
+    def programs(self) -> ProgramSampler | None:
+        """How a program's trees are sampled (:func:`~arbor.rollout.programs.program_sampler`); None: no program."""
+        if self.program is None:
+            return None
+        return program_sampler(self.engine, self.program, self.tokenizer, self.eos_token_ids, self.model_name,
+                               needs_reward=self.env_reward_only)
+
     def episodes(self) -> EpisodeSetup | None:
         """How multi-turn episodes start and render (:func:`~arbor.rollout.episodes.run_episodes`)."""
         if self.env is None:
@@ -202,12 +209,9 @@ def sample(
         done[0] += 1
         status(f"rollout: {done[0]}/{len(problems)} trees")
 
-    if sampling.program is not None:
-        return sampling.run(sample_program_trees(
-            sampling.engine, problems, rollout_cfg, program=sampling.program, tokenizer=sampling.tokenizer,
-            stop_ids=sampling.eos_token_ids, seed=seed, model=sampling.model_name,
-            needs_reward=sampling.env_reward_only, on_progress=progress,
-        ))
+    programs = sampling.programs()
+    if programs is not None:
+        return sampling.run(programs(problems, rollout_cfg, seed, progress))
     return sampling.run(sample_trees(
         sampling.engine, problems, sampling.prompts(problems), rollout_cfg, eos_token_ids=sampling.eos_token_ids,
         seed=seed, is_final_answer=lambda ids: has_final_answer(sampling.decode(ids)), decode=sampling.decode,
@@ -380,7 +384,7 @@ def evaluate(
     report = run_eval(
         sampling.engine, rewards, problems, sampling.prompts(problems), eval_cfg, rollout_cfg, decode=sampling.decode,
         eos_token_ids=sampling.eos_token_ids, seed=seed, run_async=sampling.run, status=status,
-        env=sampling.episodes(), env_weight=sampling.env_weight,
+        env=sampling.episodes(), env_weight=sampling.env_weight, programs=sampling.programs(),
     )
     # As after the probe: the next step starts from the cache state a resumed run has.
     sampling.run(sampling.engine.flush_cache())
