@@ -24,10 +24,12 @@ calls past ``rollout.env_timeout_s``) or diverges from its recording is dropped,
 from __future__ import annotations
 
 import asyncio
+import functools
 import inspect
 import json
 import math
 import os
+import ssl
 import time
 from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass
@@ -78,9 +80,19 @@ class ProgramContext:
         (no retries: a refused request is an answer, not a network error)."""
         import openai
 
-        kind = openai.AsyncOpenAI if self.is_async else openai.OpenAI
+        kind, http = ((openai.AsyncOpenAI, openai.DefaultAsyncHttpxClient) if self.is_async
+                      else (openai.OpenAI, openai.DefaultHttpxClient))
         settings: dict[str, Any] = {"base_url": self.base_url, "api_key": self.api_key, "max_retries": 0}
+        if "http_client" not in kwargs:
+            # One TLS context for every run's client: a client of its own builds one by loading the
+            # CA bundle (~20 ms, more than the calls of a short run; the endpoint is plain HTTP).
+            settings["http_client"] = http(verify=_tls_context())
         return kind(**(settings | kwargs))
+
+
+@functools.cache
+def _tls_context() -> ssl.SSLContext:
+    return ssl.create_default_context()
 
 
 def load_program(rollout_cfg: RolloutConfig, search_dirs: Sequence[str] = ()) -> ProgramSource | None:
