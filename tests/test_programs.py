@@ -42,8 +42,8 @@ def tokenizer():
 
 class ScriptedEngine:
     """Answers the k-th model turn of a conversation (its k-th assistant header) with
-    ``texts[k]`` + EOS, cut to ``max_new_tokens`` ("length"), each token at log-prob -0.25, ``n``
-    times; keeps every request."""
+    ``texts[k]`` + EOS, cut to ``max_new_tokens`` ("length"), ``n`` times: the i-th output's
+    tokens at log-prob -0.25 · i (one output: -0.25); keeps every request."""
 
     def __init__(self, tokenizer, texts: list[str]) -> None:
         self.tokenizer, self.texts = tokenizer, texts
@@ -51,13 +51,14 @@ class ScriptedEngine:
 
     async def generate(self, request: GenerateRequest) -> list[GenerateOutput]:
         self.requests.append(request)
-        await asyncio.sleep(0)
+        # A batch takes a while, as on an engine: every run of a fork point is waiting for it.
+        await asyncio.sleep(0.5 if request.sampling.n > 1 else 0)
         eos = self.tokenizer.eos_token_id
         turn = self.tokenizer.decode(request.input_ids).count("<|im_start|>assistant") - 1
         ids = [*self.tokenizer.encode(self.texts[min(turn, len(self.texts) - 1)], add_special_tokens=False), eos]
         cut = ids[: request.sampling.max_new_tokens]
-        return [GenerateOutput(cut, [-0.25] * len(cut), "stop" if cut == ids else "length", len(request.input_ids),
-                               0, "v1") for _ in range(request.sampling.n)]
+        return [GenerateOutput(cut, [-0.25 * (k + 1)] * len(cut), "stop" if cut == ids else "length",
+                               len(request.input_ids), 0, "v1") for k in range(request.sampling.n)]
 
 
 def run(engine, program, tokenizer, **cfg) -> tuple:
@@ -303,12 +304,16 @@ def test_a_fork_point_samples_its_runs_in_one_request(tokenizer) -> None:
         engine = ScriptedEngine(tokenizer, ["12+23=35 \\boxed{35}", "yes"])
         tree, stats = run(engine, program, tokenizer, width=4, segment_tokens=64, max_depth=2, **settings)
         assert len(tree.leaves()) == 4 and stats.program_diverged == 0
+        # Each run took an output of its own: the 4 leaves hold the 4 outputs of the shared request.
+        forked = [n for n in tree.nodes() if n.loss_mask is None and n.logprobs[0] != -0.25]
         if settings.get("mode") == "independent":  # GRPO's group: 4 runs from the root, no replays
             assert stats.program_replayed_calls == 0
             assert [r.sampling.n for r in engine.requests] == [4, 1, 1, 1, 1]
+            assert sorted(n.logprobs[0] for n in forked) == [-1.0, -0.75, -0.5]  # call 1's 2nd-4th outputs
         else:  # one run answers call 1; call 2 forks 4 ways: three replays, one request of n=4
             assert stats.program_replayed_calls == 3
             assert [r.sampling.n for r in engine.requests] == [1, 4]
+            assert sorted(leaf.logprobs[0] for leaf in tree.leaves()) == [-1.0, -0.75, -0.5, -0.25]
 
 
 def test_independent_runs_of_the_example_never_replay(tokenizer) -> None:

@@ -246,10 +246,10 @@ class ProgramTree:
         sampled for all the runs starting there (a run asking for another length samples alone)."""
         group = self.groups.get(parent.id)
         if group is not None and group.max_new == max_new and group.taken < group.size:
-            group.taken += 1
+            mine, group.taken = group.taken, group.taken + 1
             if group.outputs is None:
                 group.outputs = asyncio.ensure_future(self._request(parent, max_new, group.size))
-            out = (await asyncio.shield(group.outputs))[group.taken - 1]
+            out = (await asyncio.shield(group.outputs))[mine]
         else:
             [out] = await self._request(parent, max_new, 1)
         self.stats.tokens_generated += len(out.output_ids)
