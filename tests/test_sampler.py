@@ -168,6 +168,7 @@ def test_paths_that_may_not_fork_keep_one_copy_and_give_the_rest_away() -> None:
     assert cap_copies([3, 2, 1], [False, True, True]) == [1, 3, 2]
     assert cap_copies([4, 1, 1], [False, False, True]) == [1, 1, 4]
     assert cap_copies([2, 2], [True, True]) == [2, 2]
+    assert cap_copies([1, 3], [True, True]) == [1, 3]  # paths that may fork keep their own counts
     assert cap_copies([3, 1], [False, False]) == [1, 1]
 
 
