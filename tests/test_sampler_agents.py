@@ -262,3 +262,23 @@ def test_path_scores_of_a_fallback_cut_skip_tool_turns() -> None:
     assert (a_path.logprob, a_path.last_logprob) == (-4.0, -2.0)
     assert (tool_path.node, tool_path.logprob, tool_path.last_logprob) == (tool, -4.0, -2.0)  # a's mean
     assert (b_path.logprob, b_path.last_logprob) == (-4.5, -0.5)
+
+
+def test_a_daemon_thread_hands_back_what_its_function_raised() -> None:
+    """An agent step that raises reaches its caller as that exception, at once (not as a hang
+    that only the step's time limit would end)."""
+    import asyncio
+
+    from arbor.rollout.agent_thread import in_daemon_thread
+
+    def step(x: int) -> int:
+        if x < 0:
+            raise ValueError(f"bad input {x}")
+        return 2 * x
+
+    async def both() -> int:
+        with pytest.raises(ValueError, match="bad input -1"):
+            await asyncio.wait_for(in_daemon_thread(step, -1), timeout=5)
+        return await asyncio.wait_for(in_daemon_thread(step, 21), timeout=5)
+
+    assert asyncio.run(both()) == 42
