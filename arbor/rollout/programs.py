@@ -225,12 +225,8 @@ async def _sample_tree(calls: ProgramCalls, endpoint: OpenAIEndpoint, program: P
     sampled = tree.close()
     if sampled is None:  # no run got as far as a call: an empty tree, as when every branch is dropped
         sampled = RolloutTree([], problem)
-    leaves = sampled.leaves()
-    stats.leaves = len(leaves)
-    stats.finish_reasons = {}
-    for leaf in leaves:
-        stats.finish_reasons[leaf.finish_reason or "?"] = stats.finish_reasons.get(leaf.finish_reason or "?", 0) + 1
-    if len(leaves) < calls.cfg.width:
+    stats.count_leaves(sampled.leaves())
+    if stats.leaves < calls.cfg.width:
         stats.shortfall_reason = (f"program runs were dropped ({stats.program_errors} errors, {stats.program_timeouts} "
                                   f"timeouts, {stats.program_diverged} diverged: program/*)")
     return sampled

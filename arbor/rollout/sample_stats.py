@@ -3,9 +3,12 @@ fallbacks, agent turns, environments) and why the tree has fewer than ``width`` 
 
 from __future__ import annotations
 
+from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from arbor.errors import EpisodeFailure
+from arbor.tree import Node
 
 
 @dataclass
@@ -53,6 +56,11 @@ class SampleStats:
     program_seconds: float = 0.0  # Σ wall-clock seconds of the runs
     finish_reasons: dict[str, int] = field(default_factory=dict)  # leaf reason → count
     shortfall_reason: str | None = None
+
+    def count_leaves(self, leaves: Sequence[Node]) -> None:
+        """``leaves`` and ``finish_reasons`` of a complete tree's leaves (no reason: ``"?"``)."""
+        self.leaves = len(leaves)
+        self.finish_reasons = dict(Counter(leaf.finish_reason or "?" for leaf in leaves))
 
     def finish_summary(self) -> str:
         """The leaves' finish reasons with their counts, sorted: ``"?: 2, length: 1, stop: 2"``."""

@@ -476,11 +476,7 @@ class _TreeSampler:
     def done(self, tree: RolloutTree) -> SampleStats:
         """The tree's leaf count, finish reasons and shortfall, once it is complete."""
         leaves = tree.leaves()
-        self.stats.leaves = len(leaves)
-        reasons: dict[str, int] = {}
-        for leaf in leaves:
-            reasons[leaf.finish_reason or "?"] = reasons.get(leaf.finish_reason or "?", 0) + 1
-        self.stats.finish_reasons = reasons
+        self.stats.count_leaves(leaves)
         s = self.stats
         if len(leaves) < self.cfg.width and s.shortfall_reason is None and (s.env_dropped or s.env_errors
                                                                              or s.failures):
