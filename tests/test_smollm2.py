@@ -88,3 +88,21 @@ def test_eval_answers_end_on_the_stop_token(smollm2, tmp_path):
     brief = answers["brief"]
     assert brief["finish_reason"] == "stop", brief
     assert brief["tokens"] < 96 and "35" in brief["response"] and "<|im_end|>" not in brief["response"]
+
+
+def test_the_rl_recipe_s_first_two_steps_and_its_eval(smollm2, tmp_path):
+    """configs/smollm2_rl.yaml as shipped for its first 2 steps, evaluating 20 held-out
+    problems before and after: both steps train (asynchronously: the second batch was sampled
+    while the first trained), and both evals score the same 20 problems greedily."""
+    out = tmp_path / "run"
+    arbor("train", "configs/smollm2_rl.yaml", f"model.path={smollm2}", f"run.output_dir={out}", "run.steps=2",
+          "run.eval_every=2", "eval.max_problems=20", "run.save_trees_every=0")
+    records = {m["step"]: m for m in read_metrics(out)}
+    assert sorted(records) == [0, 1, 2]
+    for step in (0, 2):
+        assert records[step]["eval/problems"] == 20
+        assert records[step]["eval/length_max"] <= 16  # eval.max_response_tokens
+    for step in (1, 2):
+        assert records[step]["train/tokens"] > 0 and records[step]["tree/leaves"] == 8
+    assert records[2]["async/staleness_mean"] > 0  # sampled by the weights before step 1's update
+    assert (out / "hf" / "model.safetensors").exists()
