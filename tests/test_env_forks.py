@@ -242,3 +242,79 @@ def test_forks_that_never_step_an_environment_without_a_reward_build_no_instance
     assert len(tree.leaves()) == 8 and all(leaf.finish_reason == "max_length" for leaf in tree.leaves())
     assert len(Registry.opened) == 1 and s.env_forks == {} and s.env_episodes == 8  # only the tree's reset instance
     assert Registry.closed == Registry.opened
+
+
+class _NeverAsked:
+    """An agent whose episodes never start (its environment fails first): only its presence counts."""
+
+    def start(self, problem):
+        raise AssertionError("not reached")
+
+    def step(self, problem, history):
+        raise AssertionError("not reached")
+
+
+class _Start(Notebook):
+    """A Notebook whose start goes wrong at ``stage`` (set by the test)."""
+
+    stage = ""
+    release = threading.Event()
+
+    def __init__(self) -> None:
+        if self.stage == "build":
+            raise RuntimeError("no table")
+        if self.stage == "build_hang":
+            _Start.release.wait(10)
+        super().__init__()
+
+    def reset(self, problem, seed):
+        if self.stage == "reset":
+            raise RuntimeError("no deck")
+        if self.stage == "reset_hang":
+            _Start.release.wait(10)
+        if self.stage == "messages":
+            return "hello"
+        messages = super().reset(problem, seed)
+        if self.stage == "tools":
+            self.tools = "search"
+        return messages
+
+
+@pytest.mark.parametrize("agent", [False, True], ids=["env", "agent"])
+@pytest.mark.parametrize("stage,kind,message", [
+    ("build", "error", "building raised RuntimeError: no table"),
+    ("build_hang", "timeout", "building ran past rollout.{who}_timeout_s"),
+    ("reset", "error", "reset raised RuntimeError: no deck"),
+    ("reset_hang", "timeout", "reset ran past rollout.{who}_timeout_s: the tree has no prompt"),
+    ("messages", "error", "problem 0: an {whom} must give a list of chat messages (dicts), got str"),
+    ("tools", "error", "reset left tools='search': it must be a list of tool dicts"),
+])
+def test_a_tree_whose_environment_cannot_start_is_dropped_naming_why(agent, stage, kind, message, caplog):
+    """Building or resetting the tree's first instance fails: the tree has no leaves, the failure is
+    the agent's when an agent drives the episodes (``agent_error``/``agent_timeout``, no turn), else
+    the environment's (turn 0), with what went wrong; the one instance built is closed."""
+    caplog.set_level(logging.INFO)
+    _Start.stage, _Start.release = "", threading.Event()
+    Registry.reset()
+    source = EnvSource(_Start, "rollout.agent" if agent else "rollout.env", "_Start", True,
+                       agent=_NeverAsked() if agent else None)
+    _Start.stage = stage
+    setup = EpisodeSetup(source, render, prompt=lambda messages, tools=None: list(PROMPT))
+    config = cfg_of(width=4, segment_tokens=8, max_depth=4, env_timeout_s=0.3, agent_timeout_s=0.3)
+    try:
+        (tree,), (s,) = asyncio.run(sample_trees(ScriptedEngine(8, turn), [{"id": 0}], None, config,
+                                                 eos_token_ids=[EOS], decode=lambda ids: " ".join(map(str, ids)),
+                                                 env=setup, seed=5))
+    finally:
+        _Start.release.set()
+    who = "agent" if agent else "env"
+    assert tree.leaves() == [] and s.unstarted == 1
+    (failure,) = s.failures
+    assert (failure.kind, failure.problem_id, failure.turn) == (f"{who}_{kind}", "0", None if agent else 0)
+    assert failure.message.startswith(message.format(who=who, whom="agent" if agent else "environment")), failure
+    assert f"{failure.describe()}: the tree is dropped" in caplog.text
+    built = 0 if stage == "build" else 1  # a build past the limit finishes later and is closed then
+    deadline = time.monotonic() + 10
+    while min(len(Registry.closed), len(Registry.opened)) < built and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert len(Registry.closed) == len(Registry.opened) == built
