@@ -242,3 +242,80 @@ def test_a_walk_refuses_gradient_checkpointing_and_the_config_names_both_keys():
         load_config(None, ["learner.dfs_group_tokens=0"])
     with pytest.raises(ValueError, match="execution must be 'packed' or 'dfs'"):
         policy_backward(model, [hand_tree()], [[1.0, 1.0, 1.0]], execution="tree")
+
+
+class _RaisingModel(torch.nn.Module):
+    """A KL reference that must never run (kl_coef 0)."""
+
+    def forward(self, *args, **kwargs):
+        raise AssertionError("the KL reference ran with kl_coef 0")
+
+
+@pytest.mark.parametrize("execution", [None, "packed", "dfs"])
+def test_policy_backward_runs_each_execution_as_documented_float64(execution, monkeypatch):
+    # As the learner runs it (None: the default, packed): the padded reference's loss, gradients
+    # and metrics with a temperature, a KL reference, sequence normalisation and several packs;
+    # packed runs one pack_loss a pack of pack_tokens and no walk, dfs one walk over whole trees.
+    import arbor.train.packed_loss as packed_loss
+
+    calls = {"pack_loss": 0, "walk": 0}
+
+    def counted_pack_loss(*args, **kwargs):
+        calls["pack_loss"] += 1
+        return pack_loss(*args, **kwargs)
+
+    class CountedWalk(DfsWalk):
+        def __init__(self, *args, **kwargs):
+            calls["walk"] += 1
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(packed_loss, "pack_loss", counted_pack_loss)
+    monkeypatch.setattr(packed_loss, "DfsWalk", CountedWalk)
+    trees, advantages, model, kw = random_case(3, "qwen2", "sequence", "k3", 0.02, True)
+    kw.update(temperature=0.7, clip_low=0.1, clip_high=0.15)
+    lin_loss, lin_grads, lin_m = loss_and_grads(model, trees, advantages, mode="padded", **kw)
+    pack_tokens = budget(trees, 0)
+    packs = len(pack_trees(trees, advantages, pack_tokens=pack_tokens, normalize="sequence"))
+    assert packs > 1
+    model.zero_grad()
+    chosen = {} if execution is None else {"execution": execution}
+    loss, metrics = policy_backward(model, trees, advantages, pack_tokens=pack_tokens, group_tokens=5, **chosen, **kw)
+    assert calls == ({"pack_loss": 0, "walk": 1} if execution == "dfs" else {"pack_loss": packs, "walk": 0})
+    assert loss == pytest.approx(lin_loss.item(), rel=1e-6, abs=1e-12)
+    for a, p in zip(lin_grads, model.parameters()):
+        assert_close(a, p.grad, 1e-6)
+    for name in ("clip_fraction", "approx_kl", "entropy", "logprob_gap", "kl", "linearised_tokens"):
+        assert metrics[name] == pytest.approx(lin_m[name], rel=1e-6, abs=1e-9), name
+    assert metrics["kl"] > 0
+    # kl_coef 0: a reference given is never run; kl_coef > 0 without one is refused.
+    kw.update(kl_coef=0.0, ref_model=_RaisingModel())
+    policy_backward(model, trees, advantages, **chosen, **kw)
+    kw.update(kl_coef=0.1, ref_model=None)
+    with pytest.raises(ValueError, match="^kl_coef > 0 needs a ref_model$"):
+        policy_backward(model, trees, advantages, **chosen, **kw)
+
+
+def test_dfs_walks_whole_trees_past_the_packed_budget(monkeypatch):
+    # dfs packs whole trees (one path's activations are what it keeps), however many tokens
+    # they hold: two trees of 9,000 response tokens, more than pack_trees' 16,384 default,
+    # reach the walk as one pack. The walk is recorded, not run.
+    import arbor.train.packed_loss as packed_loss
+
+    walked = []
+
+    class RecordedWalk:
+        def __init__(self, model, pack, select, **kwargs):
+            walked.append(int(pack.input_ids.numel()))
+            self.records = []
+
+        def ops(self):
+            return iter(())
+
+    monkeypatch.setattr(packed_loss, "DfsWalk", RecordedWalk)
+    trees = []
+    for t in range(2):
+        tree = RolloutTree([1, 2], problem={"id": t})
+        tree.add_segment(tree.root, [3] * 9000, logprobs=[-1.0] * 9000)
+        trees.append(tree)
+    policy_backward(tiny("qwen2", torch.float64), trees, [[1.0], [-1.0]], execution="dfs", pack_tokens=100)
+    assert walked == [2 * 9002]

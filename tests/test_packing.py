@@ -374,3 +374,46 @@ def test_an_empty_later_sibling_attaches_its_child_to_the_parent():
     # Prompt tokens come from node 0 (the root); block contexts are index tensors.
     assert pack.origin[:2] == [(0, 0, 0), (0, 0, 1)]
     assert all(b.context.dtype == torch.long for b in pack.blocks)
+
+
+def test_correction_weights_and_recomputed_logprobs_stay_exact_float64():
+    # A leaf's sequence-level correction weight c multiplies its advantage mass, in float64:
+    # 1/3 and 2/7 are not float32 numbers. π_old (node.learner_logprobs) enters as given.
+    tree = fork_tree()
+    for node in tree.nodes():
+        node.learner_logprobs = [-1 / 3] * len(node.token_ids)
+    (plain,) = pack_trees([tree], [[1.0, -2.0]])
+    (pack,) = pack_trees([tree], [[1.0, -2.0]], correction_weights=[[1 / 3, 2 / 7]])
+    # b (index 4) is below leaf 0 only, c's trained token (index 6) below leaf 1 only.
+    assert pack.adv_pos[4].item() == plain.adv_pos[4].item() * (1 / 3)
+    assert pack.adv_neg[6].item() == plain.adv_neg[6].item() * (2 / 7)
+    assert pack.weight.tolist() == plain.weight.tolist()  # only the advantage mass
+    trained = pack.trained.nonzero()[:, 0]
+    assert pack.prox_logprobs.dtype == torch.float64
+    assert pack.prox_logprobs[trained].tolist() == [-1 / 3] * len(trained)
+
+
+def test_per_tree_lists_of_the_wrong_length_are_named():
+    trees = [fork_tree(), deep_tree()]
+    advantages = [[1.0, -2.0], [0.5, 0.5]]
+    with pytest.raises(ValueError, match=r"^1 correction weight lists for 2 trees$"):
+        pack_trees(trees, advantages, correction_weights=[[1.0, 1.0]])
+    with pytest.raises(ValueError, match=r"^problem 'deep': 1 correction weights for 2 leaves$"):
+        pack_trees(trees, advantages, correction_weights=[[1.0, 1.0], [1.0]])
+    with pytest.raises(ValueError, match=r"^1 train_only sets for 2 trees$"):
+        pack_trees(trees, advantages, train_only=[None])
+
+
+def test_training_only_a_deep_node_brings_every_ancestor_in_as_context():
+    # deep_tree: a → b → {c1, c2}. Training c2 alone needs a and b as its context (untrained).
+    tree = deep_tree()
+    c2 = tree.leaves()[1]
+    (pack,) = pack_trees([tree], [[0.5, 0.5]], train_only=[{c2.id}])
+    assert pack.input_ids.tolist() == [1, 2, 3] + [4] * 3 + [5] * 3 + [7] * 3
+    assert pack.trained.tolist() == [False] * 9 + [True] * 3
+    assert pack.parent.tolist() == [-1, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10]
+
+
+def test_attention_cost_is_a_whole_number_of_pairs():
+    (pack,) = pack_trees([fork_tree()], [[1.0, -2.0]])
+    assert type(pack.attention_cost()) is int
