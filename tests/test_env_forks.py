@@ -31,7 +31,7 @@ from env_fixtures import (
 )
 from test_sampler import EOS, PROMPT, ScriptedEngine, cfg_of, fresh
 
-from arbor import Env
+from arbor import Env, Step
 from arbor.rollout.env_calls import LiveEnvsError
 from arbor.rollout.environments import EnvSource, gives_reward
 from arbor.rollout.episodes import EpisodeSetup
@@ -186,12 +186,29 @@ def test_max_live_envs_caps_the_instances_open_at_once():
     peak = [0]
 
     class Counted(Notebook):
+        """Refuses to be used once closed: an instance closed for a slot must be rebuilt, not reused."""
+
         def __init__(self) -> None:
             super().__init__()
+            self.closed = False
             peak[0] = max(peak[0], len(Registry.opened) - len(Registry.closed))
+
+        def step(self, history):
+            assert not self.closed, "stepped after close()"
+            return super().step(history)
+
+        def reward(self):
+            assert not self.closed, "reward after close()"
+            return super().reward()
+
+        def close(self):
+            self.closed = True
+            super().close()
 
     trees, stats = sample(Counted, problems=3, width=4, max_live_envs=2)
     assert peak[0] <= 2 and all(len(t.leaves()) == 4 for t in trees)
+    assert not [f for s in stats for f in s.failures]
+    assert sum(sum(s.env_forks.values()) for s in stats) + 3 == len(Registry.opened)  # every rebuild is a fork
     for tree in trees:
         check_isolation(tree)
     assert len(Registry.closed) == len(Registry.opened)
@@ -277,6 +294,8 @@ class _Start(Notebook):
         messages = super().reset(problem, seed)
         if self.stage == "tools":
             self.tools = "search"
+        if self.stage == "tool_names":
+            self.tools = ["search"]
         return messages
 
 
@@ -288,6 +307,8 @@ class _Start(Notebook):
     ("reset_hang", "timeout", "reset ran past rollout.{who}_timeout_s: the tree has no prompt"),
     ("messages", "error", "problem 0: an {whom} must give a list of chat messages (dicts), got str"),
     ("tools", "error", "reset left tools='search': it must be a list of tool dicts"),
+    ("tool_names", "error", 'reset left tools=[\'search\']: it must be a list of tool dicts ({{"type": "function", '
+                            '"function": {{"name", "description", "parameters"}}}})'),
 ])
 def test_a_tree_whose_environment_cannot_start_is_dropped_naming_why(agent, stage, kind, message, caplog):
     """Building or resetting the tree's first instance fails: the tree has no leaves, the failure is
@@ -312,9 +333,399 @@ def test_a_tree_whose_environment_cannot_start_is_dropped_naming_why(agent, stag
     (failure,) = s.failures
     assert (failure.kind, failure.problem_id, failure.turn) == (f"{who}_{kind}", "0", None if agent else 0)
     assert failure.message.startswith(message.format(who=who, whom="agent" if agent else "environment")), failure
-    assert f"{failure.describe()}: the tree is dropped" in caplog.text
+    assert f"{failure.describe()}: the tree is dropped" in [r.getMessage() for r in caplog.records]
     built = 0 if stage == "build" else 1  # a build past the limit finishes later and is closed then
     deadline = time.monotonic() + 10
     while min(len(Registry.closed), len(Registry.opened)) < built and time.monotonic() < deadline:
         time.sleep(0.05)
     assert len(Registry.closed) == len(Registry.opened) == built
+
+
+class _Wrong(Notebook):
+    """A Notebook whose first step, or the reward after it, goes wrong as ``mode`` says (set by
+    the test); otherwise its episodes end after one step, or run past the budget (``long_*``)."""
+
+    mode = ""
+    release = threading.Event()
+
+    def step(self, history):
+        mode = self.mode
+        if mode == "step_raises":
+            raise RuntimeError("no such account")
+        if mode == "step_hangs":
+            _Wrong.release.wait(10)
+        if mode == "not_a_step":
+            return [{"role": "tool", "content": "x"}]
+        if mode == "bad_messages":
+            return Step("hello", done=False)
+        if mode == "no_messages":
+            return Step([], done=False)
+        if mode.startswith("long"):  # 201 ids: more than the 96-token response budget holds
+            self.notes.append("x")
+            return Step([{"role": "tool", "content": "x" * 200}], done=False)
+        return Step(super().step(history).messages, done=True)
+
+    def reward(self):
+        mode = self.mode
+        if mode == "reward_raises":
+            raise RuntimeError("no ledger")
+        if mode == "reward_hangs":
+            _Wrong.release.wait(10)
+        if mode in ("reward_nan", "reward_bool"):
+            return {"reward_nan": float("nan"), "reward_bool": True}[mode]
+        if mode in ("reward_none", "long_unrewarded"):
+            return None
+        return super().reward()
+
+
+def sample_with(cls, problems=({"id": 0},), prompt=True, max_prompt_tokens=0, script=turn, needs_reward=False,
+                agent=False, **cfg):
+    """One tree of ``cls``'s episodes (driven by an agent's stand-in with ``agent``); ``prompt`` False:
+    the reset messages only start the history. Returns the tree, its stats and the tools each prompt got."""
+    Registry.reset()
+    seen_tools = []
+
+    def prompt_of(messages, tools=None):
+        seen_tools.append(tools)
+        return list(PROMPT)
+
+    source = EnvSource(cls, "rollout.agent" if agent else "rollout.env", cls.__name__, gives_reward(cls()),
+                       agent=_NeverAsked() if agent else None)
+    setup = EpisodeSetup(source, render, prompt=prompt_of if prompt else None, needs_reward=needs_reward,
+                         max_prompt_tokens=max_prompt_tokens)
+    Registry.reset()
+    config = cfg_of(**{"width": 4, "segment_tokens": 8, "max_depth": 12, **cfg})
+    (tree,), (s,) = asyncio.run(sample_trees(ScriptedEngine(8, script), list(problems), [list(PROMPT)], config,
+                                             eos_token_ids=[EOS], decode=lambda ids: " ".join(map(str, ids)),
+                                             env=setup, seed=5))
+    return tree, s, seen_tools
+
+
+def sample_wrong(mode, agent, caplog, **cfg):
+    caplog.set_level(logging.INFO)
+    _Wrong.mode, _Wrong.release = mode, threading.Event()
+    try:
+        tree, s, _ = sample_with(_Wrong, agent=agent, needs_reward=mode in ("reward_none", "long_unrewarded"),
+                                 env_timeout_s=0.3, agent_timeout_s=0.3, **cfg)
+    finally:
+        _Wrong.release.set()
+    return tree, s
+
+
+def instances_all_closed() -> bool:
+    deadline = time.monotonic() + 10  # a call past its limit closes its instance when it returns
+    while len(Registry.closed) < len(Registry.opened) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return len(Registry.opened) == 4 and sorted(map(id, Registry.closed)) == sorted(map(id, Registry.opened))
+
+
+@pytest.mark.parametrize("agent", [False, True], ids=["env", "agent"])
+@pytest.mark.parametrize("mode,kind,message", [
+    ("step_raises", "error", "step raised RuntimeError: no such account"),
+    ("step_hangs", "timeout", "{who}.step ran past rollout.{who}_timeout_s=0.3s"),
+    ("not_a_step", "error", "step returned a list, not arbor.Step(messages, done)"),
+    ("bad_messages", "error", "{where}: an {whom} must give a list of chat messages (dicts), got str"),
+    ("no_messages", "error", "step returned Step([], done=False): a step that goes on must give the model "
+                             "something to answer"),
+    ("reward_raises", "error", "reward raised RuntimeError: no ledger"),
+    ("reward_hangs", "timeout", "{who}.reward ran past rollout.{who}_timeout_s=0.3s"),
+    ("reward_nan", "error", "reward returned nan, not a finite number or None"),
+    ("reward_bool", "error", "reward returned True, not a finite number or None"),
+    ("reward_none", "error", "reward returned None and reward.functions is empty: the episode has no reward "
+                             "(never silently 0); return a number or add a reward function"),
+])
+def test_a_step_or_reward_that_goes_wrong_drops_its_branch_naming_why(agent, mode, kind, message, caplog):
+    """After the model's first turn every branch's step (or the reward read when it ends) goes
+    wrong: each branch is dropped (the tree keeps no leaf), each failure names the problem, the
+    turn (an environment's; an agent's has none), whose it was and what went wrong, and every
+    instance is closed."""
+    tree, s = sample_wrong(mode, agent, caplog)
+    if agent and mode == "no_messages":  # an agent that says nothing more has ended its episode
+        assert [leaf.env_reward for leaf in tree.leaves()] == [0.0] * 4 and not s.failures  # no notes taken
+        assert instances_all_closed()
+        return
+    who, turn_ = ("agent", None) if agent else ("env", 1)
+    where = "problem 0" if agent else "problem 0, turn 1"
+    text = message.format(who=who, whom="agent" if agent else "environment", where=where)
+    if agent and kind == "timeout":
+        text += " (the call is left running in its thread)"
+    assert tree.leaves() == [] and s.env_dropped == 4 and s.env_episodes == 0
+    assert [(f.kind, f.problem_id, f.turn, f.message) for f in s.failures] == [(f"{who}_{kind}", "0", turn_, text)] * 4
+    assert (s.agent_timeouts, s.env_timeouts) == ((4 * (kind == "timeout"), 0) if agent else (0, 4 * (kind == "timeout")))
+    dropped = "the branch is dropped" + (", its siblings go on" if kind == "timeout" else "")
+    assert f"{where}: {who}_{kind}: {text}: {dropped}" in [r.getMessage() for r in caplog.records]
+    assert instances_all_closed()
+
+
+@pytest.mark.parametrize("agent", [False, True], ids=["env", "agent"])
+@pytest.mark.parametrize("mode,overflow", [("long", "unfinished"), ("long_unrewarded", "unfinished"), ("long", "drop")])
+def test_messages_past_the_response_budget_end_or_drop_the_episode(agent, mode, overflow, caplog):
+    """rollout.env_overflow: unfinished ends each episode at the turn whose messages do not fit, with
+    the environment's reward (0 when it gives none and no reward function could); drop removes the
+    branch. Either way counted, logged naming whose messages they were, and the instance closed."""
+    tree, s = sample_wrong(mode, agent, caplog, env_overflow=overflow)
+    whose = "agent" if agent else "environment"
+    assert (f"problem 0: the {whose}'s messages of turn 1 are 201 tokens, but the episode has 93 left of its "
+            f"response budget (rollout.segment_tokens × rollout.max_depth = 96): "
+            f"{'ended' if overflow == 'unfinished' else 'dropped'} (rollout.env_overflow)") in caplog.text
+    if overflow == "unfinished":
+        reward = 0.0 if mode == "long_unrewarded" else 1.0
+        assert [(leaf.finish_reason, leaf.env_reward) for leaf in tree.leaves()] == [("message_too_long", reward)] * 4
+        assert (s.overflow_ended, s.env_episodes, s.env_dropped, s.dropped_too_long, s.failures) == (4, 4, 0, 0, [])
+    else:
+        assert tree.leaves() == [] and (s.overflow_ended, s.env_dropped, s.dropped_too_long, s.env_errors) == (0, 4, 4, 4)
+    assert instances_all_closed()
+
+
+def test_a_prompt_longer_than_data_max_prompt_tokens_drops_the_tree_naming_both():
+    tree, s, _ = sample_with(Notebook, max_prompt_tokens=len(PROMPT))  # exactly at the limit: kept
+    assert len(tree.leaves()) == 4 and not s.failures
+    tree, s, _ = sample_with(Notebook, max_prompt_tokens=len(PROMPT) - 1)
+    assert tree.leaves() == [] and s.unstarted == 1
+    assert [(f.kind, f.turn, f.message) for f in s.failures] == [(
+        "env_error", 0, f"reset gave a prompt of {len(PROMPT)} tokens, more than data.max_prompt_tokens="
+        f"{len(PROMPT) - 1} (an environment's prompts are only known when its episode starts)")]
+    assert len(Registry.closed) == len(Registry.opened) == 1
+
+
+def test_the_environment_s_tools_reach_the_prompt():
+    class Tooled(Notebook):
+        def reset(self, problem, seed):
+            self.tools = [{"type": "function", "function": {"name": "search"}}]
+            return super().reset(problem, seed)
+
+    _, _, seen = sample_with(Tooled)
+    assert seen == [[{"type": "function", "function": {"name": "search"}}]]
+    _, _, seen = sample_with(Notebook)
+    assert seen == [None]
+
+
+def test_reset_messages_may_be_empty_only_when_the_prompts_are_given():
+    class Silent(Notebook):
+        def reset(self, problem, seed):
+            super().reset(problem, seed)
+            return []
+
+    tree, s, _ = sample_with(Silent, prompt=False)  # sample_trees' prompt; the history starts empty
+    assert len(tree.leaves()) == 4 and not s.failures
+    tree, s, _ = sample_with(Silent)
+    assert tree.leaves() == [] and [f.message for f in s.failures] == [
+        "problem 0: an environment gave no messages to start the episode with"]
+
+
+def test_an_instance_with_a_bad_fork_mode_stops_sampling_naming_the_key_and_is_closed():
+    from arbor.errors import ConfigError
+
+    class Sideways(Notebook):
+        fork = "sideways"
+
+    # A factory may build other classes than start-up's probe: each instance is checked.
+    setup = EpisodeSetup(EnvSource(Sideways, "rollout.env", "factory", True), render,
+                         prompt=lambda messages, tools=None: list(PROMPT))
+    Registry.reset()
+    with pytest.raises(ConfigError, match=r"^rollout\.env: Sideways\.fork must be one of copy, replay, none, "
+                                          r"got 'sideways'$"):
+        asyncio.run(sample_trees(ScriptedEngine(8, turn), [{"id": 0}], None, cfg_of(width=4, segment_tokens=8),
+                                 eos_token_ids=[EOS], decode=str, env=setup, seed=5))
+    assert len(Registry.opened) == 1 and Registry.closed == Registry.opened
+
+
+def test_episodes_need_their_problems():
+    with pytest.raises(ValueError, match=r"^rollout\.env needs the problems \(got None for tree-0\)$"):
+        sample_with(Notebook, problems=[None])
+
+
+def test_episodes_that_end_at_the_budget_read_each_branch_s_reward_and_count_its_steps():
+    # The first model turn ends (the environment steps), every later one runs to the budget:
+    # each leaf ends without a step of its own. A rewarding environment's reward is read on the
+    # leaf's own instance (forks built for it by replay); one without a reward counts the steps.
+    def then_rambles(request, j, depth):
+        return (fresh(request, j), "length") if TOOL in request.input_ids else (fresh(request, j, 2) + [EOS], "stop")
+
+    tree, s, _ = sample_with(Notebook, script=then_rambles, max_depth=4)
+    assert [leaf.finish_reason for leaf in tree.leaves()] == ["max_depth"] * 4
+    assert [leaf.env_reward for leaf in tree.leaves()] == [1.0] * 4  # one note: the step of its own path
+    assert (s.env_episodes, s.env_episode_steps) == (4, 4)
+
+    class Unrewarded(Notebook):
+        reward = Env.reward
+
+    tree, s, _ = sample_with(Unrewarded, script=then_rambles, max_depth=4)
+    assert [leaf.env_reward for leaf in tree.leaves()] == [None] * 4
+    assert (s.env_episodes, s.env_episode_steps) == (4, 4)
+
+
+def test_a_step_that_kept_no_episode_names_the_budget_and_what_else_dropped_them():
+    from arbor.config import RolloutConfig
+    from arbor.rollout.episodes import EpisodesDroppedError, check_some_kept
+    from arbor.rollout.sample_stats import SampleStats
+
+    cfg = RolloutConfig(segment_tokens=8, max_depth=12)
+    check_some_kept([SampleStats()], cfg, "step 3", "train on")  # nothing dropped: nothing to say
+    budget = ("environment's messages did not fit the response budget (rollout.segment_tokens × rollout.max_depth "
+              "= 8 × 12 = 96 tokens; their messages count against it)")
+    with pytest.raises(EpisodesDroppedError) as e:
+        check_some_kept([SampleStats(env_dropped=2, dropped_too_long=2)], cfg, "step 3", "train on")
+    assert str(e.value) == (f"step 3: all 2 episodes were dropped, 2 of them because an agent's or {budget} "
+                            "(env/errors, env/timeouts): nothing is left to train on")
+    with pytest.raises(EpisodesDroppedError) as e:
+        check_some_kept([SampleStats(env_dropped=3, dropped_too_long=1), SampleStats(env_dropped=2)], cfg, "eval",
+                        "score")
+    assert str(e.value) == (f"eval: all 5 episodes were dropped, 1 of them because an agent's or {budget}; 4 by "
+                            "diverged replays or unscored timeouts (env/errors, env/timeouts): nothing is left to score")
+
+
+def test_what_sampling_episodes_needs_is_named():
+    from arbor.config import DataConfig
+    from arbor.errors import EpisodeFailure
+    from arbor.rollout.episodes import EpisodeStartError, episode_setup, run_episodes
+
+    setup = EpisodeSetup(EnvSource(Notebook, "rollout.env", "Notebook", True), render)
+    with pytest.raises(ValueError, match=r"^sampling takes an agent or an environment, not both$"):
+        episode_setup(_NeverAsked(), render, setup, str, no_prompts=False)
+    with pytest.raises(ValueError, match=r"^sampling with an environment needs decode$"):
+        episode_setup(None, None, setup, None, no_prompts=False)
+    for env in (None, setup):  # no prompts: only an environment whose reset gives them will do
+        with pytest.raises(ValueError, match=r"^sampling needs prompts, unless an environment's reset gives them "
+                                             r"\(EpisodeSetup\.prompt\)$"):
+            episode_setup(None, None, env, str, no_prompts=True)
+    assert episode_setup(None, None, setup, str, no_prompts=False) is setup
+    run = run_episodes(setup.source, object(), DataConfig(max_prompt_tokens=77), needs_reward=True)
+    assert (run.needs_reward, run.max_prompt_tokens, run.source) == (True, 77, setup.source)
+    failure = EpisodeFailure("env_error", "3", 0, "reset raised KeyError: 'x'")
+    assert str(EpisodeStartError(failure)) == failure.describe() == "problem 3, turn 0: env_error: reset raised KeyError: 'x'"
+
+
+def test_the_reset_seed_is_the_tree_s_own_and_no_request_s():
+    # The same for every instance of a tree (replays rebuild the same episode), another for each
+    # tree and step, and shared with no request of the tree (node ids ≥ 0, forks counted from 0).
+    from arbor.rollout.budget import request_seed
+    from arbor.rollout.episodes import reset_seed
+
+    seeds = {(s, t): reset_seed(s, t) for s in range(3) for t in range(3)}
+    assert len(set(seeds.values())) == 9 and reset_seed(1, 2) == seeds[1, 2]
+    for (s, t), seed in seeds.items():
+        assert seed not in {request_seed(s, t, node, fork) for node in range(64) for fork in range(4)}
+
+
+class _Replica(Notebook):
+    """A Notebook whose instances after the tree's first (the replays building new branches) go
+    wrong as ``how`` says, on their reset or on replaying the first instance's first step."""
+
+    how = ""
+    release = threading.Event()
+    first_history: list | None = None
+
+    def __init__(self) -> None:
+        self.replica, self.steps = bool(Registry.opened), 0
+        if self.replica and self.how == "build_hangs":
+            _Replica.release.wait(10)
+        super().__init__()
+
+    def reset(self, problem, seed):
+        messages = super().reset(problem, seed)
+        if self.replica and self.how == "reset_hangs":
+            _Replica.release.wait(10)
+        return [{"role": "user", "content": "another"}] if self.replica and self.how == "reset_differs" else messages
+
+    def step(self, history):
+        self.steps += 1
+        if not self.replica and self.steps == 1:
+            _Replica.first_history = history
+        if self.replica and history == _Replica.first_history:
+            if self.how == "step_hangs":
+                _Replica.release.wait(10)
+            if self.how == "step_raises":
+                raise RuntimeError("gone")
+            if self.how == "step_differs":
+                return Step([{"role": "tool", "content": "other"}])
+        return super().step(history)
+
+
+class _Copies(CopyNotebook):
+    how = ""
+
+    def copy(self):
+        if self.how == "copy_raises":
+            raise RuntimeError("no copy")
+        if self.how == "copy_self":
+            return self
+        if self.how == "copy_hangs":
+            _Replica.release.wait(10)
+        return super().copy()
+
+
+@pytest.mark.parametrize("cls,how,failure,diverged", [
+    (_Replica, "build_hangs", "env_timeout: building for a new branch ran past its time limit", None),
+    (_Replica, "reset_hangs", "env_timeout: reset for a new branch ran past its time limit", None),
+    (_Replica, "step_hangs", "env_timeout: step for a new branch ran past its time limit", None),
+    (_Replica, "reset_differs", None, "turn 0: reset returned [{'role': 'user', 'content': 'another'}] where the "
+                                      "tree's prompt came from [{'role': 'user', 'content': 'problem 0 seed "),
+    (_Replica, "step_raises", None, "turn 1: step raised RuntimeError: gone (it did not when recorded)"),
+    (_Replica, "step_differs", None, "turn 1: step returned Step(messages=[{'role': 'tool', 'content': 'other'}], "
+                                     "done=False) where the recorded episode had Step(messages=[{'role': 'tool'"),
+    (_Copies, "copy_raises", "env_error: copy raised RuntimeError: no copy", None),
+    (_Copies, "copy_self", "env_error: _Copies.copy() returned the instance itself: branches would share its state "
+                           "(return an independent copy)", None),
+    (_Copies, "copy_hangs", "env_timeout: copy for a new branch ran past its time limit", None),
+])
+def test_a_branch_whose_instance_cannot_be_made_does_not_start_naming_why(cls, how, failure, diverged, caplog):
+    """A new branch's instance comes from a replay (build, reset, the recorded steps) or a copy;
+    when that fails or runs past its limit the branch is dropped or never starts: a failure with
+    what went wrong, or a diverged replay (counted, logged with the turn and both values); the
+    other branches go on and every instance is closed."""
+    caplog.set_level(logging.INFO)
+    cls.how, _Replica.release, _Replica.first_history = how, threading.Event(), None
+    try:
+        tree, s, _ = sample_with(cls, env_timeout_s=0.3)
+    finally:
+        _Replica.release.set()
+    messages = [r.getMessage() for r in caplog.records]
+    if failure is not None:
+        assert s.failures and {f.describe() for f in s.failures} == {f"problem 0: {failure}"}
+        assert s.env_timeouts == (len(s.failures) if "timeout" in failure else 0) and s.env_diverged == 0
+        assert f"problem 0: {failure}: that branch is dropped or not started" in messages
+    else:
+        assert not s.failures and s.env_diverged == s.env_errors == s.env_dropped > 0
+        lines = [m for m in messages if m.startswith("problem 0: replaying the environment for a new branch "
+                                                     f"diverged at {diverged}")]
+        assert len(lines) == s.env_diverged
+        assert lines[0].endswith("Hidden non-determinism (a global RNG, a clock?) makes replays differ; the branch is "
+                                 "dropped before it samples (env/errors). Seed every source of randomness from "
+                                 "reset's seed, or fork by 'copy'")
+    assert len(tree.leaves()) < 4  # the branches that could not start are missing
+    deadline = time.monotonic() + 10
+    while len(Registry.closed) < len(Registry.opened) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert sorted(map(id, Registry.closed)) == sorted(map(id, Registry.opened))
+
+
+def test_messages_are_checked_naming_where_and_what():
+    from arbor.rollout.env_forks import _SHOW, _clip, check_messages
+
+    where = "problem 'p3', turn 2"
+    ok = [{"role": "tool", "content": "4", "error": False}]
+    assert check_messages(ok, where, False, allow_empty=False) == ok
+    assert check_messages([], where, True, allow_empty=True) == []
+    for value, agent, message in [
+        ("hi", False, "an environment must give a list of chat messages (dicts), got str"),
+        ([1], True, "an agent must give a list of chat messages (dicts), got list"),
+        ([], False, "an environment gave no messages to start the episode with"),
+        ([{"role": "tool"}], False, "an environment message needs a 'role' and a 'content' string, got {'role': 'tool'}"),
+        ([{"content": "4"}], True, "an agent message needs a 'role' and a 'content' string, got {'content': '4'}"),
+        ([{"role": "tool", "content": "4", "error": "yes"}], False,
+         "an environment message's 'error' must be true or false (a failed tool call), got 'yes'"),
+    ]:
+        with pytest.raises(TypeError) as e:
+            check_messages(value, where, agent, allow_empty=False)
+        assert str(e.value) == f"{where}: {message}"
+    # Long values are shown by their two ends.
+    assert _clip("a" * (_SHOW - 2)) == repr("a" * (_SHOW - 2))  # exactly _SHOW characters with its quotes
+    long = "".join(chr(65 + i % 26) for i in range(400))
+    assert _clip(long) == repr(long)[:_SHOW // 2] + "…" + repr(long)[-_SHOW // 2:]
+    assert len(_clip(long)) == _SHOW + 1
+
+
+def test_every_replayed_instance_is_counted_as_a_fork():
+    (tree,), (s,) = sample(Notebook, width=4)  # each instance after the tree's first was built by a replay
+    assert len(tree.leaves()) == 4 and len(Registry.opened) > 2 and s.env_forks == {"replay": len(Registry.opened) - 1}
