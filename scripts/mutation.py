@@ -32,6 +32,11 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 
+# Rollout correction's quick tests (the rest of the file trains a model or runs the quickstart).
+_CORRECTION_TESTS = [f"tests/test_rollout_correction.py::{name}" for name in (
+    "test_shared_node_takes_each_leafs_weight", "test_correction_without_recomputed_old_logprobs_is_an_error",
+    "test_asynchronous_behaviour_cap_and_the_correction_share_one_weight", "test_tree_packed_equals_linearised_per_leaf")]
+
 # module -> the test files that are its own tests (what a developer changing it runs).
 TESTS: dict[str, list[str]] = {
     "train.advantage": ["tests/test_advantage.py"],
@@ -40,14 +45,20 @@ TESTS: dict[str, list[str]] = {
                 "tests/test_linearise.py::test_each_leaf_becomes_a_chain_by_hand",
                 "tests/test_linearise.py::test_per_token_advantages_follow_their_leaf",
                 "tests/test_linearise.py::test_wrong_advantage_count_names_the_problem",
-                "tests/test_linearise.py::test_unique_tokens_of_chains_are_the_linearised_tokens"],
+                "tests/test_linearise.py::test_unique_tokens_of_chains_are_the_linearised_tokens",
+                # train_only (a rank's share of a split tree) and the correction columns
+                "tests/test_rank_balance.py", *_CORRECTION_TESTS],
     # arbor/train/loss.py: the pure objective (token_sums, combine, ...), pinned by hand-worked numbers.
     "train.loss": ["tests/test_loss.py"],
     # arbor/train/packed_loss.py: the forwards and packing around the objective (policy_loss,
     # pack_loss, the SFT loss), pinned by hand-worked numbers and tree == padded agreement.
     "train.packed_loss": ["tests/test_loss.py", "tests/test_tree_vs_linear.py", "tests/test_logprobs.py",
                     "tests/test_linearise.py", "tests/test_lm_head.py",
-                    "tests/test_sft.py::test_tree_sft_gradients_equal_linear_sft"],
+                    "tests/test_sft.py::test_tree_sft_gradients_equal_linear_sft",
+                    # policy_backward and PolicyObjective.with_stats (the depth-first walk)
+                    "tests/test_dfs.py",
+                    # the rollout-correction branch of PolicyObjective (recomputed π_old)
+                    *_CORRECTION_TESTS],
     # arbor/train/logprobs.py: the log-prob forwards of packs and padded sequences.
     "train.logprobs": ["tests/test_loss.py", "tests/test_logprobs.py", "tests/test_lm_head.py",
                  "tests/test_tree_vs_linear.py"],
@@ -61,10 +72,12 @@ TESTS: dict[str, list[str]] = {
     "rollout.agent_thread": ["tests/test_sampler_agents.py"],
     "rollout.rewards": ["tests/test_rewards.py"],
     # Environments: the protocol, time-limited calls and the live cap, forks, episodes.
-    "rollout.environments": ["tests/test_environments.py", "tests/test_env_forks.py"],
-    "rollout.env_calls": ["tests/test_env_forks.py"],
-    "rollout.env_forks": ["tests/test_env_forks.py"],
-    "rollout.episodes": ["tests/test_env_forks.py", "tests/test_sampler_agents.py"],
+    # (tests/test_agent_sampling.py: multi-turn agents on the embedded engine: steps, overflow, drops)
+    "rollout.environments": ["tests/test_environments.py", "tests/test_env_forks.py", "tests/test_agent_sampling.py"],
+    "rollout.env_calls": ["tests/test_env_forks.py", "tests/test_agent_sampling.py"],
+    "rollout.env_forks": ["tests/test_env_forks.py", "tests/test_agent_sampling.py"],
+    "rollout.episodes": ["tests/test_env_forks.py", "tests/test_sampler_agents.py", "tests/test_agent_sampling.py",
+                         "tests/test_environments.py"],
 }
 
 # Mutant name -> why it cannot be told apart from the original by any test.
@@ -75,6 +88,14 @@ _NO_REASON = "the '?' key of a leaf without a finish reason: every sampled leaf 
 _SHORTFALL = ("unreachable: sampling stops short of width only through the fallback, which "
               "sets its own shortfall reason (_reasons itself is tested directly)")
 _ON_CPU = "a device argument the CPU tests cannot see: the model and every tensor are on the CPU already"
+_INVARIANT = ("the error (or its text) of an internal invariant the sampler never breaks: a copy-forked or "
+              "stepped 'fork: none' branch always owns its instance, copies are handed over one per child, and "
+              "a 'fork: none' path that has stepped is given one copy; no input reaches it")
+_DROPPED_LABEL = ("the finish reason written on a leaf being dropped (None, or the other timeout's label): "
+                  "it is removed from the tree when the tree closes, and no label but 'stop' makes a leaf "
+                  "a fallback source, so nothing reads it")
+_MEMORY = ("a budget that shapes memory, not values: a default one token larger (group_tokens, pack_tokens), or "
+           "the lm-head's chunking (chunk_tokens 1 for 0, or left at 0): the same log-probs, loss and gradients")
 _PADDED_COUNTS = ("the padded reference's leaf counts (all 1) in torch's default float32 (arbor never changes "
                   "it) for logp's dtype: 1.0 is exact in both, they only multiply no-grad metric terms that "
                   "promote to logp's dtype, and a float32 sum of < 2^24 ones is exact")
@@ -94,10 +115,6 @@ _INFERRED = ("a packed column's dtype left to torch.tensor: it infers int64 from
              "from bools, the dtypes named (a pack is never empty: it holds a trained token)")
 _ZEROS = ("the prompt's zero weights in float32 for float64: torch.cat promotes them to the "
           "float64 of the node weights beside them, and 0 is exact in both")
-_CONTEXT_PRESENT = ("unreachable: a unit's context nodes are always in the current part already (units come "
-                    "in DFS order, so a unit's ancestors are the previous unit's ancestors or its split node, "
-                    "all placed with it), so this setdefault never inserts, whatever key or value it is given (an "
-                    "assert there held over 24,000 random packings: 3,000 random tree sets × 8 budgets)")
 _NO_LEAVES = ("unreachable: tree.nodes() leaves out the root and every other node has a leaf below it "
               "(a node without children is one), so each has an entry in `below`: _node_weights never "
               "takes its 'no leaves' branch, nor .get's default")
@@ -111,50 +128,52 @@ _EOF_JOIN = ("the limit on join() (none, or 6 s for 5 s) for a starting worker w
 _EXACT_CLOCK = (">= for > against a time limit: the clock never lands on the exact limit, and if it did "
                 "the next wait(0) acts a microsecond later")
 EQUIVALENT: dict[str, str] = {
-    "arbor.train.packing.x__node_weights__mutmut_53": _NO_LEAVES,
-    "arbor.train.packing.x__node_weights__mutmut_55": _NO_LEAVES,
-    "arbor.train.packing.x__node_weights__mutmut_58": _NO_LEAVES,
-    "arbor.train.packing.x__node_weights__mutmut_59": _NO_LEAVES,
-    "arbor.train.packing.x__node_weights__mutmut_60": _NO_LEAVES,
-    "arbor.train.packing.x__node_weights__mutmut_61": _NO_LEAVES,
-    "arbor.train.packing.x__node_weights__mutmut_62": _NO_LEAVES,
-    "arbor.train.packing.x__node_weights__mutmut_63": _NO_LEAVES,
-    "arbor.train.packing.x__node_weights__mutmut_64": _NO_LEAVES,
-    "arbor.train.packing.x__node_weights__mutmut_65": _NO_LEAVES,
-    "arbor.train.packing.x__node_weights__mutmut_66": _NO_LEAVES,
-    "arbor.train.packing.x__node_weights__mutmut_67": _NO_LEAVES,
-    "arbor.train.packing.x__node_weights__mutmut_68": _NO_LEAVES,
-    "arbor.train.packing.x__node_weights__mutmut_69": _NO_LEAVES,
-    "arbor.train.packing.x__node_weights__mutmut_70": _NO_LEAVES,
-    "arbor.train.packing.x__node_weights__mutmut_71": _NO_LEAVES,
-    "arbor.train.packing.x__node_weights__mutmut_72": _NO_LEAVES,
-    "arbor.train.packing.x__node_weights__mutmut_73": _NO_LEAVES,
-    "arbor.train.packing.x__node_weights__mutmut_74": _NO_LEAVES,
-    "arbor.train.packing.x__node_weights__mutmut_75": _NO_LEAVES,
-    "arbor.train.packing.x__node_weights__mutmut_76": _NO_LEAVES,
-    "arbor.train.packing.x__node_weights__mutmut_99": _COUNTS,
-    "arbor.train.packing.x__node_weights__mutmut_102": _COUNTS,
-    "arbor.train.packing.x__serialise__mutmut_20": _ZEROS,
-    "arbor.train.packing.x__serialise__mutmut_66":
+    **{f"arbor.train.packed_loss.xǁPolicyObjectiveǁ__call____mutmut_{n}": _ON_CPU for n in (2, 4, 6, 62, 64)},
+    "arbor.train.packed_loss.x_sft_token_loss__mutmut_5": _ON_CPU,
+    **{f"arbor.train.logprobs.x_padded_token_logprobs__mutmut_{n}": _ON_CPU for n in (86, 89, 96, 99)},
+    **{f"arbor.train.packed_loss.x_policy_backward__mutmut_{n}": _MEMORY for n in (3, 6, 10, 59, 72)},
+    "arbor.train.packed_loss.x_policy_backward__mutmut_82":
+        "pack_budget('dfs', None): dfs packs whole trees whatever pack_tokens says (pack_budget ignores it)",
+    "arbor.train.packed_loss.x_policy_backward__mutmut_57":
+        "the packed path's attention left at its default 'auto' where 'auto' was passed on: the same kernel",
+    # rollout.env_forks, numbered on the code of 2026-11-28
+    **{f"arbor.rollout.env_forks.xǁForksǁ{name}__mutmut_{i}": _INVARIANT for name, numbers in (
+        ("instance", (6, 8, 9, 12, 13, 15, 16, 17, 18)), ("prepare", (9, 10, 12, 15, 16, 17, 33)),
+        ("hand_over", (6, 10, 11, 13))) for i in numbers},
+    **{f"arbor.rollout.env_forks.xǁForksǁ__init____mutmut_{i}": (
+        "the first value of mode/problem/seed/start: begin sets all four, right after the tree's reset, "
+        "before anything reads them") for i in (5, 6, 7, 12, 13, 14, 15)},
+    # rollout.episodes, numbered on the code of 2026-11-28
+    **{f"arbor.rollout.episodes.xǁTreeEpisodesǁ{name}__mutmut_{i}": _DROPPED_LABEL
+       for name, i in (("_failed", 21), ("_timed_out", 3), ("_timed_out", 4), ("_timed_out", 5), ("after_turn", 211))},
+    **{f"arbor.rollout.episodes.xǁTreeEpisodesǁ__init____mutmut_{i}": (
+        "the first value of problem/start/seed: reset sets all three before anything reads them") for i in (30, 31, 32, 33)},
+    "arbor.rollout.episodes.xǁTreeEpisodesǁ_timed_out__mutmut_11":
+        "turn None for an agent's timeout: _failure records None for every agent failure anyway",
+    "arbor.rollout.episodes.xǁTreeEpisodesǁreset__mutmut_56":
+        "_where(None) for _where(0): both are false, so neither names a turn: the same text",
+    **{f"arbor.rollout.episodes.x_reset_seed__mutmut_{i}": (
+        "another fixed tag in the reset seed's key (node -2 or None, fork 1 or None): still one seed per "
+        "tree and step, reproducible, and no request's (requests have node ids and forks ≥ 0)") for i in (3, 4, 10, 11)},
+    # train.packing, numbered on the code of 2026-11-28 (renumber after editing the module)
+    **{f"arbor.train.packing.x__node_weights__mutmut_{i}": _NO_LEAVES for i in (63, 65, *range(68, 87))},
+    "arbor.train.packing.x__node_weights__mutmut_115": _COUNTS,
+    "arbor.train.packing.x__node_weights__mutmut_118": _COUNTS,
+    "arbor.train.packing.x__serialise__mutmut_22": _ZEROS,
+    "arbor.train.packing.x__serialise__mutmut_24": _ZEROS,
+    "arbor.train.packing.x__serialise__mutmut_68":
         "the prompt's placeholder behaviour log-probs 1.0 for 0.0: prompt tokens are never trained, "
         "and old_logprobs keeps only trained tokens' values (torch.where(trained, old, 0))",
-    "arbor.train.packing.x__serialise__mutmut_252": _INFERRED,
-    "arbor.train.packing.x__serialise__mutmut_254": _INFERRED,
-    "arbor.train.packing.x__serialise__mutmut_277": _INFERRED,
-    "arbor.train.packing.x__serialise__mutmut_279": _INFERRED,
-    "arbor.train.packing.x__serialise__mutmut_283": _INFERRED,
-    "arbor.train.packing.x__serialise__mutmut_285": _INFERRED,
-    "arbor.train.packing.x__serialise__mutmut_289": _INFERRED,
-    "arbor.train.packing.x__serialise__mutmut_291": _INFERRED,
-    "arbor.train.packing.x__serialise__mutmut_295": _INFERRED,
-    "arbor.train.packing.x__serialise__mutmut_297": _INFERRED,
-    "arbor.train.packing.x__serialise__mutmut_301": _INFERRED,
-    "arbor.train.packing.x__serialise__mutmut_303": _INFERRED,
-    "arbor.train.packing.x__serialise__mutmut_142":
+    "arbor.train.packing.x__serialise__mutmut_74":
+        "the prompt's placeholder π_old 1.0 for 0.0: prompt tokens are never trained, and "
+        "prox_logprobs keeps only trained tokens' values (torch.where(trained, prox, 0))",
+    "arbor.train.packing.x__serialise__mutmut_150":
         "parents range(start, start + n + 1) for + n - 1: the list is cut to its first n entries, "
         "the same ones",
-    "arbor.train.packing.x__serialise__mutmut_22": _ZEROS,
-    **{f"arbor.train.packing.x_pack_trees__mutmut_{i}": _CONTEXT_PRESENT for i in range(35, 40)},
+    **{f"arbor.train.packing.x__serialise__mutmut_{i}": _INFERRED
+       for i in (275, 277, 302, 304, 308, 310, 314, 316, 320, 322, 326, 328)},
+    "arbor.train.packing.x_linearise_trees__mutmut_41":
+        "cast(None, a) for cast(Sequence[float], a): typing.cast returns its value unchanged at run time",
     **{f"arbor.train.packing.xǁPackedBatchǁ__post_init____mutmut_{i}": (
         "origin left in the general column check: it is checked on its own just below with the same "
         "entry, so the error is the same") for i in (11, 12)},
@@ -239,6 +258,7 @@ EQUIVALENT: dict[str, str] = {
 }
 
 COPIED = ("arbor", "tests", "rewards", "agents")  # what the tests import or read
+LINKED = ("models", "data", "configs")  # what some tests read only (the built tiny models, ...)
 
 
 def _config(module: str) -> str:
@@ -248,6 +268,8 @@ def _config(module: str) -> str:
         'source_paths = ["arbor"]\n'
         f'only_mutate = ["arbor/{module.replace(".", "/")}.py"]\n'
         f"pytest_add_cli_args_test_selection = [{tests}]\n"
+        '# copied into mutants/ beside the tests (reward functions and agents named by module path)\n'
+        'also_copy = ["rewards", "agents"]\n'
         '# -p no:cacheprovider: the copy has no .pytest_cache worth keeping\n'
         'pytest_add_cli_args = ["-q", "-p", "no:cacheprovider", "-p", "no:randomly"]\n'
         '# torch is not fork-safe once initialised: fork mutants from a clean server\n'
@@ -269,6 +291,11 @@ def _prepare(module: str) -> Path:
         shutil.rmtree(work / name, ignore_errors=True)
         shutil.copytree(ROOT / name, work / name,
                         ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    # mutmut runs the tests inside work/mutants/: link there what they read from the repo root.
+    (work / "mutants").mkdir(exist_ok=True)
+    for name in LINKED:
+        if not (work / "mutants" / name).exists():
+            (work / "mutants" / name).symlink_to(ROOT / name, target_is_directory=True)
     pyproject = (ROOT / "pyproject.toml").read_text()
     (work / "pyproject.toml").write_text(pyproject + "\n" + _config(module))
     # mutmut maps each function to the tests that reach it once, and re-maps only tests with
