@@ -148,6 +148,13 @@ EQUIVALENT: dict[str, str] = {
        for name, i in (("_failed", 21), ("_timed_out", 3), ("_timed_out", 4), ("_timed_out", 5), ("after_turn", 211))},
     **{f"arbor.rollout.episodes.xǁTreeEpisodesǁ__init____mutmut_{i}": (
         "the first value of problem/start/seed: reset sets all three before anything reads them") for i in (30, 31, 32, 33)},
+    **{f"arbor.rollout.episodes.xǁTreeEpisodesǁ_finish__mutmut_{i}": _DROPPED_LABEL for i in (15, 19, 22)},
+    **{f"arbor.rollout.episodes.xǁTreeEpisodesǁclose__mutmut_{i}": (
+        "= for += (or 'or' for 'and' before an empty drop): a tree's stats start at 0 and close() runs once per "
+        "tree, the only place in this module that adds to env_live and env_dropped; dropping no leaves is a no-op")
+       for i in (1, 5, 8)},
+    "arbor.rollout.episodes.xǁTreeEpisodesǁprepare__mutmut_1":
+        "prepare(None, ...) for prepare(tree, ...): Forks.prepare does not read its tree",
     "arbor.rollout.episodes.xǁTreeEpisodesǁ_timed_out__mutmut_11":
         "turn None for an agent's timeout: _failure records None for every agent failure anyway",
     "arbor.rollout.episodes.xǁTreeEpisodesǁreset__mutmut_56":

@@ -218,10 +218,11 @@ def test_max_live_envs_caps_the_instances_open_at_once():
     assert len(Registry.closed) == len(Registry.opened)  # what was open is closed before the error goes up
 
 
+@pytest.mark.parametrize("fallback", [True, False], ids=["fallback", "no_fallback"])
 @pytest.mark.parametrize("cls", [Notebook, CopyNotebook, NoForkNotebook])
-def test_entropy_forks_inside_later_turns_get_the_environment_of_that_turn(cls):
+def test_entropy_forks_inside_later_turns_get_the_environment_of_that_turn(cls, fallback):
     (tree,), (s,) = sample(cls, width=6, fork_at="entropy", entropy_init=2, entropy_forks=1,
-                           logprob=later_turns_score_higher)
+                           logprob=later_turns_score_higher, fallback=fallback)
     assert len(tree.leaves()) == 6 and s.env_errors == 0 and s.forks > 0
     check_isolation(tree)
     inside = [n for n in tree.nodes() if len(n.children) > 1 and any(is_env_turn(a) for a in tree.path(n))]
@@ -452,6 +453,7 @@ def test_a_step_or_reward_that_goes_wrong_drops_its_branch_naming_why(agent, mod
     assert tree.leaves() == [] and s.env_dropped == 4 and s.env_episodes == 0
     assert [(f.kind, f.problem_id, f.turn, f.message) for f in s.failures] == [(f"{who}_{kind}", "0", turn_, text)] * 4
     assert (s.agent_timeouts, s.env_timeouts) == ((4 * (kind == "timeout"), 0) if agent else (0, 4 * (kind == "timeout")))
+    assert s.env_live == (4 if kind == "timeout" else 0)  # a call past its limit still holds its instance
     dropped = "the branch is dropped" + (", its siblings go on" if kind == "timeout" else "")
     assert f"{where}: {who}_{kind}: {text}: {dropped}" in [r.getMessage() for r in caplog.records]
     assert instances_all_closed()
@@ -465,6 +467,10 @@ def test_messages_past_the_response_budget_end_or_drop_the_episode(agent, mode, 
     branch. Either way counted, logged naming whose messages they were, and the instance closed."""
     tree, s = sample_wrong(mode, agent, caplog, env_overflow=overflow)
     whose = "agent" if agent else "environment"
+    if mode == "long" and overflow == "drop":  # a model turn that fills the budget leaves 0 tokens
+        sample_wrong(mode, agent, caplog, env_overflow=overflow, segment_tokens=3, max_depth=1)
+        assert (f"problem 0: the {whose}'s messages of turn 1 are 201 tokens, but the episode has 0 left of its "
+                "response budget (rollout.segment_tokens × rollout.max_depth = 3): dropped") in caplog.text
     assert (f"problem 0: the {whose}'s messages of turn 1 are 201 tokens, but the episode has 93 left of its "
             f"response budget (rollout.segment_tokens × rollout.max_depth = 96): "
             f"{'ended' if overflow == 'unfinished' else 'dropped'} (rollout.env_overflow)") in caplog.text
@@ -546,6 +552,11 @@ def test_episodes_that_end_at_the_budget_read_each_branch_s_reward_and_count_its
     assert [leaf.finish_reason for leaf in tree.leaves()] == ["max_depth"] * 4
     assert [leaf.env_reward for leaf in tree.leaves()] == [1.0] * 4  # one note: the step of its own path
     assert (s.env_episodes, s.env_episode_steps) == (4, 4)
+
+    _Replica.how, _Replica.first_history = "step_differs", None  # forks whose replay diverges are dropped
+    tree, s, _ = sample_with(_Replica, script=then_rambles, max_depth=4)
+    assert s.env_diverged > 0 and len(tree.leaves()) + s.env_dropped == 4 == s.env_episodes + s.env_dropped
+    assert [leaf.env_reward for leaf in tree.leaves()] == [1.0] * len(tree.leaves())
 
     class Unrewarded(Notebook):
         reward = Env.reward
@@ -652,6 +663,8 @@ class _Copies(CopyNotebook):
             return self
         if self.how == "copy_hangs":
             _Replica.release.wait(10)
+        if self.how == "snapshot_raises" and self.notes:  # the copy kept of a state after a step
+            raise RuntimeError("no copy")
         return super().copy()
 
 
@@ -668,6 +681,7 @@ class _Copies(CopyNotebook):
     (_Copies, "copy_self", "env_error: _Copies.copy() returned the instance itself: branches would share its state "
                            "(return an independent copy)", None),
     (_Copies, "copy_hangs", "env_timeout: copy for a new branch ran past its time limit", None),
+    (_Copies, "snapshot_raises", "env_error: copy raised RuntimeError: no copy", None),
 ])
 def test_a_branch_whose_instance_cannot_be_made_does_not_start_naming_why(cls, how, failure, diverged, caplog):
     """A new branch's instance comes from a replay (build, reset, the recorded steps) or a copy;
@@ -693,7 +707,7 @@ def test_a_branch_whose_instance_cannot_be_made_does_not_start_naming_why(cls, h
         assert lines[0].endswith("Hidden non-determinism (a global RNG, a clock?) makes replays differ; the branch is "
                                  "dropped before it samples (env/errors). Seed every source of randomness from "
                                  "reset's seed, or fork by 'copy'")
-    assert len(tree.leaves()) < 4  # the branches that could not start are missing
+    assert len(tree.leaves()) < 4 and all(leaf.finish_reason != "failed" for leaf in tree.leaves())
     deadline = time.monotonic() + 10
     while len(Registry.closed) < len(Registry.opened) and time.monotonic() < deadline:
         time.sleep(0.05)
