@@ -552,6 +552,8 @@ def test_episodes_that_end_at_the_budget_read_each_branch_s_reward_and_count_its
     assert [leaf.finish_reason for leaf in tree.leaves()] == ["max_depth"] * 4
     assert [leaf.env_reward for leaf in tree.leaves()] == [1.0] * 4  # one note: the step of its own path
     assert (s.env_episodes, s.env_episode_steps) == (4, 4)
+    # Forks: the root's second branch (a reset, no step replayed) and one under each first turn (1 step).
+    assert s.env_forks == {"replay": 3} and s.env_replayed_steps == 2
 
     _Replica.how, _Replica.first_history = "step_differs", None  # forks whose replay diverges are dropped
     tree, s, _ = sample_with(_Replica, script=then_rambles, max_depth=4)
@@ -635,6 +637,8 @@ class _Replica(Notebook):
 
     def reset(self, problem, seed):
         messages = super().reset(problem, seed)
+        if self.replica and self.how == "reset_raises":
+            raise RuntimeError("gone")
         if self.replica and self.how == "reset_hangs":
             _Replica.release.wait(10)
         return [{"role": "user", "content": "another"}] if self.replica and self.how == "reset_differs" else messages
@@ -674,6 +678,7 @@ class _Copies(CopyNotebook):
     (_Replica, "step_hangs", "env_timeout: step for a new branch ran past its time limit", None),
     (_Replica, "reset_differs", None, "turn 0: reset returned [{'role': 'user', 'content': 'another'}] where the "
                                       "tree's prompt came from [{'role': 'user', 'content': 'problem 0 seed "),
+    (_Replica, "reset_raises", None, "turn 0: reset raised RuntimeError: gone (it did not when recorded)"),
     (_Replica, "step_raises", None, "turn 1: step raised RuntimeError: gone (it did not when recorded)"),
     (_Replica, "step_differs", None, "turn 1: step returned Step(messages=[{'role': 'tool', 'content': 'other'}], "
                                      "done=False) where the recorded episode had Step(messages=[{'role': 'tool'"),
@@ -695,8 +700,12 @@ def test_a_branch_whose_instance_cannot_be_made_does_not_start_naming_why(cls, h
     finally:
         _Replica.release.set()
     messages = [r.getMessage() for r in caplog.records]
+    # Only a call still running past its limit holds an instance when the tree is done.
+    assert s.env_live == (len(s.failures) if how.endswith("hangs") else 0)
     if failure is not None:
         assert s.failures and {f.describe() for f in s.failures} == {f"problem 0: {failure}"}
+        # A copy that fails leaves its branch unstarted; a failed snapshot after a step drops one.
+        assert s.unstarted == (len(s.failures) if how.startswith("copy") else 0)
         assert s.env_timeouts == (len(s.failures) if "timeout" in failure else 0) and s.env_diverged == 0
         assert f"problem 0: {failure}: that branch is dropped or not started" in messages
     else:
@@ -743,3 +752,13 @@ def test_messages_are_checked_naming_where_and_what():
 def test_every_replayed_instance_is_counted_as_a_fork():
     (tree,), (s,) = sample(Notebook, width=4)  # each instance after the tree's first was built by a replay
     assert len(tree.leaves()) == 4 and len(Registry.opened) > 2 and s.env_forks == {"replay": len(Registry.opened) - 1}
+
+
+def test_a_problem_without_an_id_is_named_so():
+    for how in ("copy_raises", "copy_hangs"):
+        _Copies.how, _Replica.release = how, threading.Event()
+        try:
+            _, s, _ = sample_with(_Copies, problems=({"question": "?"},), env_timeout_s=0.3)
+        finally:
+            _Replica.release.set()
+        assert s.failures and {f.problem_id for f in s.failures} == {"'<no id>'"}

@@ -209,6 +209,11 @@ class EnvCalls:
                 log.warning("%s.close() after a timed-out call raised %s: %s", type(env).__name__, type(e).__name__, e)
         self._closed(tree)
 
+    def release(self, tree: Hashable) -> None:
+        """Free the slot :meth:`open` took for something that is not a new instance (a ``copy()``
+        that returned its source, which stays open and is closed as itself)."""
+        self._closed(tree)
+
     def _closed(self, tree: Hashable) -> None:
         with self._lock:
             self.live -= 1

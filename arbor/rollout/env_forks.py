@@ -201,6 +201,7 @@ class Forks:
             self._failed(f"copy raised {type(e).__name__}: {e}")
             return None
         if env is source:
+            self.calls.release(self.key)
             self._failed(f"{type(source).__name__}.copy() returned the instance itself: branches would share its "
                          "state (return an independent copy)")
             return None
