@@ -331,6 +331,7 @@ def test_a_tree_whose_environment_cannot_start_is_dropped_naming_why(agent, stag
         _Start.release.set()
     who = "agent" if agent else "env"
     assert tree.leaves() == [] and s.unstarted == 1
+    assert s.env_live == (kind == "timeout")  # only a call past its limit still holds an instance
     (failure,) = s.failures
     assert (failure.kind, failure.problem_id, failure.turn) == (f"{who}_{kind}", "0", None if agent else 0)
     assert failure.message.startswith(message.format(who=who, whom="agent" if agent else "environment")), failure
@@ -480,7 +481,7 @@ def test_messages_past_the_response_budget_end_or_drop_the_episode(agent, mode, 
         assert (s.overflow_ended, s.env_episodes, s.env_dropped, s.dropped_too_long, s.failures) == (4, 4, 0, 0, [])
     else:
         assert tree.leaves() == [] and (s.overflow_ended, s.env_dropped, s.dropped_too_long, s.env_errors) == (0, 4, 4, 4)
-    assert instances_all_closed()
+    assert s.env_live == 0 and instances_all_closed()
 
 
 def test_a_prompt_longer_than_data_max_prompt_tokens_drops_the_tree_naming_both():
