@@ -756,10 +756,14 @@ def test_every_replayed_instance_is_counted_as_a_fork():
 
 
 def test_a_problem_without_an_id_is_named_so():
+    class Anonymous(_Copies):
+        def reset(self, problem, seed):
+            return [{"role": "user", "content": problem["question"]}]
+
     for how in ("copy_raises", "copy_hangs"):
         _Copies.how, _Replica.release = how, threading.Event()
         try:
-            _, s, _ = sample_with(_Copies, problems=({"question": "?"},), env_timeout_s=0.3)
+            _, s, _ = sample_with(Anonymous, problems=({"question": "?"},), env_timeout_s=0.3)
         finally:
             _Replica.release.set()
-        assert s.failures and {f.problem_id for f in s.failures} == {"'<no id>'"}
+        assert s.failures and {(f.problem_id, f.message.split(" ")[0]) for f in s.failures} == {("'<no id>'", "copy")}
