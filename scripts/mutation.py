@@ -136,6 +136,13 @@ EQUIVALENT: dict[str, str] = {
         "pack_budget('dfs', None): dfs packs whole trees whatever pack_tokens says (pack_budget ignores it)",
     "arbor.train.packed_loss.x_policy_backward__mutmut_57":
         "the packed path's attention left at its default 'auto' where 'auto' was passed on: the same kernel",
+    # rollout.environments, numbered on the code of 2026-11-28
+    **{f"arbor.rollout.environments.x_{name}__mutmut_{i}": (
+        "the name of an agent's source when none is given: every source a user sees comes from rollout_env, "
+        "which passes rollout.agent (always set there); sample_trees' own agent sources print no name")
+       for name, i in (("agent_source", 1), ("agent_source", 2), ("rollout_env", 33), ("rollout_env", 34))},
+    "arbor.rollout.environments.xǁAgentEnvǁ__init____mutmut_2":
+        "an AgentEnv's first problem None for {}: reset (or copy) sets it before step reads it",
     # rollout.env_forks, numbered on the code of 2026-11-28
     **{f"arbor.rollout.env_forks.xǁForksǁ{name}__mutmut_{i}": _INVARIANT for name, numbers in (
         ("instance", (6, 8, 9, 12, 13, 15, 16, 17, 18)), ("prepare", (9, 10, 12, 15, 16, 17, 33)),

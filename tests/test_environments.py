@@ -148,3 +148,87 @@ def test_env_and_agent_together_and_a_missing_reward_are_config_errors(envs):
     # EPTree forks multi-turn episodes (at tokens of model turns): an agent or environment is allowed.
     assert load_config(None, ["rollout.fork_at=entropy", "rollout.agent=agents/single_turn.py:SingleTurn"])
     assert load_config(None, ["rollout.fork_at=entropy", "rollout.env=envs.py:Counter"]).rollout.env
+
+
+AGENTS = '''
+class Echo:
+    def __init__(self, prefix="> "):
+        self.prefix = prefix
+    def start(self, problem):
+        return [{"role": "user", "content": problem["prompt"]}]
+    def step(self, problem, history):
+        return [{"role": "tool", "content": self.prefix + history[-1]["content"]}]
+'''
+
+
+def test_an_agent_or_an_environment_becomes_the_run_s_source(envs):
+    from pathlib import Path
+
+    (Path(envs[0]) / "agents_mod.py").write_text(AGENTS)
+    assert rollout_env(RolloutConfig(), envs) is None  # single-turn rollouts
+    source = rollout_env(RolloutConfig(agent="agents_mod:Echo", agent_args={"prefix": "# "}), envs)
+    assert (source.key, source.spec, source.gives_reward, source.is_agent) == ("rollout.agent", "agents_mod:Echo",
+                                                                               False, True)
+    env = source.make()
+    assert isinstance(env, AgentEnv) and env.agent is source.agent and source.agent.prefix == "# "
+    source = rollout_env(RolloutConfig(env="envs:make_counter", env_args={"start": 2}), envs)
+    assert (source.key, source.spec, source.gives_reward, source.is_agent, source.make().n) == (
+        "rollout.env", "envs:make_counter", True, False, 2)
+    with pytest.raises(ConfigError, match=r"^rollout\.env and rollout\.agent are both set: an environment replaces "
+                                          r"the agent \(a stateless agent is an environment\); keep one$"):
+        rollout_env(RolloutConfig(env="envs:Counter", agent="agents_mod:Echo"), envs)
+    with pytest.raises(ConfigError, match=r"^rollout\.env: 'envs:instance' must name a class or a factory \(one "
+                                          r"instance per episode\), got a Counter$"):
+        rollout_env(RolloutConfig(env="envs:instance"), envs)
+
+
+def test_the_protocol_s_errors_say_exactly_what_is_wrong():
+    from arbor import Env
+    from arbor.rollout.environments import check_env, fork_mode, gives_reward
+
+    class Empty:
+        pass
+
+    with pytest.raises(ConfigError) as e:
+        check_env(Empty(), "rollout.env", "m:Empty")
+    assert str(e.value) == ("rollout.env: 'm:Empty' builds a Empty, which is not an environment: it has no reset "
+                            "and no step method (an environment needs reset(problem, seed) -> messages and "
+                            "step(history) -> Step)")
+    for name in ("reward", "copy", "close"):
+        bad = type("Bad", (Env,), {"reset": lambda self, p, s: [], "step": lambda self, h: Step([]), name: 3})
+        with pytest.raises(ConfigError) as e:
+            check_env(bad(), "rollout.env", "m:Bad")
+        assert str(e.value) == f"rollout.env: Bad.{name} must be a method"
+    copyless = type("Copyless", (), {"fork": "copy", "reset": lambda self, p, s: [], "step": lambda self, h: Step([])})
+    with pytest.raises(ConfigError) as e:
+        check_env(copyless(), "rollout.env", "m:Copyless")
+    assert str(e.value) == ("rollout.env: Copyless.fork is 'copy' but it has no copy() method (add one, subclass "
+                            "arbor.Env for a deepcopy, or fork by 'replay')")
+    assert fork_mode(Empty(), "rollout.env") == "replay"  # the default
+    assert not gives_reward(Empty()) and not gives_reward(type("Plain", (Env,), {})())
+
+    class Deep(Env):
+        def __init__(self):
+            self.notes = [[1]]
+
+    original = Deep()
+    twin = original.copy()  # Env's copy is a deep copy: nothing shared
+    twin.notes[0].append(2)
+    assert original.notes == [[1]]
+
+
+def test_without_reward_functions_the_reward_must_come_from_the_environment(envs):
+    messages = {
+        None: "reward.functions is empty and no rollout.env gives a reward: name a reward function",
+        "defaults": "reward.functions is empty but rollout.env 'envs:Defaults' defines no reward() (it gives none): "
+                    "name a reward function or give the environment a reward",
+    }
+    for source, message in ((None, messages[None]), (load_env("envs:Defaults", search_dirs=envs), messages["defaults"])):
+        with pytest.raises(ConfigError) as e:
+            require_reward(source, RewardConfig(functions=[]))
+        assert str(e.value) == message
+    counter = load_env("envs:Counter", search_dirs=envs)
+    with pytest.raises(ConfigError) as e:
+        require_reward(counter, RewardConfig(functions=[], env_weight=0.0))
+    assert str(e.value) == "reward.functions is empty and reward.env_weight is 0: every reward would be 0"
+    require_reward(counter, RewardConfig(functions=[]))  # the environment's reward will do
