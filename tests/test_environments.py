@@ -162,24 +162,25 @@ class Echo:
 
 
 def test_an_agent_or_an_environment_becomes_the_run_s_source(envs):
+    # File specs (envs.py:...): the repo's own envs/ folder would shadow a module named envs.
     from pathlib import Path
 
     (Path(envs[0]) / "agents_mod.py").write_text(AGENTS)
     assert rollout_env(RolloutConfig(), envs) is None  # single-turn rollouts
-    source = rollout_env(RolloutConfig(agent="agents_mod:Echo", agent_args={"prefix": "# "}), envs)
-    assert (source.key, source.spec, source.gives_reward, source.is_agent) == ("rollout.agent", "agents_mod:Echo",
+    source = rollout_env(RolloutConfig(agent="agents_mod.py:Echo", agent_args={"prefix": "# "}), envs)
+    assert (source.key, source.spec, source.gives_reward, source.is_agent) == ("rollout.agent", "agents_mod.py:Echo",
                                                                                False, True)
     env = source.make()
     assert isinstance(env, AgentEnv) and env.agent is source.agent and source.agent.prefix == "# "
-    source = rollout_env(RolloutConfig(env="envs:make_counter", env_args={"start": 2}), envs)
+    source = rollout_env(RolloutConfig(env="envs.py:make_counter", env_args={"start": 2}), envs)
     assert (source.key, source.spec, source.gives_reward, source.is_agent, source.make().n) == (
-        "rollout.env", "envs:make_counter", True, False, 2)
+        "rollout.env", "envs.py:make_counter", True, False, 2)
     with pytest.raises(ConfigError, match=r"^rollout\.env and rollout\.agent are both set: an environment replaces "
                                           r"the agent \(a stateless agent is an environment\); keep one$"):
-        rollout_env(RolloutConfig(env="envs:Counter", agent="agents_mod:Echo"), envs)
-    with pytest.raises(ConfigError, match=r"^rollout\.env: 'envs:instance' must name a class or a factory \(one "
+        rollout_env(RolloutConfig(env="envs.py:Counter", agent="agents_mod.py:Echo"), envs)
+    with pytest.raises(ConfigError, match=r"^rollout\.env: 'envs.py:instance' must name a class or a factory \(one "
                                           r"instance per episode\), got a Counter$"):
-        rollout_env(RolloutConfig(env="envs:instance"), envs)
+        rollout_env(RolloutConfig(env="envs.py:instance"), envs)
 
 
 def test_the_protocol_s_errors_say_exactly_what_is_wrong():
@@ -220,14 +221,14 @@ def test_the_protocol_s_errors_say_exactly_what_is_wrong():
 def test_without_reward_functions_the_reward_must_come_from_the_environment(envs):
     messages = {
         None: "reward.functions is empty and no rollout.env gives a reward: name a reward function",
-        "defaults": "reward.functions is empty but rollout.env 'envs:Defaults' defines no reward() (it gives none): "
+        "defaults": "reward.functions is empty but rollout.env 'envs.py:Defaults' defines no reward() (it gives none): "
                     "name a reward function or give the environment a reward",
     }
-    for source, message in ((None, messages[None]), (load_env("envs:Defaults", search_dirs=envs), messages["defaults"])):
+    for source, message in ((None, messages[None]), (load_env("envs.py:Defaults", search_dirs=envs), messages["defaults"])):
         with pytest.raises(ConfigError) as e:
             require_reward(source, RewardConfig(functions=[]))
         assert str(e.value) == message
-    counter = load_env("envs:Counter", search_dirs=envs)
+    counter = load_env("envs.py:Counter", search_dirs=envs)
     with pytest.raises(ConfigError) as e:
         require_reward(counter, RewardConfig(functions=[], env_weight=0.0))
     assert str(e.value) == "reward.functions is empty and reward.env_weight is 0: every reward would be 0"
