@@ -62,7 +62,7 @@ TESTS: dict[str, list[str]] = {
     # arbor/train/logprobs.py: the log-prob forwards of packs and padded sequences.
     "train.logprobs": ["tests/test_loss.py", "tests/test_logprobs.py", "tests/test_lm_head.py",
                  "tests/test_tree_vs_linear.py"],
-    "rollout.sampler": ["tests/test_sampler.py", "tests/test_sampler_agents.py",
+    "rollout.sampler": ["tests/test_sampler.py", "tests/test_sampler_agents.py", "tests/test_entropy_fork.py",
                 # partial rollouts (RoundBatcher.generate_fresh) on the embedded engine
                 "tests/test_async_rollouts.py::test_without_partial_rollouts_in_flight_segments_keep_the_old_version",
                 "tests/test_async_rollouts.py::test_partial_rollouts_sample_overtaken_segments_again_under_the_new_weights",
@@ -74,7 +74,7 @@ TESTS: dict[str, list[str]] = {
     # Environments: the protocol, time-limited calls and the live cap, forks, episodes.
     # (tests/test_agent_sampling.py: multi-turn agents on the embedded engine: steps, overflow, drops)
     "rollout.environments": ["tests/test_environments.py", "tests/test_env_forks.py", "tests/test_agent_sampling.py"],
-    "rollout.env_calls": ["tests/test_env_forks.py", "tests/test_agent_sampling.py"],
+    "rollout.env_calls": ["tests/test_env_forks.py", "tests/test_agent_sampling.py", "tests/test_sampler_agents.py"],
     "rollout.env_forks": ["tests/test_env_forks.py", "tests/test_agent_sampling.py"],
     "rollout.episodes": ["tests/test_env_forks.py", "tests/test_sampler_agents.py", "tests/test_agent_sampling.py",
                          "tests/test_environments.py"],
@@ -84,9 +84,6 @@ TESTS: dict[str, list[str]] = {
 _THREAD_NAME = ("the id in the agent-step thread's name (the future's, or None's): the name still says agent-step, "
                 "and the id only tells threads apart in a dump")
 _ROOT_OFFSET = ("the root path's log-prob 1.0 for 0.0: every path compared in a round descends from it, and a common offset leaves the softmax split unchanged (independent mode does not split)")
-_NO_REASON = "the '?' key of a leaf without a finish reason: every sampled leaf gets one (_add, tool turns, timeouts)"
-_SHORTFALL = ("unreachable: sampling stops short of width only through the fallback, which "
-              "sets its own shortfall reason (_reasons itself is tested directly)")
 _ON_CPU = "a device argument the CPU tests cannot see: the model and every tensor are on the CPU already"
 _INVARIANT = ("the error (or its text) of an internal invariant the sampler never breaks: a copy-forked or "
               "stepped 'fork: none' branch always owns its instance, copies are handed over one per child, and "
@@ -232,16 +229,12 @@ EQUIVALENT: dict[str, str] = {
     "arbor.train.logprobs.x_padded_token_logprobs__mutmut_98": _ON_CPU,
     "arbor.rollout.agent_thread.x_in_daemon_thread__mutmut_21": _THREAD_NAME,
     "arbor.rollout.sampler.xǁ_TreeSamplerǁrun__mutmut_10": _ROOT_OFFSET,
-    "arbor.rollout.sampler.xǁ_TreeSamplerǁrun__mutmut_42": _ROOT_OFFSET,
+    "arbor.rollout.sampler.xǁ_TreeSamplerǁrun__mutmut_45": _ROOT_OFFSET,  # numbered 2026-11-28
     "arbor.rollout.sampler.xǁ_TreeSamplerǁ_fallback__mutmut_24": _ROOT_OFFSET,
     "arbor.rollout.sampler.x__response_upto__mutmut_2":
         "tree.response_ids(root) is [] anyway: the guard only saves a call",
     "arbor.rollout.sampler.xǁ_TreeSamplerǁ_path_at__mutmut_3":
         "tree.path(root) is [] anyway: the guard only saves a call",
-    "arbor.rollout.sampler.xǁ_TreeSamplerǁ_done__mutmut_6": _NO_REASON,
-    "arbor.rollout.sampler.xǁ_TreeSamplerǁ_done__mutmut_13": _NO_REASON,
-    "arbor.rollout.sampler.xǁ_TreeSamplerǁ_done__mutmut_20": _SHORTFALL,
-    "arbor.rollout.sampler.xǁ_TreeSamplerǁ_done__mutmut_21": _SHORTFALL,
     "arbor.rollout.rewards.xǁRewardPoolǁ_replace__mutmut_1": _KILLED_JOIN,
     "arbor.rollout.rewards.xǁRewardPoolǁ_replace__mutmut_2": _KILLED_JOIN,
     "arbor.rollout.rewards.xǁRewardPoolǁclose__mutmut_3": _KILLED_JOIN,
