@@ -414,11 +414,14 @@ def sample_wrong(mode, agent, caplog, **cfg):
     return tree, s
 
 
-def instances_all_closed() -> bool:
-    deadline = time.monotonic() + 10  # a call past its limit closes its instance when it returns
+def instances_all_closed(opened: int | None = 4) -> bool:
+    """Whether every instance opened (``opened`` of them, unless None) is closed, once any call past
+    its limit has returned (it closes its instance then)."""
+    deadline = time.monotonic() + 10
     while len(Registry.closed) < len(Registry.opened) and time.monotonic() < deadline:
         time.sleep(0.05)
-    return len(Registry.opened) == 4 and sorted(map(id, Registry.closed)) == sorted(map(id, Registry.opened))
+    return ((opened is None or len(Registry.opened) == opened)
+            and sorted(map(id, Registry.closed)) == sorted(map(id, Registry.opened)))
 
 
 @pytest.mark.parametrize("agent", [False, True], ids=["env", "agent"])
@@ -718,10 +721,7 @@ def test_a_branch_whose_instance_cannot_be_made_does_not_start_naming_why(cls, h
                                  "dropped before it samples (env/errors). Seed every source of randomness from "
                                  "reset's seed, or fork by 'copy'")
     assert len(tree.leaves()) < 4 and all(leaf.finish_reason != "failed" for leaf in tree.leaves())
-    deadline = time.monotonic() + 10
-    while len(Registry.closed) < len(Registry.opened) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert sorted(map(id, Registry.closed)) == sorted(map(id, Registry.opened))
+    assert instances_all_closed(opened=None)
 
 
 def test_messages_are_checked_naming_where_and_what():
