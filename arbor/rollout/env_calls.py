@@ -64,7 +64,6 @@ class EnvCalls:
         self.timeout_s, self.max_live = timeout_s, max_live
         self.live = 0  # instances built (or being built) and not closed
         self.close_failures = 0  # close() calls that raised or timed out
-        self.warned: set[str] = set()  # warnings given once per sampling run (every tree may hit them)
         self._lock = threading.Lock()  # ``live`` also drops in abandoned calls' threads
         self._loop: asyncio.AbstractEventLoop | None = None
         self._changed: asyncio.Condition | None = None
@@ -231,16 +230,14 @@ class EnvCalls:
         return self._changed
 
     def _notify(self) -> None:
-        """Wake the waiters for a slot (they re-check); callable from any thread."""
+        """Wake the waiters for a slot (they re-check); callable from any thread, the loop's own
+        included (the wake runs on its next turn either way)."""
         loop = self._loop
-        if not self.max_live or self._changed is None or loop is None or loop.is_closed():
-            return
-        if _on_loop(loop):
-            asyncio.ensure_future(self._wake())
+        if not self.max_live or loop is None:  # no cap (nobody waits), or nothing waited yet
             return
         try:
             loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self._wake()))
-        except RuntimeError:  # the loop closed meanwhile: nobody waits
+        except RuntimeError:  # the loop closed: nobody waits
             pass
 
     async def _wake(self) -> None:
@@ -291,13 +288,6 @@ def _agents_own(make: Callable[[], Any]) -> bool:
     """Whether ``make`` builds an :class:`AgentEnv` (the class, a partial of it, or a copy method)."""
     target: Any = make.func if isinstance(make, functools.partial) else make
     return target is AgentEnv or isinstance(getattr(target, "__self__", None), AgentEnv)
-
-
-def _on_loop(loop: asyncio.AbstractEventLoop) -> bool:
-    try:
-        return asyncio.get_running_loop() is loop
-    except RuntimeError:
-        return False
 
 
 async def _awaited(result: Any) -> None:
