@@ -63,6 +63,8 @@ TESTS: dict[str, list[str]] = {
     "train.logprobs": ["tests/test_loss.py", "tests/test_logprobs.py", "tests/test_lm_head.py",
                  "tests/test_tree_vs_linear.py"],
     "rollout.sampler": ["tests/test_sampler.py", "tests/test_sampler_agents.py", "tests/test_entropy_fork.py",
+                # multi-turn episodes: environment turns in segment and entropy rounds, the fallback's cuts
+                "tests/test_env_forks.py",
                 # partial rollouts (RoundBatcher.generate_fresh) on the embedded engine
                 "tests/test_async_rollouts.py::test_without_partial_rollouts_in_flight_segments_keep_the_old_version",
                 "tests/test_async_rollouts.py::test_partial_rollouts_sample_overtaken_segments_again_under_the_new_weights",
@@ -70,11 +72,13 @@ TESTS: dict[str, list[str]] = {
     "rollout.budget": ["tests/test_sampler.py"],
     # arbor/rollout/agent_thread.py: where agent steps run (their time limit, a raising step).
     "rollout.agent_thread": ["tests/test_sampler_agents.py"],
-    "rollout.rewards": ["tests/test_rewards.py"],
+    "rollout.rewards": ["tests/test_rewards.py",
+                        # a served term beside a Python one: RewardPool.score adds the served scores
+                        "tests/test_served_rewards.py::test_a_classifier_reward_model_and_the_pool_combines_terms_in_config_order"],
     # Environments: the protocol, time-limited calls and the live cap, forks, episodes.
     # (tests/test_agent_sampling.py: multi-turn agents on the embedded engine: steps, overflow, drops)
     "rollout.environments": ["tests/test_environments.py", "tests/test_env_forks.py", "tests/test_agent_sampling.py"],
-    "rollout.env_calls": ["tests/test_env_forks.py", "tests/test_agent_sampling.py", "tests/test_sampler_agents.py"],
+    "rollout.env_calls": ["tests/test_env_calls.py", "tests/test_env_forks.py", "tests/test_agent_sampling.py", "tests/test_sampler_agents.py"],
     "rollout.env_forks": ["tests/test_env_forks.py", "tests/test_agent_sampling.py"],
     "rollout.episodes": ["tests/test_env_forks.py", "tests/test_sampler_agents.py", "tests/test_agent_sampling.py",
                          "tests/test_environments.py"],

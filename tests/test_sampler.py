@@ -199,6 +199,7 @@ def test_root_forks_branch_copies_then_doubles_to_width() -> None:
     assert {leaf.finish_reason for leaf in tree.leaves()} == {"max_length"}
     assert all(n.weight_version == "v7" and n.logprobs == [-0.5] * 4 for n in tree.nodes())
     assert all(r.affinity_key == "tree-0" for r in engine.calls)
+    assert not any(r.sampling.return_entropy for r in engine.calls)  # only entropy forking asks for them
     assert s.requests == len(engine.calls) and s.rounds == 7
     assert s.tokens_generated == sum(len(n.token_ids) for n in tree.nodes())
     engine = ScriptedEngine(segment=4)

@@ -300,7 +300,7 @@ class RewardPool:
             return add_served(result, items, self.served)
 
     def _score(
-        self, items: Sequence[Item], on_progress: Callable[[int, int], None] | None, record_errors: bool = False,
+        self, items: Sequence[Item], on_progress: Callable[[int, int], None] | None, record_errors: bool,
     ) -> ScoreResult:
         if not self.terms:
             return self._result([[] for _ in items], [], [], [0.0] * len(items), 0.0)
