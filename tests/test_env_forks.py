@@ -249,14 +249,16 @@ def test_an_environment_that_raises_drops_its_branches_naming_the_problem_and_ev
     assert Registry.opened and len(Registry.closed) == len(Registry.opened)  # also the other trees'
 
 
-def test_forks_that_never_step_an_environment_without_a_reward_build_no_instance():
+@pytest.mark.parametrize("fork_at", ["segment", "entropy"])
+def test_forks_that_never_step_an_environment_without_a_reward_build_no_instance(fork_at):
     class Unrewarded(Notebook):
         reward = Env.reward  # gives none
 
     def rambles(request, j, depth):  # never ends a turn: every path runs to the response budget
         return fresh(request, j), "length"
 
-    (tree,), (s,) = sample(Unrewarded, script=rambles, max_depth=3)
+    entropy = dict(entropy_init=2, entropy_forks=1) if fork_at == "entropy" else {}
+    (tree,), (s,) = sample(Unrewarded, script=rambles, max_depth=3, fork_at=fork_at, **entropy)
     assert len(tree.leaves()) == 8 and all(leaf.finish_reason == "max_length" for leaf in tree.leaves())
     assert len(Registry.opened) == 1 and s.env_forks == {} and s.env_episodes == 8  # only the tree's reset instance
     assert Registry.closed == Registry.opened
