@@ -245,8 +245,8 @@ EQUIVALENT: dict[str, str] = {
     "arbor.rollout.rewards.xǁRewardPoolǁclose__mutmut_4": _KILLED_JOIN,
     "arbor.rollout.rewards.xǁRewardPoolǁ_receive__mutmut_3": _EOF_JOIN,
     "arbor.rollout.rewards.xǁRewardPoolǁ_receive__mutmut_4": _EOF_JOIN,
-    "arbor.rollout.rewards.xǁRewardPoolǁ_score__mutmut_79": _EXACT_CLOCK,  # start_timeout_s (numbered 2026-11-28)
-    "arbor.rollout.rewards.xǁRewardPoolǁ_score__mutmut_71": _EXACT_CLOCK,  # timeout_s
+    "arbor.rollout.rewards.xǁRewardPoolǁ_score__mutmut_78": _EXACT_CLOCK,  # start_timeout_s (numbered 2026-11-28, evening)
+    "arbor.rollout.rewards.xǁRewardPoolǁ_score__mutmut_70": _EXACT_CLOCK,  # timeout_s
     "arbor.rollout.rewards.x__worker_main__mutmut_6":
         "StreamHandler(None) for StreamHandler(sys.stderr): logging takes None to mean "
         "sys.stderr, read at the same moment, so the handler writes to the same stream",

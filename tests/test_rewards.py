@@ -175,6 +175,7 @@ def test_recorded_errors_are_kept_and_the_other_items_scored():
         result = pool.score(items, record_errors=True)
     assert result.scores == [0.0, 1.0, 0.0] and sorted(result.errors) == [0, 2]
     assert "raises_on_bad raised ValueError: 'cannot score this: bad answer'" in result.errors[0]
+    assert result.check_seconds[0] == result.check_seconds[2] == 0.0 < result.check_seconds[1]  # no score, no time
 
 
 def test_a_worker_killed_while_starting_is_replaced(monkeypatch):
