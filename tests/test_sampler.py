@@ -620,3 +620,17 @@ def test_an_engine_without_a_batch_call_gets_one_call_per_request() -> None:
     assert [leaf.token_ids for leaf in trees_single[0].leaves()] == [
         leaf.token_ids for leaf in trees_batched[0].leaves()]
     assert len(single.inner.calls) == len(batched.calls) and single.inner.rounds == []
+
+
+def test_trees_share_one_engine_call_per_round_by_default() -> None:
+    """``across_trees`` (default True): the rounds of concurrent trees go to the engine together;
+    False: each tree's round is a call of its own. The trees are the same."""
+    keys = []
+    for across in (None, False):
+        engine = ScriptedEngine(segment=4)
+        kw = {} if across is None else {"across_trees": across}
+        trees, _ = run(engine, cfg_of(width=4, max_depth=3), prompts=[PROMPT, PROMPT], **kw)
+        keys.append([sorted({r.affinity_key for r in batch}) for batch in engine.rounds])
+        assert [len(t.leaves()) for t in trees] == [4, 4]
+    assert keys[0] and all(k == ["tree-0", "tree-1"] for k in keys[0])
+    assert len(keys[1]) == 2 * len(keys[0]) and all(len(k) == 1 for k in keys[1])
