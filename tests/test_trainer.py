@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 from async_checks import check_async_trained
+from engine_kills import KillAtTheProducersRequest
 from safetensors.torch import load_file
 from tiny_model import build_tiny_model_dir
 
@@ -190,54 +191,69 @@ def test_an_engine_killed_mid_rollout_is_restarted_and_the_step_completes(run_in
     assert all(m["sync/logprob_gap"] <= 1e-4 for m in history)
 
 
-def kill_engine_while_the_producer_samples(after_step_number, victim=lambda pid: pid):
-    """An after_step hook that, after step ``after_step_number``, SIGKILLs engine 0's server
-    (``victim(its pid)``: that process or one of its children) at the first moment the
-    asynchronous producer's requests are in flight (the trainer's own engine idle, no push
-    under way): the producer must bring it back."""
-    import os
-    import signal
-    import threading
-    import time
-
-    import ray
-
-    kills = []
-
-    def kill_when_sampling(ctx):
-        pid = victim(ray.get(ctx.engines.workers[0].pid.remote()))
-        deadline = time.monotonic() + 120
-        while not kills and time.monotonic() < deadline:
-            with ctx.weights.held():  # no push starts meanwhile
-                if ctx.recovery.in_flight > ctx.sampling.engine.in_flight:  # the producer's requests
-                    os.kill(pid, signal.SIGKILL)
-                    kills.append(pid)
-            time.sleep(0.002)
-
-    def arm(ctx, step, metrics):
-        if step == after_step_number:
-            threading.Thread(target=kill_when_sampling, args=(ctx,), daemon=True).start()
-
-    return arm, kills
-
-
-def test_an_engine_killed_while_the_asynchronous_producer_samples_is_restarted(run_inputs, tmp_path):
+def test_an_engine_killed_as_the_asynchronous_producer_samples_is_restarted_by_it(run_inputs, tmp_path, monkeypatch):
     root, model, data = run_inputs
     # Two engines: the survivor leaves the old weight-update group for the next push's new one.
     cfg = config(root, model, data, tmp_path / "ak", "learner.backend=torch", "learner.zero_stage=0", "run.steps=4",
                  "engine.num_engines=2", "algorithm.max_staleness=1", "run.sync_probe_every=1")
-    arm, kills = kill_engine_while_the_producer_samples(1)
-    history = train(cfg, after_step=arm)
-    assert len(kills) == 1 and len(history) == 4  # the run finished
+    kill = KillAtTheProducersRequest(monkeypatch, 3)  # after step 2, at step 3's first request
+    history = train(cfg, after_step=kill.after_step)
+    assert len(kill.kills) == 1 and len(history) == 4  # the run finished
     check_async_trained(history, max_staleness=1)
-    assert sum(m["engine/restarts"] for m in history) >= 1
+    # The producer restarted it while the trainer waited for step 3's batch.
+    assert [m["engine/restarts"] for m in history] == [0, 0, 1, 0]
+    assert [m["engine/stale_answers"] for m in history] == [0, 0, 0, 0]
     # Every push checks each engine's version: the restarted one took part in the later ones.
     assert [m["sync/weight_version"] for m in history] == [1, 2, 3, 4]
     assert all(m["sync/logprob_gap"] <= 1e-4 for m in history)
-    assert all(m["async/dropped"] == 0 for m in history)  # the restored engine served the pushed weights
+    assert [m["async/dropped"] for m in history] == [0, 0, 0, 0]  # the restored engine served the pushed weights
 
 
-def test_lora_with_an_asynchronous_producer_names_the_adapter_and_survives_an_engine_kill(run_inputs, tmp_path):
+def test_a_request_the_restarted_engine_answers_before_the_push_is_sent_again_after_it(run_inputs, tmp_path,
+                                                                                      monkeypatch):
+    """The race of the trainer's and the producer's threads, forced: the trainer, about to push
+    step 2's weights, finds the server dead and restarts it; the restored server serves
+    model.path's weights until that push, and the producer's request reaches it meanwhile (as a
+    client's retry does). Its answer, labelled "default", is not used: the request is sent again
+    after the push, so step 3's trees are not sampled by model.path's weights (and dropped as
+    two updates old)."""
+    root, model, data = run_inputs
+    cfg = config(root, model, data, tmp_path / "ar", "learner.backend=torch", "learner.zero_stage=0", "run.steps=3",
+                 "engine.num_engines=2", "algorithm.max_staleness=1", "run.sync_probe_every=1", "run.save_trees_every=1")
+    kill = KillAtTheProducersRequest(monkeypatch, 3, by="trainer")
+    history = train(cfg, after_step=kill.after_step)
+    assert len(kill.kills) == 1 and len(history) == 3
+    assert sum(m["engine/restarts"] for m in history) == 1
+    assert [m["async/dropped"] for m in history] == [0, 0, 0]
+    assert [m["rollout/trees_trained"] for m in history] == [2, 2, 2]
+    trees = [RolloutTree.from_json(line) for line in (tmp_path / "ar" / "trees" / "step-000003.jsonl").read_text().splitlines()]
+    assert {n.weight_version for t in trees for n in t.nodes()} - {None} <= {"1", "2"}
+    assert sum(m["engine/stale_answers"] for m in history) == 1  # the one answer the restarted server gave before the push
+    assert all(m["sync/logprob_gap"] <= 1e-4 for m in history)
+
+
+def test_lora_a_request_the_restarted_engine_refuses_before_its_restore_is_sent_again(run_inputs, tmp_path,
+                                                                                     monkeypatch):
+    """The race again, the producer's request reaching the restarted server before its restore:
+    `arbor serve` refuses it (400: the adapter it names is not loaded yet). A refusal from a
+    server under restore is not the request's fault: it is sent again once the server is
+    restored and the push under way done."""
+    root, model, data = run_inputs
+    out = tmp_path / "lr"
+    cfg = config(root, model, data, out, "learner.backend=torch", "learner.zero_stage=0", "run.steps=3",
+                 "engine.num_engines=2", "algorithm.max_staleness=1", "model.lora_rank=4", "run.save_trees_every=1")
+    kill = KillAtTheProducersRequest(monkeypatch, 3, by="trainer", before="restore")
+    history = train(cfg, after_step=kill.after_step)
+    assert len(kill.kills) == 1 and len(history) == 3
+    assert sum(m["engine/restarts"] for m in history) == 1
+    assert [m["async/dropped"] for m in history] == [0, 0, 0]
+    trees = [RolloutTree.from_json(line) for line in (out / "trees" / "step-000003.jsonl").read_text().splitlines()]
+    assert {n.weight_version for t in trees for n in t.nodes()} - {None} <= {"1", "2"}
+    assert sum(m["engine/stale_answers"] for m in history) == 1
+
+
+def test_lora_with_an_asynchronous_producer_names_the_adapter_and_survives_an_engine_kill(run_inputs, tmp_path,
+                                                                                          monkeypatch):
     """`arbor serve` answers 400 to a request that names no adapter once one is loaded: the
     producer's requests name the adapter of the last push, and a restarted engine gets the
     adapters the other holds back."""
@@ -245,16 +261,16 @@ def test_lora_with_an_asynchronous_producer_names_the_adapter_and_survives_an_en
     out = tmp_path / "al"
     cfg = config(root, model, data, out, "learner.backend=torch", "learner.zero_stage=0", "run.steps=4",
                  "engine.num_engines=2", "algorithm.max_staleness=1", "run.sync_probe_every=1", "model.lora_rank=4", "run.save_trees_every=1")
-    arm, kills = kill_engine_while_the_producer_samples(2)
-    history = train(cfg, after_step=arm)
-    assert len(kills) == 1 and len(history) == 4
+    kill = KillAtTheProducersRequest(monkeypatch, 3)
+    history = train(cfg, after_step=kill.after_step)
+    assert len(kill.kills) == 1 and len(history) == 4
     check_async_trained(history, max_staleness=1)
-    assert sum(m["engine/restarts"] for m in history) >= 1
+    assert [m["engine/restarts"] for m in history] == [0, 0, 1, 0]
     assert all(m["sync/logprob_gap"] <= 1e-4 for m in history)
-    # Step 3's trees were sampled after the first push: by the adapter (a base-model sample would
-    # have been refused), one update old at most.
+    # Step 3's trees were sampled after the second push, by its adapter on the restarted server
+    # (a base-model sample would have been refused).
     trees = [RolloutTree.from_json(line) for line in (out / "trees" / "step-000003.jsonl").read_text().splitlines()]
-    assert {n.weight_version for t in trees for n in t.nodes()} <= {"1", "2"}
+    assert {n.weight_version for t in trees for n in t.nodes()} - {None} == {"2"}
     # Adapters held: the newest 2 + max_staleness (requests in flight may name older ones).
     assert sorted(p.name for p in (out / "weight-sync").iterdir()) == ["arbor-lora-2", "arbor-lora-3", "arbor-lora-4"]
 

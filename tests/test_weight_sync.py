@@ -9,8 +9,20 @@ from transformers import AutoModelForCausalLM
 
 from arbor.engines.client import SGLangClient
 from arbor.engines.launch import launch_engines
-from arbor.run.weight_sync import WeightSync, probe_logprob_gap
+from arbor.run.weight_sync import WeightSync, behind, probe_logprob_gap
 from arbor.train.weight_sync import gathered_parameters, named_tensor_buckets
+
+
+@pytest.mark.parametrize(("label", "version", "expected"), [
+    ("default", "2", True),  # model.path's weights on a server restarted after push 2
+    ("1", "2", True), ("9", "10", True),  # by number, not as text
+    ("2", "2", False), ("3", "2", False),  # a push landed while the call ran
+    ("default", None, False), ("1", None, False),  # nothing pushed yet
+    ("default", "default", False),
+    ("v2", "3", False), ("1", "latest", False),  # labels that do not order
+])
+def test_an_answer_is_behind_only_when_its_weights_predate_the_push_it_was_sent_under(label, version, expected):
+    assert behind(label, version) is expected
 
 
 def test_buckets_respect_the_size_bound():

@@ -481,7 +481,7 @@ class SGLangClient:
                     f"run's key (engine.api_key or ${API_KEY_ENV})", url=url + path, status=response.status,
                 )
             if response.status >= 400:
-                raise EngineError(error_message(text), url=url + path, status=response.status)
+                raise EngineError(error_message(text), url=url + path, status=response.status, server=url)
             if response.content_type == "application/json":
                 return await response.json()
             return text

@@ -20,6 +20,7 @@ class EngineError(RuntimeError):
     ``unreachable``: the call kept failing to connect, timing out or answering 5xx until
     its retries were spent (the server at ``server`` is dead or stuck: whether to restart
     it is the caller's decision, e.g. a run's :mod:`arbor.run.recovery`).
+    ``server``: the base URL of the server that refused or did not answer (None where unknown).
     """
 
     def __init__(

@@ -27,7 +27,13 @@ all share one recovery. Recovery, once per death whichever request noticed it fi
    restored server serves what the others do.
 
 The requests in flight are sent again as they were (seeded), so the step completes with
-the same trees. An engine that needs more than ``engine.max_restarts`` restarts without a
+the same trees. A restarted server may answer before it serves the run's weights: a call
+retried by the client (or sent by another thread) reaches it between its restart and its
+restore, or, restarted before a push, until that push. Such an answer (labelled with a
+weight version older than the one the call was sent under) or refusal (LoRA: the adapter not
+loaded yet) is not used: the call waits for the restore (or the push) and is sent again,
+counted in ``engine/stale_answers``; otherwise an asynchronous run would train on, or drop,
+trees sampled by model.path's weights. An engine that needs more than ``engine.max_restarts`` restarts without a
 step in between that it served whole stops the run: :class:`EngineFailedError` with its
 log's last lines and the last checkpoint (``run.resume=true`` continues from it).
 """
@@ -52,7 +58,7 @@ from arbor.errors import RunStopped
 from arbor.run import checkpoint
 from arbor.run.engine_group import EngineGroup
 from arbor.run.nodes import node_lost
-from arbor.run.weight_sync import EngineWeights
+from arbor.run.weight_sync import EngineWeights, behind
 
 HEALTH_TIMEOUT_S = 30.0  # a lost machine answers nothing: a health check waits no longer
 
@@ -74,6 +80,9 @@ class EngineRecovery:
         self.restarts_this_step = 0
         self.in_flight = 0  # generate calls of the run's engines awaiting an answer (a soak kills engines then)
         self.moved: dict[str, str] = {}  # an engine's old URL -> its URL after it started in a new actor
+        self.stale_answers = 0  # calls sent again this step: a restarted server answered before its restore
+        # Per URL, +1 when a recovery restarts it and +1 when its restore ends (odd: being restored).
+        self._restores: dict[str, int] = {}
         self._counts = threading.Lock()  # the fields above; never held while waiting for anything
 
     def recover(self, url: str, error: EngineError) -> str:
@@ -84,10 +93,40 @@ class EngineRecovery:
                 url = self.moved[url]
             if self._healthy(url):
                 return url
-            url = self._restart(url, error)
-            served = self.weights.restore(url)
+            self._mark(url)
+            try:
+                new_url = self._restart(url, error)
+                served = self.weights.restore(new_url)
+            finally:
+                self._mark(url)
+            url = new_url
         print(f"arbor train: engine {url} is back, serving {served}", file=sys.stderr, flush=True)
         return url
+
+    def _mark(self, url: str) -> None:
+        with self._counts:
+            self._restores[url] = self._restores.get(url, 0) + 1
+
+    def restores(self) -> dict[str, int]:
+        """The restore marks now (:meth:`restored_since` compares a later moment with them)."""
+        with self._counts:
+            return dict(self._restores)
+
+    def restored_since(self, url: str | None, marks: dict[str, int]) -> bool:
+        """Whether the server at ``url`` was being restored at ``marks`` or has been restarted since."""
+        with self._counts:
+            now = self._restores.get(url, 0) if url is not None else 0
+        then = marks.get(url, 0) if url is not None else 0
+        return now != then or then % 2 == 1
+
+    def wait_restored(self) -> None:
+        """Until no restore runs and the learners' weights are the engines' (a push under way ended)."""
+        with self.weights.held():
+            pass
+
+    def count_stale_answer(self) -> None:
+        with self._counts:
+            self.stale_answers += 1
 
     def revive_dead(self) -> None:
         """Recover every server that does not answer ``/health`` now (before a weight sync,
@@ -98,14 +137,15 @@ class EngineRecovery:
                 self.recover(url, EngineError("not answering /health before the weight sync", url=url))
 
     def step_metrics(self) -> dict[str, float]:
-        """``engine/restarts`` since the last call (the step now ending); engines that did not
-        die meanwhile start counting their restarts in a row from 0 again."""
+        """``engine/restarts`` and ``engine/stale_answers`` since the last call (the step now
+        ending); engines that did not die meanwhile start counting their restarts in a row from 0 again."""
         with self._counts:
             for url in self.in_a_row:
                 if url not in self.died_this_step:
                     self.in_a_row[url] = 0
-            metrics = {"engine/restarts": float(self.restarts_this_step)}
-            self.died_this_step, self.restarts_this_step = set(), 0
+            metrics = {"engine/restarts": float(self.restarts_this_step),
+                       "engine/stale_answers": float(self.stale_answers)}
+            self.died_this_step, self.restarts_this_step, self.stale_answers = set(), 0, 0
         return metrics
 
     @contextmanager
@@ -223,8 +263,11 @@ class RecoveringEngine:
         await self.client.close()
 
     async def generate(self, request: GenerateRequest) -> list[GenerateOutput]:
+        async def one() -> list[list[GenerateOutput]]:
+            return [await self.client.generate(self._named(request))]
+
         with self._generating():
-            return await self._sent(lambda: self.client.generate(self._named(request)))
+            return (await self._current(one))[0]
 
     async def generate_many(self, requests: list[GenerateRequest]) -> list[list[GenerateOutput]]:
         """The client's batch call, one per server, each recovered on its own (a survivor's
@@ -235,7 +278,7 @@ class RecoveringEngine:
             by_server.setdefault(None if key is None else self.client.server_for(key), []).append(i)
 
         async def send(indices: list[int]) -> list[list[GenerateOutput]]:
-            return await self._sent(lambda: self.client.generate_many([self._named(requests[i]) for i in indices]))
+            return await self._current(lambda: self.client.generate_many([self._named(requests[i]) for i in indices]))
 
         results: list[list[GenerateOutput]] = [[] for _ in requests]
         with self._generating():
@@ -252,6 +295,24 @@ class RecoveringEngine:
         again after a push samples the pushed weights)."""
         adapter = self.weights.adapter
         return request if request.adapter == adapter else replace(request, adapter=adapter)
+
+    async def _current(
+        self, call: Callable[[], Awaitable[list[list[GenerateOutput]]]]
+    ) -> list[list[GenerateOutput]]:
+        """``call``'s outputs (:meth:`_sent`), sent again once a restarted server that answered
+        or refused it before its restore (or the push under way) serves the run's weights."""
+        version, marks = self.weights.version, self.recovery.restores()
+        try:
+            outputs = await self._sent(call)
+        except EngineError as exc:
+            if exc.unreachable or exc.status is None or not self.recovery.restored_since(exc.server, marks):
+                raise
+        else:
+            if not any(behind(out.weight_version, version) for outs in outputs for out in outs):
+                return outputs
+        self.recovery.count_stale_answer()
+        await asyncio.to_thread(self.recovery.wait_restored)
+        return await self._sent(call)
 
     async def _sent(self, call: Callable[[], Awaitable[T]]) -> T:
         try:

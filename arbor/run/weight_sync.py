@@ -38,7 +38,9 @@ serve: the adapters they hold (LoRA), the last pushed directory (disk), or an HF
 the learners' weights (distributed; the other engines then leave the group and the next
 push opens a new one with all). The learners' weights are the pushed ones except inside a
 :meth:`EngineWeights.changing` block, which restores wait for; a restore inside it (the
-block's own thread, before its push) leaves full weights to that push.
+block's own thread, before its push) leaves full weights to that push; the calls that reach
+the server meanwhile answer under model.path's version (:func:`behind` the run's), and the
+run's engine sends them again after the push (:mod:`arbor.run.recovery`).
 
 :class:`WeightSync` is the engine side alone: ``await WeightSync(client).push(buckets, "3")``
 pushes the weights of a model in this process (this process is the group's rank 0).
@@ -356,6 +358,27 @@ class EngineWeights:
                 others = [u for u in self.urls if u != url]
                 _run(self._sync.client, self._sync.leave_group(others))
         return served
+
+
+def behind(label: str, version: str | None) -> bool:
+    """Whether weights labelled ``label`` (an engine's reply) predate the pushed ``version``.
+
+    A run labels its pushes by step number and model.path's weights carry the server's
+    ``"default"``; the engines' versions only move forward, except a restarted server's until
+    its restore (or, restarted inside :meth:`EngineWeights.changing`, until the push). A label
+    that is neither cannot be ordered: not behind.
+    """
+    if version is None:
+        return False
+    ours, theirs = _step_label(version), _step_label(label)
+    return ours is not None and theirs is not None and theirs < ours
+
+
+def _step_label(label: str) -> int | None:
+    """``"12"`` -> 12, ``"default"`` (model.path's weights) -> 0, any other label -> None."""
+    if label == "default":
+        return 0
+    return int(label) if label.isdigit() else None
 
 
 def _run(client: SGLangClient, coroutine: Coroutine[Any, Any, T]) -> T:
