@@ -33,9 +33,11 @@ restore, or, restarted before a push, until that push. Such an answer (labelled 
 weight version older than the one the call was sent under) or refusal (LoRA: the adapter not
 loaded yet) is not used: the call waits for the restore (or the push) and is sent again,
 counted in ``engine/stale_answers``; otherwise an asynchronous run would train on, or drop,
-trees sampled by model.path's weights. An engine that needs more than ``engine.max_restarts`` restarts without a
-step in between that it served whole stops the run: :class:`EngineFailedError` with its
-log's last lines and the last checkpoint (``run.resume=true`` continues from it).
+trees sampled by model.path's weights.
+
+An engine that needs more than ``engine.max_restarts`` restarts without a step in between
+that it served whole stops the run: :class:`EngineFailedError` with its log's last lines and
+the last checkpoint (``run.resume=true`` continues from it).
 """
 
 from __future__ import annotations
