@@ -149,22 +149,46 @@ class KillAtTheProducersRequest:
         assert self._events[event].wait(self.timeout_s), f"no '{event}' within {self.timeout_s:.0f} s (step {self.step})"
 
     def _kill(self, url: str) -> None:
-        """SIGKILL the server at ``url`` and wait until it stops answering."""
-        import urllib.error
-        import urllib.request
-
-        import ray
-
         assert self.engines is not None
-        os.kill(ray.get(self.engines.worker(url).pid.remote()), signal.SIGKILL)
+        kill_server(self.engines, url, self.timeout_s)
         self.kills.append(url)
-        deadline = time.monotonic() + self.timeout_s
-        while time.monotonic() < deadline:
-            try:
-                urllib.request.urlopen(url + "/health", timeout=1).close()
-            except urllib.error.HTTPError:
-                pass  # it answered (with an error): alive
-            except OSError:
-                return
-            time.sleep(0.01)
-        raise AssertionError(f"{url} still answers {self.timeout_s:.0f} s after its SIGKILL")
+
+
+def kill_server(engines, url: str, timeout_s: float = 120) -> None:
+    """SIGKILL the server at ``url`` (one of ``engines``, the run's EngineGroup) and wait until
+    it stops answering."""
+    import urllib.error
+    import urllib.request
+
+    import ray
+
+    os.kill(ray.get(engines.worker(url).pid.remote()), signal.SIGKILL)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            urllib.request.urlopen(url + "/health", timeout=1).close()
+        except urllib.error.HTTPError:
+            pass  # it answered (with an error): alive
+        except OSError:
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"{url} still answers {timeout_s:.0f} s after its SIGKILL")
+
+
+def kill_after_the_health_check(monkeypatch, step: int) -> list[str]:
+    """Kills engine 0's server in step ``step``'s push, just after the check that every server
+    answers: the push itself finds it dead. The list it returns gets the URL."""
+    from arbor.run.recovery import EngineRecovery
+
+    kills: list[str] = []
+    revive_dead = EngineRecovery.revive_dead
+
+    def revive_then_kill(recovery) -> None:
+        revive_dead(recovery)
+        if recovery.weights.version == str(step - 1) and not kills:
+            url = recovery.engines.urls[0]
+            kill_server(recovery.engines, url)
+            kills.append(url)
+
+    monkeypatch.setattr(EngineRecovery, "revive_dead", revive_then_kill)
+    return kills

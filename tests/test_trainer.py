@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 from async_checks import check_async_trained
-from engine_kills import KillAtTheProducersRequest
+from engine_kills import KillAtTheProducersRequest, kill_after_the_health_check
 from safetensors.torch import load_file
 from tiny_model import build_tiny_model_dir
 
@@ -273,6 +273,33 @@ def test_lora_with_an_asynchronous_producer_names_the_adapter_and_survives_an_en
     assert {n.weight_version for t in trees for n in t.nodes()} - {None} == {"2"}
     # Adapters held: the newest 2 + max_staleness (requests in flight may name older ones).
     assert sorted(p.name for p in (out / "weight-sync").iterdir()) == ["arbor-lora-2", "arbor-lora-3", "arbor-lora-4"]
+
+
+def test_an_engine_that_dies_during_a_push_from_disk_is_restarted_and_the_push_made_again(run_inputs, tmp_path,
+                                                                                         monkeypatch):
+    root, model, data = run_inputs
+    cfg = config(root, model, data, tmp_path / "pd", "learner.backend=torch", "learner.zero_stage=0", "run.steps=3",
+                 "engine.num_engines=2", "learner.weight_sync=disk", "run.sync_probe_every=1")
+    kills = kill_after_the_health_check(monkeypatch, 2)
+    history = train(cfg)
+    assert len(kills) == 1 and len(history) == 3
+    assert [m["engine/restarts"] for m in history] == [0, 1, 0]
+    assert [m["sync/weight_version"] for m in history] == [1, 2, 3]  # both engines confirmed each push
+    assert all(m["sync/logprob_gap"] <= 1e-4 for m in history)
+
+
+def test_an_engine_that_dies_during_a_broadcast_stops_the_run_naming_it(run_inputs, tmp_path, monkeypatch):
+    from arbor.run.recovery import EngineFailedError
+
+    root, model, data = run_inputs
+    cfg = config(root, model, data, tmp_path / "pb", "learner.backend=torch", "learner.zero_stage=0", "run.steps=3",
+                 "learner.weight_sync=distributed")
+    kills = kill_after_the_health_check(monkeypatch, 2)
+    with pytest.raises(EngineFailedError, match=r"(?s)engine http://\S+ stopped answering during the push of weight "
+                                                r"version 2 \(distributed\), which cannot be sent again.*step-000001: "
+                                                r"continue with run.resume=true"):
+        train(cfg)
+    assert len(kills) == 1
 
 
 def test_an_engine_that_keeps_dying_stops_the_run_with_its_log_and_checkpoint(run_inputs, tmp_path):

@@ -346,8 +346,7 @@ def _filler(per_rank: list[list[PackedBatch]]) -> PackedBatch:
 def push_weights(weights: EngineWeights, recovery: EngineRecovery, version: str) -> dict[str, float]:
     """Learner weights → every engine (cache flushed, version checked), inside the trainer's
     ``weights.changing()`` block: :mod:`arbor.run.weight_sync`."""
-    recovery.revive_dead()  # a server that died after its last request is restarted first
-    sent = weights.push(version)
+    sent = recovery.push(version)  # a server that died after its last request is restarted first
     return {"sync/weight_version": float(version), "sync/bytes": float(sent)}
 
 

@@ -130,6 +130,35 @@ class EngineRecovery:
         with self._counts:
             self.stale_answers += 1
 
+    def push(self, version: str) -> int:
+        """``weights.push(version)`` once every server answers (:meth:`revive_dead`); the bytes sent.
+
+        A server that stops answering during the push itself: with ``learner.weight_sync:
+        disk`` (each engine loads a directory: a load can be sent again) it is recovered and
+        the push made again, once (a learner rank on the server's lost node stops the run, as
+        in any recovery); a broadcast or an adapter load, which cannot be replayed on the
+        engines that took it, stops the run naming the server, or the learner rank that was
+        lost with its node.
+        """
+        self.revive_dead()
+        try:
+            return self.weights.push(version)
+        except EngineError as exc:
+            if not exc.unreachable or exc.server is None:
+                raise
+            if self.weights.method != "disk":
+                node = self.engines.node_of(exc.server)
+                lost = self.weights.learners.lost_rank_error() if node is not None and node_lost(node[0]) else None
+                if lost is not None:
+                    raise lost from exc
+                raise EngineFailedError(
+                    f"engine {exc.server} stopped answering during the push of weight version {version} "
+                    f"({self.weights.method}), which cannot be sent again to the engines that took it: "
+                    f"{exc}. {checkpoint.resume_hint(self.output_dir)}"
+                ) from exc
+            self.recover(exc.server, exc)
+        return self.weights.push(version)
+
     def revive_dead(self) -> None:
         """Recover every server that does not answer ``/health`` now (before a weight sync,
         whose broadcast cannot be replayed: a server that died after its last rollout
