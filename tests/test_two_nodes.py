@@ -158,18 +158,41 @@ def test_weights_by_disk_a_lost_node_stops_the_run_naming_it_and_resume_continue
     assert all(m["sync/logprob_gap"] < GAP_BOUND for m in steps_of(out))
 
 
+HOLD_AFTER_STEP_1 = '''
+import json
+import time
+from pathlib import Path
+
+
+def after_step_1(problem, completion):
+    """0.0; once step 1's metrics are written, only after the test's release file exists."""
+    metrics = Path("{metrics}")
+    if metrics.exists() and any(json.loads(line).get("step") == 1 for line in metrics.read_text().splitlines() if line.strip()):
+        deadline = time.monotonic() + 240
+        while not Path("{released}").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+    return 0.0
+'''
+
+
 def test_an_engine_alone_on_a_lost_node_starts_again_on_an_alive_one(cluster, tmp_path):
     """Both learner ranks on node 1, the engine on node 2 (SPREAD: a node the group does not use
     yet); node 2 dies after step 1: the engine starts again on node 1 with the run's weights,
     and the run finishes step 2 there."""
-    out = tmp_path / "moved"
+    out, released = tmp_path / "moved", tmp_path / "released"
+    # A barrier, not a timing window: a reward term (weight 0) holds step 2's checks until the
+    # node is dead, so the run needs its engine again after the kill (at step 2's push).
+    (tmp_path / "hold.py").write_text(HOLD_AFTER_STEP_1.format(metrics=out / "metrics.jsonl", released=released))
     process = start_train(cluster, out, "ray.learner_resources={node1: 1}", "ray.placement_strategy=SPREAD",
-                          "run.steps=2")
+                          "run.steps=2", "reward.timeout_s=300",
+                          f"reward.functions=[{{fn: rewards/math.py:boxed_accuracy, weight: 1.0}}, "
+                          f"{{fn: {tmp_path / 'hold.py'}:after_step_1, weight: 0.0}}]")
     a, b = cluster.address(1), cluster.address(2)
     try:
         wait_for_step(process, out, 1)
         assert f"engines http://{b}:" in started_line(Path(f"{out}.stdout").read_text())
         cluster.kill(2)
+        released.touch()
         code, stdout, stderr = finish(process, out)
     finally:
         cluster.restart(2)
