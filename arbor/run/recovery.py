@@ -147,10 +147,7 @@ class EngineRecovery:
             if not exc.unreachable or exc.server is None:
                 raise
             if self.weights.method != "disk":
-                node = self.engines.node_of(exc.server)
-                lost = self.weights.learners.lost_rank_error() if node is not None and node_lost(node[0]) else None
-                if lost is not None:
-                    raise lost from exc
+                self._lost_node(exc.server)  # a learner rank lost with it is the cause
                 raise EngineFailedError(
                     f"engine {exc.server} stopped answering during the push of weight version {version} "
                     f"({self.weights.method}), which cannot be sent again to the engines that took it: "
@@ -233,17 +230,25 @@ class EngineRecovery:
             self.died_this_step.add(url)
         return url
 
+    def _lost_node(self, url: str) -> str | None:
+        """The address of the engine at ``url``'s node if Ray declares it lost (waiting for the
+        verdict), else None; a learner rank lost with it stops the run (LearnerFailedError)."""
+        node = self.engines.node_of(url)
+        if node is None or not node_lost(node[0]):
+            return None
+        lost = self.weights.learners.lost_rank_error()
+        if lost is not None:
+            raise lost
+        return node[1]
+
     def _move(self, url: str) -> str:
         """Start the engine at ``url``, whose actor is gone, in a new actor (on an alive node when
         its own was lost); its new URL. A learner rank on a lost node stops the run instead."""
-        node = self.engines.node_of(url)
         # Wait for Ray's verdict on the node: until it declares a lost node dead, the engine's
         # bundle stays there and a new actor would be sent to a dead machine.
-        if node is not None and node_lost(node[0]):
-            lost = self.weights.learners.lost_rank_error()
-            if lost is not None:
-                raise lost
-            print(f"arbor train: engine {url}'s node {node[1]} is lost; starting the engine again where Ray "
+        node = self._lost_node(url)
+        if node is not None:
+            print(f"arbor train: engine {url}'s node {node} is lost; starting the engine again where Ray "
                   "re-places its bundle", file=sys.stderr, flush=True)
         else:
             print(f"arbor train: engine {url}'s actor is gone; starting it again", file=sys.stderr, flush=True)
