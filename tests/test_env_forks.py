@@ -84,9 +84,12 @@ def check_isolation(tree: RolloutTree, noisy: bool = False) -> None:
 
 
 def test_the_same_seed_resets_every_instance_of_a_tree():
-    trees, _ = sample(Notebook, problems=2)
+    from arbor.rollout.episodes import reset_seed
+
+    trees, _ = sample(Notebook, problems=2)  # the step's seed is 5
     seeds = {(o.notes[0] if o.notes else None, o.seed) for o in Registry.opened}
-    assert len({seed for _, seed in seeds}) == 2  # one reset seed per tree, shared by its replays
+    # one reset seed per tree, shared by its replays, from the step's seed
+    assert {seed for _, seed in seeds} == {reset_seed(5, 0), reset_seed(5, 1)}
 
 
 @pytest.mark.parametrize("cls", [Notebook, CopyNotebook, NoForkNotebook])
@@ -235,6 +238,32 @@ def test_entropy_forks_inside_later_turns_get_the_environment_of_that_turn(cls, 
     assert len(Registry.closed) == len(Registry.opened)
 
 
+@pytest.mark.parametrize("cls", [Notebook, CopyNotebook, NoForkNotebook])
+def test_entropy_forks_at_the_first_tokens_of_sibling_answers_fork_from_their_parent_once(cls):
+    # Every token scores the same, so each initial answer's fork point is its first token: both
+    # points fork from the root. They are one start there (copy mode once crashed preparing the
+    # root's instances twice: "2 copies sampled from node 0 for 0 instances").
+    (tree,), (s,) = sample(cls, width=6, fork_at="entropy", entropy_init=2, entropy_forks=1)
+    assert len(tree.leaves()) == 6 and len(tree.root.children) == 6 and s.forks == 2
+    assert s.env_errors == 0 and not s.failures and s.env_live == 0
+    check_isolation(tree)
+    assert len(Registry.closed) == len(Registry.opened)
+
+
+@pytest.mark.parametrize("fallback", [True, False], ids=["fallback", "no_fallback"])
+def test_entropy_forking_whose_copies_all_fail_ends_the_tree_naming_why(fallback):
+    # No copy can be made: no path starts, so there is no token to fork at; the root restart (with
+    # rollout.fallback) gets no instance either, and the tree ends there (no loop).
+    _Copies.how = "copy_raises"
+    tree, s, _ = sample_with(_Copies, fork_at="entropy", entropy_init=2, entropy_forks=1, fallback=fallback)
+    assert tree.leaves() == [] and s.requests == 0 and s.root_restarts == int(fallback)
+    assert len(s.failures) == s.unstarted == (4 if fallback else 2)
+    assert s.shortfall_reason == ("environment failures stopped branches (0 dropped, 0 errors, 0 timeouts, 4 failures: "
+                                  "env/errors, env/timeouts, failures/*)" if fallback else
+                                  "no token left to fork at and rollout.fallback is disabled")
+    assert len(Registry.closed) == len(Registry.opened) == 1
+
+
 def test_an_environment_that_raises_drops_its_branches_naming_the_problem_and_every_instance_is_closed():
     from env_fixtures import Broken
 
@@ -332,7 +361,7 @@ def test_a_tree_whose_environment_cannot_start_is_dropped_naming_why(agent, stag
     finally:
         _Start.release.set()
     who = "agent" if agent else "env"
-    assert tree.leaves() == [] and s.unstarted == 1
+    assert tree.leaves() == [] and s.unstarted == 1 and tree.problem == {"id": 0}  # a tree with no leaves, named
     assert s.env_live == (kind == "timeout")  # only a call past its limit still holds an instance
     (failure,) = s.failures
     assert (failure.kind, failure.problem_id, failure.turn) == (f"{who}_{kind}", "0", None if agent else 0)
@@ -609,10 +638,43 @@ def test_what_sampling_episodes_needs_is_named():
                                              r"\(EpisodeSetup\.prompt\)$"):
             episode_setup(None, None, env, str, no_prompts=True)
     assert episode_setup(None, None, setup, str, no_prompts=False) is setup
+    with pytest.raises(ValueError, match=r"^sampling needs prompts, unless an environment's reset gives them"):
+        asyncio.run(sample_trees(ScriptedEngine(8), [{"id": 0}], None, cfg_of()))  # neither prompts nor env
     run = run_episodes(setup.source, object(), DataConfig(max_prompt_tokens=77), needs_reward=True)
     assert (run.needs_reward, run.max_prompt_tokens, run.source) == (True, 77, setup.source)
     failure = EpisodeFailure("env_error", "3", 0, "reset raised KeyError: 'x'")
     assert str(EpisodeStartError(failure)) == failure.describe() == "problem 3, turn 0: env_error: reset raised KeyError: 'x'"
+
+
+def test_a_tree_that_fails_stops_the_others_and_their_instances_are_closed_before_the_error_goes_up():
+    # Tree 1's engine call fails while tree 0 waits for its own answer: sample_trees cancels tree 0,
+    # waits until its environment is closed, and only then raises tree 1's error.
+    class Failing(ScriptedEngine):
+        async def generate_many(self, requests):
+            if requests[0].affinity_key == "tree-1":
+                await tree_0_waits.wait()
+                raise RuntimeError("the server went away")
+            tree_0_waits.set()
+            await asyncio.Event().wait()  # tree 0's answer never comes
+
+    async def main() -> tuple[int, int]:
+        with pytest.raises(RuntimeError, match="^the server went away$"):
+            await sample_trees(Failing(8, turn), [{"id": 0}, {"id": 1}], None, cfg_of(width=4, segment_tokens=8),
+                               eos_token_ids=[EOS], decode=lambda ids: " ".join(map(str, ids)), env=setup, seed=5,
+                               across_trees=False)
+        return len(Registry.opened), len(Registry.closed)  # as the error reaches the caller
+
+    class SlowClose(Notebook):  # closing takes a while: the error must wait for it
+        def close(self) -> None:
+            time.sleep(0.2)
+            super().close()
+
+    Registry.reset()
+    source = EnvSource(SlowClose, "rollout.env", "SlowClose", gives_reward(SlowClose()))
+    Registry.reset()
+    setup = EpisodeSetup(source, render, prompt=lambda messages, tools=None: list(PROMPT))
+    tree_0_waits = asyncio.Event()
+    assert asyncio.run(main()) == (2, 2)
 
 
 def test_the_reset_seed_is_the_tree_s_own_and_no_request_s():

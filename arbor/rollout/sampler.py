@@ -49,7 +49,8 @@ multimodal-art-projection/TreePO at b86ce51, ``vllm_rollout_spmd.py``, cited "sp
 - ``fork_at: entropy`` grows the tree with TreeRL's EPTree instead (whole answers forked at
   their highest-entropy tokens, :mod:`arbor.rollout.entropy_fork`), with the same early stops;
   with an environment a whole answer is a whole episode (model and environment turns), and a
-  fork point is a token of a model turn.
+  fork point is a token of a model turn. Points whose copies start at one node (the first tokens
+  of sibling answers) are one request from it.
 - With an environment (:mod:`arbor.rollout.episodes`) every request's copies get their own
   instance first (:mod:`arbor.rollout.env_forks`); one whose ``fork`` is ``none`` keeps a path
   at one copy once it has stepped, the copies it loses going to the paths that may fork.
@@ -351,7 +352,12 @@ class _TreeSampler:
             forks = entropy_forks(tree, scores, per_group=cfg.entropy_forks, remaining=width - leaves,
                                   branch=cfg.branch, may_fork=may_fork)
             if forks:
-                starts = [(split_for_fork(tree, point, scores), copies) for point, copies in forks]
+                # Points at the first tokens of sibling answers share a parent: one request, one set of instances.
+                copies_at: dict[Node, int] = {}
+                for point, copies in forks:
+                    parent = split_for_fork(tree, point, scores)
+                    copies_at[parent] = copies_at.get(parent, 0) + copies
+                starts = list(copies_at.items())
                 self.stats.forks += len(forks)
             elif cfg.fallback:
                 # No token left to fork at: fresh paths from the prompt, as TreePO restarts the root.
