@@ -68,7 +68,8 @@ TESTS: dict[str, list[str]] = {
                 # partial rollouts (RoundBatcher.generate_fresh) on the embedded engine
                 "tests/test_async_rollouts.py::test_without_partial_rollouts_in_flight_segments_keep_the_old_version",
                 "tests/test_async_rollouts.py::test_partial_rollouts_sample_overtaken_segments_again_under_the_new_weights",
-                "tests/test_async_rollouts.py::test_partial_rollouts_count_every_time_a_segment_is_overtaken"],
+                "tests/test_async_rollouts.py::test_partial_rollouts_count_every_time_a_segment_is_overtaken",
+                "tests/test_async_rollouts.py::test_resampling_gives_up_with_a_named_error_when_every_round_is_overtaken"],
     "rollout.budget": ["tests/test_sampler.py"],
     # arbor/rollout/agent_thread.py: where agent steps run (their time limit, a raising step).
     "rollout.agent_thread": ["tests/test_sampler_agents.py"],
@@ -235,6 +236,20 @@ EQUIVALENT: dict[str, str] = {
     "arbor.rollout.sampler.xǁ_TreeSamplerǁrun__mutmut_10": _ROOT_OFFSET,
     "arbor.rollout.sampler.xǁ_TreeSamplerǁrun__mutmut_45": _ROOT_OFFSET,  # numbered 2026-11-28
     "arbor.rollout.sampler.xǁ_TreeSamplerǁ_fallback__mutmut_24": _ROOT_OFFSET,
+    # numbered 2026-11-29 (run, _round, _prepare, _whole_paths, sample_trees)
+    **{f"arbor.rollout.sampler.xǁ_TreeSamplerǁrun__mutmut_{i}": (
+        "return for break: nothing follows run's loop, so leaving the loop is leaving run") for i in (62, 65, 73)},
+    **{f"arbor.rollout.sampler.xǁ_TreeSamplerǁ{name}__mutmut_{i}": (
+        "prepare(None, ...) for prepare(tree, ...): the instances a node's copies get do not depend on the tree "
+        "(Forks.prepare does not read it)") for name, i in (("_round", 3), ("_prepare", 3), ("_whole_paths", 7))},
+    **{f"arbor.rollout.sampler.xǁ_TreeSamplerǁ_whole_paths__mutmut_{i}": (
+        "a finished model turn's path score (None or 1.0 for 0.0) in entropy rounds: only the node of the path "
+        "that goes on after its environment turn is read") for i in (77, 80)},
+    "arbor.rollout.sampler.x_sample_trees__mutmut_81": (
+        "the tree before reset is '' for None: close() drops branches only of a tree that exists, and before "
+        "reset returns no branch was sampled (the list it reads is empty)"),
+    "arbor.rollout.sampler.x_sample_trees__mutmut_95": (
+        "unstarted = 1 for += 1: each tree has its own SampleStats, and a tree whose reset failed counts once"),
     "arbor.rollout.sampler.x__response_upto__mutmut_2":
         "tree.response_ids(root) is [] anyway: the guard only saves a call",
     "arbor.rollout.sampler.xǁ_TreeSamplerǁ_path_at__mutmut_3":

@@ -8,6 +8,7 @@ same policy against `arbor serve` with exact entropies.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import math
 
 import pytest
@@ -132,7 +133,52 @@ def test_no_fork_point_left_falls_back_to_the_root_or_records_a_shortfall():
     tree, stats, requests = sample(script, cfg(width=3))
     assert [r.sampling.n for r in requests] == [1, 2] and stats.root_restarts == 1 and stats.leaves == 3
     tree, stats, _ = sample(script, cfg(width=3, fallback=False))
-    assert stats.leaves == 1 and "rollout.fallback" in stats.shortfall_reason
+    assert stats.leaves == 1 and stats.shortfall_reason == "no token left to fork at and rollout.fallback is disabled"
+
+
+def test_root_restarts_add_up_and_never_overshoot_the_width():
+    # Both initial paths abort empty: the root restarts with min(branch, leaves missing) copies,
+    # 2 then 1 (not 2: the width is 5), each counted, until the width is reached.
+    script: Script = {(): [([], [], None, "abort")] * 2}
+    tree, stats, requests = sample(script, cfg(width=5, entropy_init=2))
+    assert [r.sampling.n for r in requests] == [2, 2, 1]
+    assert stats.root_restarts == 2 and stats.forks == 0 and stats.leaves == 5 and stats.shortfall_reason is None
+
+
+def test_an_answer_cut_short_without_a_stop_token_ends_as_max_length():
+    # "length" from the engine ends a whole path too (its context limit): the leaf says max_length.
+    tree, stats, _ = sample({(): [([10, 11], [-0.1, -0.2], None, "length")]}, cfg(width=1))
+    assert [leaf.finish_reason for leaf in tree.leaves()] == ["max_length"]
+    assert stats.finish_reasons == {"max_length": 1}
+
+
+def test_an_engine_returning_too_few_answers_is_an_error():
+    class Short(ScriptedEngine):
+        async def generate(self, request):
+            return (await super().generate(request))[:1]
+
+    script: Script = {(): [([10, EOS], [-0.1, -0.1], None, "stop")] * 2}
+    with pytest.raises(RuntimeError, match=r"^engine returned 1 outputs for a request of n=2$"):
+        asyncio.run(sample_trees(Short(script), [{"id": "p"}], [PROMPT], cfg(width=2, entropy_init=2),
+                                 eos_token_ids=[EOS]))
+
+
+def test_partial_rollouts_sample_an_overtaken_whole_path_again():
+    # The first answer comes back sampled by weights a push replaced in flight: it is sent again
+    # (counted in resampled) and the tree is the one the current weights give.
+    class Overtaken(ScriptedEngine):
+        async def generate(self, request):
+            outs = await super().generate(request)
+            version = "v0" if len(self.requests) == 1 else "v1"
+            return [dataclasses.replace(out, weight_version=version) for out in outs]
+
+    engine = Overtaken(SCRIPT)
+    (tree,), (stats,) = asyncio.run(sample_trees(engine, [{"id": "p"}], [PROMPT], cfg(), eos_token_ids=[EOS],
+                                                 is_stale=lambda version: version == "v0"))
+    assert [r.input_ids[len(PROMPT):] for r in engine.requests] == [[], [], [10], [10, 20]]
+    assert stats.resampled == 1 and {n.weight_version for n in tree.nodes()} == {"v1"}
+    assert [tree.response_ids(leaf) for leaf in tree.leaves()] == [
+        [10, 11, 12, EOS], [10, 20, 21, EOS], [10, 22, EOS], [10, 20, 30, EOS]]
 
 
 def test_candidates_skip_tokens_that_already_start_a_branch():

@@ -62,6 +62,12 @@ def test_empty_batch():
     assert result.scores == [] and result.timeouts == 0
 
 
+def test_score_batch_gives_each_check_its_time_limit():
+    # A 3 s check against score_batch's 0.5 s limit (not the pool's default 5 s): timed out, 0.
+    result = score_batch(f"{FIX}:sleepy", [(problem(0, sleep=3), "c")], timeout_s=0.5, workers=1, search_dirs=[HERE])
+    assert result.timed_out == [0] and result.scores == [0.0]
+
+
 def test_timeout_kills_replaces_and_counts():
     # Items 1 and 3 sleep far past the 1 s timeout; the others are instant and still score.
     items = [(problem(i, sleep=60 if i in (1, 3) else 0), "c") for i in range(6)]

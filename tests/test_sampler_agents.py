@@ -264,6 +264,66 @@ def test_path_scores_of_a_fallback_cut_skip_tool_turns() -> None:
     assert (b_path.logprob, b_path.last_logprob) == (-4.5, -0.5)
 
 
+def test_fallback_cuts_never_fall_between_a_model_turn_and_its_tool_turn() -> None:
+    # root → s (a model turn cut by its segment) → a (its end, "stop") → tool turn → b (the finished
+    # leaf): a fallback may restart at the root, at s or after the tool turn, never at a (the agent
+    # would not have answered it). Over 40 draws every allowed cut is chosen, and nothing else.
+    import random
+
+    from arbor.rollout.env_calls import EnvCalls
+    from arbor.rollout.environments import agent_source
+    from arbor.rollout.episodes import EpisodeSetup, TreeEpisodes
+    from arbor.rollout.sample_stats import SampleStats
+    from arbor.rollout.sampler import _TreeSampler
+
+    setup = EpisodeSetup(agent_source(TokenAgent(turns=1, tool_len=1)), lambda messages: [TOOL])
+    episodes = TreeEpisodes(setup, EnvCalls(1.0), cfg_of(), SampleStats(), str, [EOS], index=0)
+    sampler = _TreeSampler(ScriptedEngine(4), cfg_of(width=4), 0, [EOS], 0, None, str, episodes)
+    tree = RolloutTree(PROMPT)
+    s = tree.add_segment(tree.root, [11, 12, 13, 14], [-0.5] * 4)
+    s.finish_reason = "length"
+    a = tree.add_segment(s, [15, EOS], [-0.5] * 2)
+    a.finish_reason = "stop"
+    tool = tree.add_segment(a, [TOOL], [0.0], [0])
+    tree.add_segment(tool, [16, EOS], [-0.5] * 2).finish_reason = "stop"
+    chosen = set()
+    for k in range(40):
+        sampler.rng = random.Random(k)
+        paths, copies = sampler._fallback(tree, 2)
+        assert copies == [2]  # one source, the whole budget
+        chosen |= {p.node for p in paths}
+    assert chosen == {tree.root, s, tool}
+
+
+def test_a_tree_short_of_its_width_says_why() -> None:
+    from arbor.errors import EpisodeFailure
+    from arbor.rollout.sample_stats import SampleStats
+    from arbor.rollout.sampler import _TreeSampler
+
+    def reason(leaves: int, **counts) -> str | None:
+        tree = RolloutTree(PROMPT)
+        for k in range(leaves):
+            tree.add_segment(tree.root, [11 + k, EOS], [-0.5, -0.5]).finish_reason = "stop"
+        stats = SampleStats(**counts) if counts else None  # without: the sampler's own
+        return _TreeSampler(ScriptedEngine(4), cfg_of(width=4), 0, [EOS], 0, None, None,
+                            stats=stats).done(tree).shortfall_reason
+
+    env = "env/errors, env/timeouts, failures/*)"
+    failure = EpisodeFailure("env_error", "0", 1, "step raised KeyError: 'x'")
+    assert reason(2, env_dropped=1) == f"environment failures stopped branches (1 dropped, 0 errors, 0 timeouts, " \
+                                       f"0 failures: {env}"
+    assert reason(3, env_errors=1, env_timeouts=2) == ("environment failures stopped branches (0 dropped, 1 errors, "
+                                                       f"2 timeouts, 0 failures: {env}")
+    assert reason(0, failures=[failure]) == ("environment failures stopped branches (0 dropped, 0 errors, 0 timeouts, "
+                                             f"1 failures: {env}")
+    assert reason(2) == "the engine ended every path early (stop: 2)"
+    assert reason(0) == "the engine ended every path early (no leaves)"
+    assert reason(4, env_dropped=2) is None  # the width was reached despite the failures: nothing is missing
+    assert reason(4) is None
+    assert reason(1, env_dropped=1, shortfall_reason="no active path left and fallback is disabled") == (
+        "no active path left and fallback is disabled")  # the first reason found stays
+
+
 def test_a_daemon_thread_hands_back_what_its_function_raised() -> None:
     """An agent step that raises reaches its caller as that exception, at once (not as a hang
     that only the step's time limit would end)."""
