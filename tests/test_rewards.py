@@ -62,6 +62,16 @@ def test_empty_batch():
     assert result.scores == [] and result.timeouts == 0
 
 
+def test_a_pool_without_function_terms_starts_no_worker_and_scores_zeros():
+    # Served terms only (a judge, a classifier, an http server): no worker process; their
+    # scores are added to these zeros, and no check took any time.
+    with RewardPool([], workers=2) as pool:
+        assert pool._workers == []
+        result = pool.score([(problem(i), "c") for i in range(3)])
+    assert (result.scores, result.term_scores, result.timed_out, result.crashed) == ([0.0] * 3, {}, [], [])
+    assert (result.check_seconds, result.seconds, result.timeouts) == ([0.0] * 3, 0.0, 0)
+
+
 def test_score_batch_gives_each_check_its_time_limit():
     # A 3 s check against score_batch's 0.5 s limit (not the pool's default 5 s): timed out, 0.
     result = score_batch(f"{FIX}:sleepy", [(problem(0, sleep=3), "c")], timeout_s=0.5, workers=1, search_dirs=[HERE])
@@ -177,9 +187,11 @@ def test_recorded_errors_are_kept_and_the_other_items_scored():
     # A run scores with record_errors: the failing item is kept in result.errors (scored 0 here,
     # its branch dropped by the run) and the rest of the batch is scored, not abandoned.
     items = [(problem(0), "bad answer"), (problem(1), "fine"), (problem(2), "bad again")]
+    progress = []
     with RewardPool(f"{FIX}:raises_on_bad", workers=1, timeout_s=10, search_dirs=[HERE]) as pool:
-        result = pool.score(items, record_errors=True)
+        result = pool.score(items, on_progress=lambda done, total: progress.append((done, total)), record_errors=True)
     assert result.scores == [0.0, 1.0, 0.0] and sorted(result.errors) == [0, 2]
+    assert progress[-1] == (3, 3) and progress == sorted(progress)  # an error is done too
     assert "raises_on_bad raised ValueError: 'cannot score this: bad answer'" in result.errors[0]
     assert result.check_seconds[0] == result.check_seconds[2] == 0.0 < result.check_seconds[1]  # no score, no time
 
