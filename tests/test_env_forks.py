@@ -251,10 +251,10 @@ def test_entropy_forks_at_the_first_tokens_of_sibling_answers_fork_from_their_pa
 
 
 @pytest.mark.parametrize("fallback", [True, False], ids=["fallback", "no_fallback"])
-def test_entropy_forking_whose_copies_all_fail_ends_the_tree_naming_why(fallback):
+def test_entropy_forking_whose_copies_all_fail_ends_the_tree_naming_why(fallback, monkeypatch):
     # No copy can be made: no path starts, so there is no token to fork at; the root restart (with
     # rollout.fallback) gets no instance either, and the tree ends there (no loop).
-    _Copies.how = "copy_raises"
+    monkeypatch.setattr(_Copies, "how", "copy_raises")
     tree, s, _ = sample_with(_Copies, fork_at="entropy", entropy_init=2, entropy_forks=1, fallback=fallback)
     assert tree.leaves() == [] and s.requests == 0 and s.root_restarts == int(fallback)
     assert len(s.failures) == s.unstarted == (4 if fallback else 2)
