@@ -133,6 +133,7 @@ class Learner:
         self.world_size = int(os.environ.get("WORLD_SIZE", "1"))
         self.rank = int(os.environ.get("RANK", "0"))
         self.attention = learner_cfg.attention
+        self.backend = learner_cfg.backend
         ds_config = deepspeed_config(learner_cfg, optim_cfg, self.dtype)
         # ZeRO-3 builds the models partitioned (arbor.train.zero3): no rank holds a whole copy.
         sharded = learner_cfg.backend == "deepspeed" and learner_cfg.zero_stage == 3
@@ -421,12 +422,26 @@ class Learner:
         all-gather when the interpreter tears down; those tensors need the GIL that teardown no
         longer hands out, and the process aborts ("terminate called without an active
         exception", exit -6) after its work is done. The learner is unusable afterwards.
+
+        The ranks meet at a barrier first, so none tears its groups down while another still
+        talks to it (rank 0 also hosts the rendezvous store). DeepSpeed keeps its own clone of
+        the world group (ZeRO-3 gathers on it), which torch's ``destroy_process_group`` shuts
+        down but leaves DeepSpeed holding; DeepSpeed's own ``destroy_process_group`` releases it.
+        (ZeRO-3's partitioned parameters still refer to the groups, so their gloo threads
+        live on until the process exits: measured with DeepSpeed 0.19.8 and torch 2.13.)
         """
         for name in ("engine", "_ref_engine", "ref_model", "model", "optimizer", "scheduler"):
             self.__dict__.pop(name, None)
         gc.collect()
         if torch.distributed.is_available() and torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
+            torch.distributed.barrier()
+            if self.backend == "deepspeed":
+                import deepspeed.comm
+
+                deepspeed.comm.destroy_process_group()
+            else:
+                torch.distributed.destroy_process_group()
+            gc.collect()
 
     def export_hf(self, directory: str | Path, tokenizer: Any = None) -> None:
         """An HF directory (safetensors + config + tokenizer) of the current weights; with
