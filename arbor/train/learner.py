@@ -418,10 +418,10 @@ class Learner:
         """End this rank: release the models and engines, then the distributed group if any.
 
         A rank process (``arbor sft`` on several ranks, a script) should call it before it
-        exits. Without it, torch's gloo worker threads can still be releasing a finished ZeRO-3
-        all-gather when the interpreter tears down; those tensors need the GIL that teardown no
-        longer hands out, and the process aborts ("terminate called without an active
-        exception", exit -6) after its work is done. The learner is unusable afterwards.
+        exits. Without it, a finished ZeRO-3 rank aborted at exit about one run in six
+        ("terminate called without an active exception", exit -6), likely gloo work still
+        ending while the interpreter tore down; with it, rarely (cause unproven). The learner
+        is unusable afterwards.
 
         The ranks meet at a barrier first, so none tears its groups down while another still
         talks to it (rank 0 also hosts the rendezvous store). DeepSpeed keeps its own clone of
