@@ -133,7 +133,6 @@ class Learner:
         self.world_size = int(os.environ.get("WORLD_SIZE", "1"))
         self.rank = int(os.environ.get("RANK", "0"))
         self.attention = learner_cfg.attention
-        self.backend = learner_cfg.backend
         ds_config = deepspeed_config(learner_cfg, optim_cfg, self.dtype)
         # ZeRO-3 builds the models partitioned (arbor.train.zero3): no rank holds a whole copy.
         sharded = learner_cfg.backend == "deepspeed" and learner_cfg.zero_stage == 3
@@ -435,7 +434,7 @@ class Learner:
         gc.collect()
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             torch.distributed.barrier()
-            if self.backend == "deepspeed":
+            if self.cfg.backend == "deepspeed":
                 import deepspeed.comm
 
                 deepspeed.comm.destroy_process_group()
